@@ -1,0 +1,10 @@
+"""Flax NNX decoder-only models and Hugging Face checkpoint loading."""
+
+from jaxlp.models.config import ModelConfig, RopeConfig, UnsupportedConfigError, from_hf_config
+from jaxlp.models.loading import CheckpointFormatError, from_pretrained, read_config, shard_model
+from jaxlp.models.transformer import Transformer
+
+__all__ = [
+    "CheckpointFormatError", "ModelConfig", "RopeConfig", "Transformer", "UnsupportedConfigError",
+    "from_hf_config", "from_pretrained", "read_config", "shard_model",
+]

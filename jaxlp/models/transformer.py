@@ -1,0 +1,138 @@
+"""Decoder-only transformer in Flax NNX covering Llama, Mistral, Qwen2, Qwen3 and Gemma 3 text.
+
+Module and parameter names follow the Hugging Face checkpoints (``layers.3.self_attn.q_proj
+.weight``), so loading is a name-for-name copy (see :mod:`jaxlp.models.loading`).
+
+    model(input_ids)                              # logits [B, S, V] (float32), no cache
+    hidden, cache = model.forward(ids, positions, cache)
+    logits = model.logits(hidden)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlp.kvcache.base import KVCache
+from jaxlp.models.attention import causal_attention
+from jaxlp.models.config import ModelConfig
+from jaxlp.models.layers import Embedding, Linear, RMSNorm, apply_rope, rope_cos_sin
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.config, self.layer = c, layer
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias, dtype=dtype, rngs=rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, offset=c.norm_offset, dtype=dtype)
+            self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, offset=c.norm_offset, dtype=dtype)
+
+    def __call__(self, x, positions, cache_layer):
+        c = self.config
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, c.num_heads, c.head_dim)
+        k = self.k_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos_sin(positions, c.rope_for(c.layer_types[self.layer]), c.head_dim, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kwargs = dict(scale=c.query_scale, window=c.window_for(self.layer), softcap=c.attn_logit_softcap)
+        if cache_layer is None:
+            out = causal_attention(q, k, v, positions, positions, **kwargs)
+        else:
+            cache_layer = cache_layer.update(k, v, positions)
+            out = cache_layer.attend(q, positions, **kwargs)
+        return self.o_proj(out.reshape(b, s, c.num_heads * c.head_dim)), cache_layer
+
+
+class MLP(nnx.Module):
+    """``down(act(gate(x)) * up(x))`` (SwiGLU, or GeGLU for Gemma)."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.act = c.hidden_act
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(_ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        c = config
+        norm = lambda: RMSNorm(c.hidden_size, eps=c.rms_norm_eps, offset=c.norm_offset, dtype=dtype)  # noqa: E731
+        self.sandwich = c.sandwich_norm
+        self.self_attn = Attention(c, layer, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(c, dtype=dtype, rngs=rngs)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        if c.sandwich_norm:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    def __call__(self, x, positions, cache_layer):
+        if self.sandwich:  # Gemma: norm -> attn -> norm -> +res; norm -> mlp -> norm -> +res
+            h, cache_layer = self.self_attn(self.input_layernorm(x), positions, cache_layer)
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache_layer
+        h, cache_layer = self.self_attn(self.input_layernorm(x), positions, cache_layer)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache_layer
+
+
+class Transformer(nnx.Module):
+    """A decoder-only language model. ``dtype`` is the parameter and activation dtype."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        c = config
+        self.config, self.dtype = c, dtype
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(c, i, dtype=dtype, rngs=rngs) for i in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, offset=c.norm_offset, dtype=dtype)
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
+
+    def forward(self, input_ids: jax.Array, positions: jax.Array | None = None, cache: KVCache | None = None):
+        """Hidden states ``[B, S, hidden]`` after the final norm, and the updated cache.
+
+        ``positions [B, S]`` default to ``0..S-1``; with a cache, new keys and values are
+        written at those positions.
+        """
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        b, s = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        x = self.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:
+            x = x * jnp.asarray(self.config.embed_scale, x.dtype)
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(x, positions, None if cache is None else cache.layers[i])
+            new_layers.append(layer_cache)
+        return self.norm(x), (None if cache is None else KVCache(tuple(new_layers)))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Output logits in float32 (with final soft-capping where the config has it)."""
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden).astype(jnp.float32)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = jnp.tanh(logits / cap) * cap
+        return logits.astype(jnp.float32)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        """Logits ``[B, S, V]`` (float32) of a batch of token sequences, no cache."""
+        hidden, _ = self.forward(input_ids)
+        return self.logits(hidden)
