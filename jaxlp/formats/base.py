@@ -120,11 +120,16 @@ def to_blocks(x: jax.Array, block_size: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
 
 
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.all(jnp.isfinite(x))
+
+
 def check_finite(x: jax.Array, fmt: str) -> None:
     """Raise if ``x`` holds NaN or Inf (only when ``x`` is concrete; traced values pass)."""
     if isinstance(x, jax.core.Tracer):
         return
-    if not bool(jnp.all(jnp.isfinite(x))):
+    if not bool(_all_finite(x)):
         raise ValueError(f"{fmt}: input holds NaN or Inf, which the format cannot represent")
 
 
@@ -137,3 +142,36 @@ def check_field(fmt: str, name: str, leaf: Any, shape: tuple[int, ...], dtype) -
             f"{fmt}: field {name!r} should be {jnp.dtype(dtype).name}{list(shape)}, "
             f"got {getattr(got_dtype, 'name', got_dtype)}{list(got_shape)}"
         )
+
+
+def exact_divide(x: jax.Array, divisor) -> jax.Array:
+    """``x / divisor`` (broadcast) as correctly rounded IEEE divisions, also under ``jit``.
+
+    XLA rewrites a division by a constant or by a broadcast value into a multiplication by
+    the rounded reciprocal, which can be off by one ulp and flip a later rounding (an FP8 cast
+    or an integer rounding at a tie), so results would depend on how the divisor was built.
+    Broadcasting the divisor to the full shape behind an optimization barrier keeps the true
+    division.
+    """
+    x = jnp.asarray(x)
+    divisor = jnp.asarray(divisor, x.dtype)
+    shape = jnp.broadcast_shapes(x.shape, divisor.shape)
+    return jnp.broadcast_to(x, shape) / jax.lax.optimization_barrier(jnp.broadcast_to(divisor, shape))
+
+
+def exact_divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a / b`` correctly rounded (IEEE), elementwise with broadcasting.
+
+    XLA's algebraic simplifier rewrites a division by a constant or by a broadcast value into a
+    multiplication by the reciprocal, which rounds differently (for ``x / 2688`` about a quarter
+    of FP32 results change). Reference quantizers (ModelOpt, torchao, ml_dtypes, NumPy) divide,
+    so scales and rounding decisions would not match bit for bit. Here the divisor is broadcast
+    to the result's shape and passed through an optimization barrier, so the rewrite cannot
+    apply (the broadcast divisor is materialized).
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    dtype = jnp.result_type(a, b)
+    a = jnp.broadcast_to(a.astype(dtype), shape)
+    b = jax.lax.optimization_barrier(jnp.broadcast_to(b.astype(dtype), shape))
+    return a / b

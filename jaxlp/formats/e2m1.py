@@ -17,6 +17,8 @@ block scale.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,13 +46,20 @@ def _sign_bits(x: jax.Array) -> jax.Array:
     return (sign.astype(jnp.uint8) & nonzero.astype(jnp.uint8)).astype(jnp.uint8)
 
 
-def encode(x: jax.Array) -> jax.Array:
+@jax.jit
+def encode(x: jax.Array, sign_of: jax.Array | None = None) -> jax.Array:
     """Round ``x`` to E2M1 codes (uint8 0..15): clip to +-6, nearest, ties to even.
 
-    NaN encodes as 0 (callers reject NaN before encoding).
+    sign_of: take the sign bit from ``sign_of < 0`` instead of ``x < 0`` (same shape). Pass the
+    unscaled input when ``x = input / positive_scale``: XLA flushes FP32 subnormals to zero, so a
+    tiny scaled value may lose its sign. NaN encodes as 0 (callers reject NaN before encoding).
     """
     x = jnp.asarray(x)
     _check_float(x, "e2m1.encode")
+    sign_src = x if sign_of is None else jnp.asarray(sign_of)
+    _check_float(sign_src, "e2m1.encode sign_of")
+    if sign_src.shape != x.shape:
+        raise ValueError(f"e2m1.encode: sign_of has shape {sign_src.shape}, expected {x.shape}")
     if jnp.finfo(x.dtype).bits < 16:
         x = x.astype(jnp.float32)
     a = jnp.abs(x)
@@ -59,9 +68,10 @@ def encode(x: jax.Array) -> jax.Array:
         # Between code j and j + 1 a tie goes to the even one: up iff j is odd.
         up = (a >= t) if j % 2 else (a > t)
         code = code + up.astype(jnp.uint8)
-    return code | (_sign_bits(x) << 3)
+    return code | (_sign_bits(sign_src) << 3)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
     """E2M1 codes (any integer dtype, low 4 bits used) to values of ``dtype`` (exact)."""
     codes = jnp.asarray(codes)
@@ -71,6 +81,7 @@ def decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
     return jnp.take(table, (codes & 0xF).astype(jnp.int32), mode="clip")
 
 
+@jax.jit
 def pack(codes: jax.Array) -> jax.Array:
     """``uint8 codes [..., K] -> uint8 [..., K/2]``, the even index in the low nibble."""
     codes = jnp.asarray(codes)
@@ -80,6 +91,7 @@ def pack(codes: jax.Array) -> jax.Array:
     return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
 
 
+@jax.jit
 def unpack(packed: jax.Array) -> jax.Array:
     """``uint8 [..., K/2] -> uint8 codes [..., K]`` (inverse of :func:`pack`)."""
     packed = jnp.asarray(packed)
@@ -89,12 +101,14 @@ def unpack(packed: jax.Array) -> jax.Array:
     return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
+@jax.jit
 def fp16_bits(codes: jax.Array) -> jax.Array:
     """The uint16 pattern ``((n & 8) << 12) | ((n & 7) << 9)``: as FP16 it is ``e2m1(n) * 2**-14``."""
     n = jnp.asarray(codes).astype(jnp.uint16)
     return ((n & 8) << 12) | ((n & 7) << 9)
 
 
+@jax.jit
 def decode_fp16_scaled(codes: jax.Array) -> jax.Array:
     """Decode by bit manipulation (the Hopper path): FP16 values ``e2m1(n) * 2**-14``."""
     return jax.lax.bitcast_convert_type(fp16_bits(codes), jnp.float16)

@@ -10,19 +10,29 @@ For ``x`` of shape ``[..., K]``, in FP32:
 
 Dynamic scale ``scale = amax / 448`` (an all-zero tensor/row gets 1.0; the scale is floored at
 ``2**-126`` so that it stays a normal FP32 number), or a static ``scale=`` (a positive scalar,
-or for channel/token an array broadcastable to ``x.shape[:-1]``).
+or for channel/token an array broadcastable to ``x.shape[:-1]``). The division ``x / scale`` is
+an IEEE division (:func:`~jaxlp.formats.base.exact_divide`), as in PyTorch.
 Values ``e4m3(clip(x / scale, -448, 448))`` (round-to-nearest-even cast); activations above
 a static scale saturate at +-448. Dequantization: ``f32(data) * scale``, then cast.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from jaxlp.formats.base import QuantizedArray, check_field, check_finite, register_array, register_format, static_field
+from jaxlp.formats.base import (
+    QuantizedArray,
+    check_field,
+    check_finite,
+    exact_divide,
+    register_array,
+    register_format,
+    static_field,
+)
 
 FORMAT = "fp8_e4m3"
 E4M3_MAX = 448.0
@@ -55,8 +65,26 @@ class FP8Array(QuantizedArray):
         check_field(FORMAT, "scale", self.scale, scale_shape(self.shape, self.granularity), jnp.float32)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        scale = self.scale if self.granularity == "tensor" else self.scale[..., None]
-        return (self.data.astype(jnp.float32) * scale).astype(dtype)
+        return _dequantize(self.data, self.scale, dtype=jnp.dtype(dtype), per_row=self.granularity != "tensor")
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "per_row"))
+def _dequantize(data: jax.Array, scale: jax.Array, *, dtype, per_row: bool) -> jax.Array:
+    return (data.astype(jnp.float32) * (scale[..., None] if per_row else scale)).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("granularity",))
+def _quantize_arrays(x: jax.Array, scale: jax.Array | None, *, granularity: str):
+    """(E4M3 data, FP32 scale); one compiled program per shape."""
+    xf = x.astype(jnp.float32)
+    if scale is None:
+        axis = None if granularity == "tensor" else -1
+        amax = jnp.max(jnp.abs(xf), axis=axis)
+        dyn = jnp.maximum(exact_divide(amax, jnp.float32(E4M3_MAX)), jnp.float32(SCALE_MIN))
+        scale = jnp.where(amax == 0, jnp.float32(1.0), dyn)
+    s_b = scale if granularity == "tensor" else scale[..., None]
+    data = jnp.clip(exact_divide(xf, s_b), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return data, scale
 
 
 def quantize(x: jax.Array, *, granularity: str = "tensor", scale=None) -> FP8Array:
@@ -70,7 +98,6 @@ def quantize(x: jax.Array, *, granularity: str = "tensor", scale=None) -> FP8Arr
         raise ValueError(f"{FORMAT}: granularity {granularity!r} reduces over the last axis; got a scalar")
     check_finite(x, FORMAT)
 
-    xf = x.astype(jnp.float32)
     target = scale_shape(x.shape, granularity)
     if scale is not None:
         s = jnp.asarray(scale, jnp.float32)
@@ -82,12 +109,7 @@ def quantize(x: jax.Array, *, granularity: str = "tensor", scale=None) -> FP8Arr
             raise ValueError(f"{FORMAT}: static scale of shape {s.shape} does not broadcast to {target}") from e
         if not isinstance(s, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
             raise ValueError(f"{FORMAT}: static scale must be positive and finite")
-    else:
-        axis = None if granularity == "tensor" else -1
-        amax = jnp.max(jnp.abs(xf), axis=axis)
-        s = jnp.where(amax == 0, jnp.float32(1.0), jnp.maximum(amax / jnp.float32(E4M3_MAX), jnp.float32(SCALE_MIN)))
-    s_b = s if granularity == "tensor" else s[..., None]
-    data = jnp.clip(xf / s_b, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    data, s = _quantize_arrays(x, s if scale is not None else None, granularity=granularity)
     return FP8Array(data=data, scale=s, shape=tuple(int(d) for d in x.shape), granularity=granularity)
 
 

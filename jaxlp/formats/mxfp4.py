@@ -17,6 +17,7 @@ Storage: 4 bits per element + 8 bits per block = 4.25 bits at block size 32.
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import jax
@@ -71,14 +72,35 @@ class MXFP4Array(QuantizedArray):
         return biased.astype(jnp.int32) - SCALE_BIAS
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        values = to_blocks(e2m1.decode(e2m1.unpack(self.data), jnp.float32), self.block_size)
-        x = values * self.scale.astype(jnp.float32)[..., None]
-        return x.reshape(self.shape).astype(dtype)
+        return _dequantize(self.data, self.scale, dtype=jnp.dtype(dtype), block_size=self.block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block_size"))
+def _dequantize(data: jax.Array, scale: jax.Array, *, dtype, block_size: int) -> jax.Array:
+    values = to_blocks(e2m1.decode(e2m1.unpack(data), jnp.float32), block_size)
+    x = values * scale.astype(jnp.float32)[..., None]
+    return x.reshape(*data.shape[:-1], 2 * data.shape[-1]).astype(dtype)
 
 
 def _pow2(e: jax.Array) -> jax.Array:
     """``2.0**e`` in FP32 for integer ``e`` in the normal range [-126, 127], built from bits."""
     return jax.lax.bitcast_convert_type(((e + 127).astype(jnp.uint32)) << 23, jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def _quantize_arrays(x: jax.Array, *, block_size: int):
+    """(packed codes, E8M0 scales); one compiled program per shape."""
+    blocks = to_blocks(x.astype(jnp.float32), block_size)
+    block_amax = jnp.max(jnp.abs(blocks), axis=-1)
+    bits = jax.lax.bitcast_convert_type(block_amax, jnp.uint32)
+    floor_log2 = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127  # zero and subnormals: -127
+    shared_exp = jnp.clip(floor_log2 - E2M1_EMAX, SCALE_EMIN, SCALE_EMAX)
+
+    # x / 2**e == x * 2**-e exactly; -e lies in [-125, 127] for FP32 inputs, a normal power of two.
+    scaled = blocks * _pow2(-shared_exp)[..., None]
+    codes = e2m1.encode(jnp.clip(scaled, -E2M1_MAX, E2M1_MAX), sign_of=blocks).reshape(x.shape)
+    scale = jax.lax.bitcast_convert_type((shared_exp + SCALE_BIAS).astype(jnp.uint8), jnp.float8_e8m0fnu)
+    return e2m1.pack(codes), scale
 
 
 def quantize(x: jax.Array, *, block_size: int = 32) -> MXFP4Array:
@@ -91,18 +113,9 @@ def quantize(x: jax.Array, *, block_size: int = 32) -> MXFP4Array:
     check_blocks(x.shape, block_size, FORMAT)
     check_finite(x, FORMAT)
 
-    blocks = to_blocks(x.astype(jnp.float32), block_size)
-    block_amax = jnp.max(jnp.abs(blocks), axis=-1)
-    bits = jax.lax.bitcast_convert_type(block_amax, jnp.uint32)
-    floor_log2 = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127  # zero and subnormals: -127
-    shared_exp = jnp.clip(floor_log2 - E2M1_EMAX, SCALE_EMIN, SCALE_EMAX)
-
-    # x / 2**e == x * 2**-e exactly; -e lies in [-125, 127] for FP32 inputs, a normal power of two.
-    scaled = blocks * _pow2(-shared_exp)[..., None]
-    codes = e2m1.encode(jnp.clip(scaled, -E2M1_MAX, E2M1_MAX)).reshape(x.shape)
-    scale = jax.lax.bitcast_convert_type((shared_exp + SCALE_BIAS).astype(jnp.uint8), jnp.float8_e8m0fnu)
+    data, scale = _quantize_arrays(x, block_size=block_size)
     return MXFP4Array(
-        data=e2m1.pack(codes),
+        data=data,
         scale=scale,
         shape=tuple(int(d) for d in x.shape),
         block_size=block_size,

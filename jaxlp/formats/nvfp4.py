@@ -14,12 +14,15 @@ For ``x`` of shape ``[..., K]`` (K a multiple of 16), all arithmetic in FP32 as 
 - element ``q = rne_e2m1(clip(x / (e4m3(s) * g), -6, 6))`` (the denominator is rounded to FP32
   first). With a static scale, values above the calibrated amax saturate (s = 448, q = +-6).
 
+Divisions are IEEE divisions (:func:`~jaxlp.formats.base.exact_divide`), not XLA's default
+multiplication by a reciprocal, so results match ModelOpt bit for bit.
 Dequantization: ``(e2m1(q) * e4m3(s)) * g`` in FP32 (the first product is exact), then cast.
 Storage: 4 bits per element + 8 bits per 16 + 32 bits per tensor = 4.5 bits + 32/size.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import jax
@@ -31,6 +34,7 @@ from jaxlp.formats.base import (
     check_blocks,
     check_field,
     check_finite,
+    exact_divide,
     register_array,
     register_format,
     static_field,
@@ -72,9 +76,14 @@ class NVFP4Array(QuantizedArray):
             raise ValueError(f"{FORMAT}: unknown scale_clamp {self.scale_clamp!r}")
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        values = to_blocks(e2m1.decode(e2m1.unpack(self.data), jnp.float32), BLOCK_SIZE)
-        x = (values * self.block_scale.astype(jnp.float32)[..., None]) * self.tensor_scale
-        return x.reshape(self.shape).astype(dtype)
+        return _dequantize(self.data, self.block_scale, self.tensor_scale, dtype=jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _dequantize(data: jax.Array, block_scale: jax.Array, tensor_scale: jax.Array, *, dtype) -> jax.Array:
+    values = to_blocks(e2m1.decode(e2m1.unpack(data), jnp.float32), BLOCK_SIZE)
+    x = (values * block_scale.astype(jnp.float32)[..., None]) * tensor_scale
+    return x.reshape(*data.shape[:-1], 2 * data.shape[-1]).astype(dtype)
 
 
 def _static_scalar(value, name: str) -> jax.Array:
@@ -88,7 +97,33 @@ def _static_scalar(value, name: str) -> jax.Array:
 
 def tensor_scale_from_amax(amax) -> jax.Array:
     """The FP32 tensor scale ``g = amax / (6 * 448)`` of a calibrated amax."""
-    return jnp.asarray(amax, jnp.float32) / jnp.float32(E2M1_MAX * E4M3_MAX)
+    return exact_divide(jnp.asarray(amax, jnp.float32), jnp.float32(E2M1_MAX * E4M3_MAX))
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "scale_clamp"))
+def _quantize_arrays(x: jax.Array, static: jax.Array, *, mode: str, scale_clamp: str):
+    """(packed codes, E4M3 block scales, FP32 tensor scale); one compiled program per shape."""
+    xf = x.astype(jnp.float32)
+    if mode == "tensor_scale":
+        g = static
+    elif mode == "amax":
+        g = tensor_scale_from_amax(static)
+    else:
+        dyn_amax = jnp.max(jnp.abs(xf))
+        g = jnp.where(dyn_amax == 0, jnp.float32(1.0), tensor_scale_from_amax(dyn_amax))
+    g = jnp.maximum(g, jnp.float32(TENSOR_SCALE_MIN))
+
+    blocks = to_blocks(xf, BLOCK_SIZE)
+    block_amax = jnp.max(jnp.abs(blocks), axis=-1)
+    s = exact_divide(block_amax, jnp.float32(E2M1_MAX) * g)
+    s = jnp.where(s == 0, jnp.float32(1.0), s)
+    s = jnp.clip(s, jnp.float32(SCALE_MIN[scale_clamp]), jnp.float32(E4M3_MAX))
+    block_scale = s.astype(jnp.float8_e4m3fn)
+
+    denom = block_scale.astype(jnp.float32) * g
+    q = jnp.clip(exact_divide(blocks, denom[..., None]), -E2M1_MAX, E2M1_MAX)
+    codes = e2m1.encode(q, sign_of=blocks).reshape(x.shape)
+    return e2m1.pack(codes), block_scale, g.astype(jnp.float32)
 
 
 def quantize(
@@ -114,30 +149,17 @@ def quantize(
     if tensor_scale is not None and amax is not None:
         raise ValueError(f"{FORMAT}: give tensor_scale or amax, not both")
 
-    xf = x.astype(jnp.float32)
     if tensor_scale is not None:
-        g = _static_scalar(tensor_scale, "tensor_scale")
+        mode, static = "tensor_scale", _static_scalar(tensor_scale, "tensor_scale")
     elif amax is not None:
-        g = tensor_scale_from_amax(_static_scalar(amax, "amax"))
+        mode, static = "amax", _static_scalar(amax, "amax")
     else:
-        dyn_amax = jnp.max(jnp.abs(xf))
-        g = jnp.where(dyn_amax == 0, jnp.float32(1.0), tensor_scale_from_amax(dyn_amax))
-    g = jnp.maximum(g, jnp.float32(TENSOR_SCALE_MIN))
-
-    blocks = to_blocks(xf, BLOCK_SIZE)
-    block_amax = jnp.max(jnp.abs(blocks), axis=-1)
-    s = block_amax / (jnp.float32(E2M1_MAX) * g)
-    s = jnp.where(s == 0, jnp.float32(1.0), s)
-    s = jnp.clip(s, jnp.float32(SCALE_MIN[scale_clamp]), jnp.float32(E4M3_MAX))
-    block_scale = s.astype(jnp.float8_e4m3fn)
-
-    denom = block_scale.astype(jnp.float32) * g
-    q = jnp.clip(blocks / denom[..., None], -E2M1_MAX, E2M1_MAX)
-    codes = e2m1.encode(q).reshape(x.shape)
+        mode, static = "dynamic", jnp.float32(0.0)
+    data, block_scale, g = _quantize_arrays(x, static, mode=mode, scale_clamp=scale_clamp)
     return NVFP4Array(
-        data=e2m1.pack(codes),
+        data=data,
         block_scale=block_scale,
-        tensor_scale=g.astype(jnp.float32),
+        tensor_scale=g,
         shape=tuple(int(d) for d in x.shape),
         scale_clamp=scale_clamp,
     )

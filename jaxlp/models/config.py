@@ -218,6 +218,12 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     act = cfg.get("hidden_activation" if gemma else "hidden_act") or cfg.get("hidden_act", "silu")
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise UnsupportedConfigError(f"{model_type}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    if gemma and cfg.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma 3 stores this key but never applies it; real checkpoints set null.
+        raise UnsupportedConfigError(
+            f"{model_type}: attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported "
+            "(transformers' Gemma 3 ignores it; Gemma 3 checkpoints set it to null)"
+        )
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedConfigError(f"{model_type}: use_bidirectional_attention is not supported")
 

@@ -41,6 +41,19 @@ def read_config(path: str | Path) -> ModelConfig:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointFormatError(f"{cfg_file}: corrupt JSON ({e})") from None
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():  # its EOS ids (e.g. Gemma's end-of-turn) also stop generation
+        try:
+            gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise CheckpointFormatError(f"{gen_file}: corrupt JSON ({e})") from None
+        ids = [raw.get("eos_token_id"), gen_eos]
+        merged = []
+        for i in ids:
+            for x in i if isinstance(i, list) else ([] if i is None else [i]):
+                if x not in merged:
+                    merged.append(x)
+        raw = {**raw, "eos_token_id": merged}
     return from_hf_config(raw)
 
 

@@ -1,0 +1,368 @@
+"""Save and load pytrees of arrays and QuantizedArrays with Orbax, bit-exactly.
+
+A checkpoint is a directory::
+
+    <path>/arrays/               Orbax StandardCheckpointer data (every array leaf)
+    <path>/jaxlp_checkpoint.json the sidecar: version, tree structure, formats, static fields
+
+Orbax does not save the static (metadata) fields of dataclass pytrees, and restoring needs an
+abstract tree of the same structure. The sidecar records the tree (dicts with string keys,
+lists, tuples, None), for each QuantizedArray its format name and static fields, and for each
+array leaf its index, shape, dtype, whether it was a NumPy array, and a CRC-32 of its bytes.
+Orbax stores the leaves as a flat dict ``{"a<index>": array}`` (zero-size arrays, which Orbax
+cannot save, live in the sidecar only). ``load`` rebuilds the tree from the sidecar (checking
+each QuantizedArray's fields against its static fields), checks Orbax's metadata against it,
+restores, and verifies shapes, dtypes and checksums. Any inconsistency raises
+:class:`CheckpointError`.
+
+Static field values may be None, bool, int, float, str, NumPy/JAX dtypes, and tuples, lists
+and string-keyed dicts of those; containers are stored tagged (``{"tuple": [...]}``) so that
+tuples come back as tuples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+import zlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlp import formats as _formats  # noqa: F401  (registers every format)
+from jaxlp.formats.base import QuantizedArray, array_class
+
+VERSION = 1
+SIDECAR = "jaxlp_checkpoint.json"
+ARRAYS = "arrays"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or read back as it was written."""
+
+
+# ----------------------------------------------------------------------------- static values
+
+
+def _encode_static(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, tuple):
+        return {"tuple": [_encode_static(v, where) for v in value]}
+    if isinstance(value, list):
+        return {"list": [_encode_static(v, where) for v in value]}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise CheckpointError(f"{where}: dict keys of static fields must be strings")
+        return {"dict": {k: _encode_static(v, where) for k, v in value.items()}}
+    if isinstance(value, (np.dtype, type)) and _is_dtype(value):
+        return {"dtype": jnp.dtype(value).name}
+    raise CheckpointError(f"{where}: static value {value!r} of type {type(value).__name__} cannot be saved")
+
+
+def _is_dtype(value: Any) -> bool:
+    try:
+        jnp.dtype(value)
+        return True
+    except TypeError:
+        return False
+
+
+def _decode_static(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict) and len(value) == 1:
+        (tag, inner), = value.items()
+        if tag == "tuple":
+            return tuple(_decode_static(v) for v in _expect(inner, list, "tuple"))
+        if tag == "list":
+            return [_decode_static(v) for v in _expect(inner, list, "list")]
+        if tag == "dict":
+            return {k: _decode_static(v) for k, v in _expect(inner, dict, "dict").items()}
+        if tag == "dtype":
+            return jnp.dtype(_expect(inner, str, "dtype"))
+    raise CheckpointError(f"malformed static value in sidecar: {value!r}")
+
+
+def _expect(value: Any, kind: type, what: str) -> Any:
+    if not isinstance(value, kind):
+        raise CheckpointError(f"malformed sidecar: {what} should be a {kind.__name__}, got {value!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- tree <-> sidecar
+
+
+def _crc32(leaf: Any) -> int:
+    a = np.ascontiguousarray(np.asarray(jax.device_get(leaf)))
+    return zlib.crc32(a.reshape(-1).view(np.uint8)) if a.size else 0
+
+
+def _describe_array(leaf: Any, where: str, leaves: list) -> dict:
+    if not isinstance(leaf, (jax.Array, np.ndarray)):
+        raise CheckpointError(f"{where}: unsupported leaf of type {type(leaf).__name__} (expected a jax or NumPy array)")
+    leaves.append(leaf)
+    return {
+        "type": "array",
+        "index": len(leaves) - 1,
+        "shape": [int(d) for d in leaf.shape],
+        "dtype": jnp.dtype(leaf.dtype).name,
+        "numpy": isinstance(leaf, np.ndarray),
+        "crc32": _crc32(leaf),
+    }
+
+
+def _describe(node: Any, where: str, leaves: list) -> dict:
+    """Sidecar node of ``node``; appends its array leaves to ``leaves`` (``index`` = position)."""
+    if node is None:
+        return {"type": "none"}
+    if isinstance(node, QuantizedArray):
+        fmt = type(node).format
+        try:
+            cls = array_class(fmt)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        if cls is not type(node):
+            raise CheckpointError(f"{where}: {type(node).__name__} is not the registered class of format {fmt!r}")
+        fields, static = {}, {}
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            if f.metadata.get("static"):
+                static[f.name] = _encode_static(value, f"{where}.{f.name}")
+            else:
+                fields[f.name] = _describe_array(value, f"{where}.{f.name}", leaves)
+        return {"type": "quantized", "format": fmt, "static": static, "fields": fields}
+    if isinstance(node, dict):
+        if not all(isinstance(k, str) for k in node):
+            raise CheckpointError(f"{where}: dict keys must be strings, got {sorted(map(repr, node))}")
+        return {"type": "dict", "items": {k: _describe(v, f"{where}[{k!r}]", leaves) for k, v in node.items()}}
+    if type(node) in (list, tuple):
+        return {
+            "type": type(node).__name__,
+            "items": [_describe(v, f"{where}[{i}]", leaves) for i, v in enumerate(node)],
+        }
+    return _describe_array(node, where, leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeafSpec:
+    where: str
+    index: int
+    shape: tuple[int, ...]
+    dtype: Any
+    numpy: bool
+    crc32: int
+
+    @property
+    def key(self) -> str:
+        return f"a{self.index}"
+
+
+def _leaf_spec(desc: Any, where: str) -> _LeafSpec:
+    _expect(desc, dict, where)
+    if desc.get("type") != "array":
+        raise CheckpointError(f"malformed sidecar at {where}: expected an array entry, got {desc.get('type')!r}")
+    try:
+        return _LeafSpec(
+            where=where,
+            index=int(desc["index"]),
+            shape=tuple(int(d) for d in desc["shape"]),
+            dtype=jnp.dtype(desc["dtype"]),
+            numpy=bool(desc["numpy"]),
+            crc32=int(desc["crc32"]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"malformed sidecar at {where}: bad array entry ({type(e).__name__}: {e})") from None
+
+
+def _build(desc: Any, where: str, leaf_fn: Callable[[_LeafSpec], Any]) -> Any:
+    """The tree a sidecar node describes, with ``leaf_fn(spec)`` at each array leaf."""
+    _expect(desc, dict, where)
+    kind = desc.get("type")
+    if kind == "none":
+        return None
+    if kind == "array":
+        return leaf_fn(_leaf_spec(desc, where))
+    if kind == "dict":
+        items = _expect(desc.get("items"), dict, f"{where} items")
+        return {k: _build(v, f"{where}[{k!r}]", leaf_fn) for k, v in items.items()}
+    if kind in ("list", "tuple"):
+        items = _expect(desc.get("items"), list, f"{where} items")
+        seq = [_build(v, f"{where}[{i}]", leaf_fn) for i, v in enumerate(items)]
+        return seq if kind == "list" else tuple(seq)
+    if kind == "quantized":
+        fmt = _expect(desc.get("format"), str, f"{where} format")
+        try:
+            cls = array_class(fmt)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        fields = _expect(desc.get("fields"), dict, f"{where} fields")
+        static = _expect(desc.get("static"), dict, f"{where} static")
+        want_fields = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("static")]
+        want_static = [f.name for f in dataclasses.fields(cls) if f.metadata.get("static")]
+        if sorted(fields) != sorted(want_fields) or sorted(static) != sorted(want_static):
+            raise CheckpointError(
+                f"{where}: sidecar fields {sorted(fields)} / static {sorted(static)} do not match format "
+                f"{fmt!r} ({cls.__name__}: fields {sorted(want_fields)}, static {sorted(want_static)})"
+            )
+        kwargs = {name: leaf_fn(_leaf_spec(fields[name], f"{where}.{name}")) for name in want_fields}
+        kwargs.update({name: _decode_static(static[name]) for name in want_static})
+        try:
+            obj = cls(**kwargs)
+            obj.check()
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: sidecar describes an inconsistent {fmt!r} array: {e}") from None
+        return obj
+    raise CheckpointError(f"malformed sidecar at {where}: unknown node type {kind!r}")
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> None:
+    """Write ``tree`` (nested dicts/lists/tuples of arrays and QuantizedArrays) to directory ``path``.
+
+    Refuses an existing ``path`` unless ``overwrite=True`` (and then only if it is a jaxlp
+    checkpoint or an empty directory). The checkpoint is written to a temporary sibling
+    directory and renamed into place, so a failed save leaves no partial checkpoint.
+    """
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(path))
+    if os.path.lexists(path):
+        if not overwrite:
+            raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
+        is_ckpt = os.path.isdir(path) and (os.path.exists(os.path.join(path, SIDECAR)) or not os.listdir(path))
+        if not is_ckpt:
+            raise CheckpointError(f"refusing to overwrite {path}: it is not a jaxlp checkpoint or an empty directory")
+    leaves: list = []
+    sidecar = {"jaxlp_checkpoint_version": VERSION, "tree": _describe(tree, "tree", leaves), "num_arrays": len(leaves)}
+    # Orbax gets a flat dict of the non-empty arrays (it cannot save zero-size arrays); the
+    # sidecar holds the structure and the shapes of the empty ones.
+    flat = {f"a{i}": leaf for i, leaf in enumerate(leaves) if leaf.size}
+
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    try:
+        if flat:
+            with ocp.StandardCheckpointer() as ckptr:
+                ckptr.save(os.path.join(tmp, ARRAYS), flat)
+                ckptr.wait_until_finished()
+        with open(os.path.join(tmp, SIDECAR), "w") as f:
+            json.dump(sidecar, f, indent=1)
+        if os.path.lexists(path):
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load(path: str | os.PathLike, *, sharding: jax.sharding.Sharding | None = None, verify: bool = True) -> Any:
+    """Read a checkpoint written by :func:`save`: the same tree, classes, static fields and bits.
+
+    sharding: where to place every JAX array (default: the first device). NumPy leaves come
+    back as NumPy arrays. verify: check each array's CRC-32 against the sidecar.
+    Raises :class:`CheckpointError` for a missing, incomplete, corrupt or inconsistent checkpoint.
+    """
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    sidecar_path = os.path.join(path, SIDECAR)
+    if not os.path.isfile(sidecar_path):
+        raise CheckpointError(f"{path} has no sidecar {SIDECAR}: not a jaxlp checkpoint, or an incomplete one")
+    try:
+        with open(sidecar_path, encoding="utf-8") as f:
+            sidecar = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"corrupt sidecar {sidecar_path}: {e}") from None
+    if not isinstance(sidecar, dict) or not isinstance(sidecar.get("jaxlp_checkpoint_version"), int):
+        raise CheckpointError(f"corrupt sidecar {sidecar_path}: no jaxlp_checkpoint_version")
+    version = sidecar["jaxlp_checkpoint_version"]
+    if version != VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {version}, this jaxlp reads version {VERSION}")
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    # Pass 1: validate the sidecar and collect the leaves (abstract arrays stand in for data).
+    specs: list[_LeafSpec] = []
+
+    def collect(spec: _LeafSpec) -> jax.ShapeDtypeStruct:
+        specs.append(spec)
+        return jax.ShapeDtypeStruct(spec.shape, spec.dtype)
+
+    _build(sidecar.get("tree"), "tree", collect)
+    if sorted(s.index for s in specs) != list(range(len(specs))) or sidecar.get("num_arrays") != len(specs):
+        raise CheckpointError(f"corrupt sidecar {sidecar_path}: array indices do not number the leaves 0..n-1")
+
+    stored_specs = [s for s in specs if math.prod(s.shape)]
+    restored: dict[str, Any] = {}
+    if stored_specs:
+        restored = _restore_arrays(path, stored_specs, sharding, ocp)
+
+    def leaf(spec: _LeafSpec) -> Any:
+        if not math.prod(spec.shape):
+            value = np.zeros(spec.shape, spec.dtype)
+            return value if spec.numpy else jax.device_put(value, sharding)
+        value = restored[spec.key]
+        value = np.asarray(value) if spec.numpy else value
+        if not spec.numpy and not isinstance(value, jax.Array):
+            value = jax.device_put(value, sharding)
+        if tuple(value.shape) != spec.shape or jnp.dtype(value.dtype) != spec.dtype:
+            raise CheckpointError(
+                f"{path}: {spec.where} came back as {jnp.dtype(value.dtype).name}{list(value.shape)}, "
+                f"expected {spec.dtype.name}{list(spec.shape)}"
+            )
+        if verify and _crc32(value) != spec.crc32:
+            raise CheckpointError(f"{path}: checksum mismatch for {spec.where}: the array data is corrupt")
+        return value
+
+    # Pass 2: the real tree.
+    return _build(sidecar["tree"], "tree", leaf)
+
+
+def _restore_arrays(path: str, specs: list[_LeafSpec], sharding, ocp) -> dict[str, Any]:
+    arrays_path = os.path.join(path, ARRAYS)
+    if not os.path.isdir(arrays_path):
+        raise CheckpointError(f"{path}: array data directory {ARRAYS}/ is missing")
+    expected = {s.key: s for s in specs}
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            stored = ckptr.metadata(arrays_path).item_metadata.tree
+            stored = {k: (tuple(v.shape), jnp.dtype(v.dtype)) for k, v in dict(stored).items()}
+        except Exception as e:  # noqa: BLE001  (Orbax raises many types)
+            raise CheckpointError(f"{path}: cannot read the array metadata: {type(e).__name__}: {e}") from None
+        missing = sorted(set(expected) - set(stored))
+        if missing:
+            names = ", ".join(expected[k].where for k in missing[:5])
+            raise CheckpointError(f"{path}: {len(missing)} arrays ({names}) are not in the data")
+        extra = sorted(set(stored) - set(expected))
+        if extra:
+            raise CheckpointError(f"{path}: the data holds {len(extra)} arrays that the sidecar does not describe")
+        for k, s in expected.items():
+            if stored[k] != (s.shape, s.dtype):
+                shape, dtype = stored[k]
+                raise CheckpointError(
+                    f"{path}: sidecar and array data disagree: {s.where} is {s.dtype.name}{list(s.shape)} in the "
+                    f"sidecar but {dtype.name}{list(shape)} in the data"
+                )
+        abstract = {
+            k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=None if s.numpy else sharding) for k, s in expected.items()
+        }
+        try:
+            return ckptr.restore(arrays_path, abstract)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{path}: cannot read the array data: {type(e).__name__}: {e}") from None

@@ -1,0 +1,185 @@
+"""Jit-compiled generation: prefill, then a decode loop on device over a preallocated KV cache.
+
+One compiled program per shape bucket (batch size, prompt length rounded up to a power of
+two, ``max_new_tokens``, cache format, sampler structure): sampler hyper-parameters, seeds
+and stop tokens are traced values, so changing them does not recompile. The cache buffer is
+donated to the program. The loop (``lax.while_loop``) stops when every row has finished or
+``max_new_tokens`` tokens were produced; it never synchronises with the host.
+
+Rows of a batch may have different prompt lengths: prompts are right-padded and each row
+decodes at its own positions (see :mod:`jaxlp.models.attention` for why no padding mask is
+needed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlp import kvcache
+from jaxlp.sampling.base import Greedy, Sampler, token_entropy
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """Output of :func:`generate` (NumPy arrays on the host).
+
+    tokens: ``[B, max_new_tokens]`` generated ids; after a row's stop token, ``pad_id``.
+    num_tokens: ``[B]`` tokens generated per row (the stop token included).
+    finished: ``[B]`` whether the row stopped on a stop token.
+    entropy, temperature: ``[B, max_new_tokens]`` per step, only with ``return_stats``: the
+        Shannon entropy (nats) of the raw logits each token was drawn from, and the
+        temperature the sampler used (0 for argmax); NaN after a row finished.
+    """
+
+    tokens: np.ndarray
+    num_tokens: np.ndarray
+    finished: np.ndarray
+    entropy: np.ndarray | None = None
+    temperature: np.ndarray | None = None
+
+    def sequences(self) -> list[list[int]]:
+        """Each row's generated tokens, without padding."""
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.num_tokens)]
+
+
+def prompt_bucket(length: int, minimum: int = 16) -> int:
+    """Padded prompt length: the next power of two, at least ``minimum``."""
+    return max(minimum, 1 << max(0, int(length) - 1).bit_length())
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token lists to a bucket length: ``(tokens [B, S_bucket], lengths [B])``."""
+    if len(prompts) == 0:
+        raise ValueError("generate needs at least one prompt")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.min() == 0:
+        raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: every prompt needs at least one token")
+    tokens = np.full((len(prompts), prompt_bucket(lengths.max())), pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = np.asarray(p, np.int32)
+    return tokens, lengths
+
+
+def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, stop_ids, max_new_tokens, return_stats, pad_id):
+    model = nnx.merge(graphdef, params)
+    batch, seq = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    hidden, cache = model.forward(tokens, positions, cache)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    logits = model.logits(last)
+
+    nan = jnp.full((batch, max_new_tokens), jnp.nan, jnp.float32)
+    carry = dict(
+        step=jnp.int32(0),
+        logits=logits,
+        cache=cache,
+        finished=jnp.zeros((batch,), bool),
+        num_tokens=jnp.zeros((batch,), jnp.int32),
+        out=jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
+        entropy=nan if return_stats else None,
+        temperature=nan if return_stats else None,
+        sampler_state=sampler.init(batch),
+    )
+
+    def cond(c):
+        return (c["step"] < max_new_tokens) & ~jnp.all(c["finished"])
+
+    def body(c):
+        step, active = c["step"], ~c["finished"]
+        sample = sampler.sample(c["sampler_state"], c["logits"], jax.random.fold_in(key, step))
+        token = jnp.where(active, sample.tokens, pad_id)
+        new = dict(c)
+        new["out"] = c["out"].at[:, step].set(token)
+        new["num_tokens"] = c["num_tokens"] + active
+        new["finished"] = c["finished"] | (active & jnp.isin(sample.tokens, stop_ids))
+        new["sampler_state"] = sample.state
+        if return_stats:
+            new["entropy"] = c["entropy"].at[:, step].set(jnp.where(active, token_entropy(c["logits"]), jnp.nan))
+            new["temperature"] = c["temperature"].at[:, step].set(jnp.where(active, sample.temperature, jnp.nan))
+        # Feed the token back in at the row's next position (lengths + step).
+        # (finished rows keep computing on their sampled token; their output is padding).
+        hidden, new["cache"] = model.forward(sample.tokens[:, None], (lengths + step)[:, None], c["cache"])
+        new["logits"] = model.logits(hidden[:, 0])
+        new["step"] = step + 1
+        return new
+
+    carry = jax.lax.while_loop(cond, body, carry)
+    stats = (carry["entropy"], carry["temperature"])
+    return carry["out"], carry["num_tokens"], carry["finished"], stats, carry["cache"]
+
+
+# Caches returned by the last call of each shape, donated to the next call of that shape so
+# that the buffer is allocated once (stale contents are never visible: see module doc).
+_cache_pool: dict[tuple, kvcache.KVCache] = {}
+
+
+def clear_cache_pool() -> None:
+    """Free the KV-cache buffers that :func:`generate` keeps for reuse."""
+    _cache_pool.clear()
+
+
+_generate_jit = jax.jit(
+    _generate_program,
+    static_argnames=("graphdef", "max_new_tokens", "return_stats", "pad_id"),
+    donate_argnames=("cache",),
+)
+
+
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampler: Sampler | None = None,
+    kv_cache: str | kvcache.CacheFormat = "bf16",
+    stop_tokens: Sequence[int] | None = None,
+    seed: int = 0,
+    return_stats: bool = False,
+    pad_id: int = 0,
+    max_length: int | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens for each prompt (lists of token ids).
+
+    ``sampler`` defaults to greedy; ``stop_tokens`` default to the model's EOS ids; the same
+    ``seed`` gives the same tokens. ``max_length`` (default the model's
+    ``max_position_embeddings``) bounds prompt plus new tokens.
+    """
+    config = model.config
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, p in enumerate(prompts):
+        ids = np.asarray(p)
+        if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
+            raise ValueError(f"prompt {i} holds a token id outside the vocabulary (size {config.vocab_size})")
+    tokens, lengths = pad_prompts(prompts)
+    limit = config.max_position_embeddings if max_length is None else max_length
+    longest = int(lengths.max())
+    if longest + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the context length {limit}"
+        )
+    stop = config.eos_token_ids if stop_tokens is None else tuple(stop_tokens)
+    stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
+    cache_format = kvcache.get(kv_cache)
+    pool_key = (cache_format, config, tokens.shape[0], tokens.shape[1] + max_new_tokens)
+    cache = _cache_pool.pop(pool_key, None)
+    if cache is None:
+        cache = cache_format.init(config, tokens.shape[0], tokens.shape[1] + max_new_tokens)
+    graphdef, params = nnx.split(model)
+    out, num_tokens, finished, (entropy, temperature), _cache_pool[pool_key] = _generate_jit(
+        graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths), cache, jax.random.key(seed),
+        sampler or Greedy(), stop_ids, max_new_tokens=max_new_tokens, return_stats=return_stats, pad_id=pad_id,
+    )
+    return GenerationResult(
+        tokens=np.asarray(out),
+        num_tokens=np.asarray(num_tokens),
+        finished=np.asarray(finished),
+        entropy=None if entropy is None else np.asarray(entropy),
+        temperature=None if temperature is None else np.asarray(temperature),
+    )

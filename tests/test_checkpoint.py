@@ -1,0 +1,233 @@
+"""Orbax checkpoints with a JSON sidecar: bit-exact round trips and clear errors."""
+
+import json
+import os
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlp import checkpoint
+from jaxlp.checkpoint import CheckpointError
+from jaxlp.formats import FP8Array, QuantizedArray, MXFP4Array, NVFP4Array, fp8, mxfp4, nvfp4
+
+
+def bits(a):
+    a = np.asarray(a)
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def make_tree(seed):
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+    return {
+        "layers": [
+            {"w": nvfp4.quantize(w, scale_clamp="torchao"), "b": jnp.asarray(rng.standard_normal(8), jnp.bfloat16)},
+            {"w": mxfp4.quantize(w, block_size=16), "norm": jnp.asarray(rng.standard_normal(64), jnp.float32)},
+        ],
+        "kv": (fp8.quantize(w, granularity="token"), fp8.quantize(w, scale=0.01), None),
+        "embed": jnp.asarray(rng.integers(-100, 100, (4, 3)), jnp.int32),
+        "int4": jnp.asarray(rng.integers(-8, 8, 10), jnp.int4),
+        "host": rng.integers(0, 1000, 5).astype(np.int64),
+        "empty_dict": {},
+        "zd": jnp.zeros((0, 3), jnp.float32),
+    }
+
+
+def assert_same_tree(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a, is_leaf=lambda n: n is None), jax.tree.leaves(b, is_leaf=lambda n: n is None)):
+        assert type(x) is type(y) or (isinstance(x, jax.Array) and isinstance(y, jax.Array))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(bits(x), bits(y))
+    def quantized(t):
+        return [n for n in jax.tree.leaves(t, is_leaf=lambda n: isinstance(n, QuantizedArray)) if isinstance(n, QuantizedArray)]
+
+    qa, qb = quantized(a), quantized(b)
+    assert len(qa) == len(qb)
+    for x, y in zip(qa, qb):
+        assert type(x) is type(y) and x.static_fields() == y.static_fields()
+
+
+def test_round_trip_bit_exact(tmp_path):
+    tree = make_tree(501)
+    path = tmp_path / "ckpt"
+    checkpoint.save(path, tree)
+    out = checkpoint.load(path)
+    assert_same_tree(out, tree)
+    assert isinstance(out["layers"][0]["w"], NVFP4Array) and out["layers"][0]["w"].scale_clamp == "torchao"
+    assert isinstance(out["layers"][1]["w"], MXFP4Array) and out["layers"][1]["w"].block_size == 16
+    assert isinstance(out["kv"], tuple) and isinstance(out["kv"][0], FP8Array) and out["kv"][2] is None
+    assert out["kv"][0].granularity == "token"
+    assert isinstance(out["layers"][0]["w"].shape, tuple)  # tuples in static fields come back as tuples
+    assert isinstance(out["host"], np.ndarray) and out["host"].dtype == np.int64
+    assert isinstance(out["embed"], jax.Array)
+    np.testing.assert_array_equal(np.asarray(out["layers"][0]["w"].dequantize()), np.asarray(tree["layers"][0]["w"].dequantize()))
+    sidecar = json.loads((path / checkpoint.SIDECAR).read_text())
+    assert sidecar["jaxlp_checkpoint_version"] == checkpoint.VERSION
+
+
+def test_single_quantized_array_and_empty_tree(tmp_path):
+    q = nvfp4.quantize(jnp.asarray(np.random.default_rng(502).standard_normal((2, 3, 32)), jnp.bfloat16))
+    checkpoint.save(tmp_path / "one", q)
+    assert_same_tree(checkpoint.load(tmp_path / "one"), q)
+    checkpoint.save(tmp_path / "empty", {"a": [], "b": None})
+    assert checkpoint.load(tmp_path / "empty") == {"a": [], "b": None}
+
+
+def test_overwrite(tmp_path):
+    path = tmp_path / "ckpt"
+    checkpoint.save(path, {"x": jnp.ones(3)})
+    with pytest.raises(CheckpointError, match="already exists"):
+        checkpoint.save(path, {"x": jnp.zeros(3)})
+    checkpoint.save(path, {"y": jnp.zeros(4)}, overwrite=True)
+    out = checkpoint.load(path)
+    assert list(out) == ["y"] and np.all(np.asarray(out["y"]) == 0)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("precious")
+    with pytest.raises(CheckpointError, match="not a jaxlp checkpoint"):
+        checkpoint.save(other, {"x": jnp.ones(3)}, overwrite=True)
+    assert (other / "keep.txt").read_text() == "precious"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "notes"]  # no temporary directories left behind
+
+
+def test_unsupported_content(tmp_path):
+    with pytest.raises(CheckpointError, match="unsupported leaf"):
+        checkpoint.save(tmp_path / "a", {"x": 3.0})
+    with pytest.raises(CheckpointError, match="keys must be strings"):
+        checkpoint.save(tmp_path / "b", {1: jnp.ones(2)})
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    tree = {"w": nvfp4.quantize(jnp.asarray(np.random.default_rng(503).standard_normal((4, 32)), jnp.float32)), "b": jnp.arange(6.0)}
+    path = tmp_path / "ckpt"
+    checkpoint.save(path, tree)
+    return path, tree
+
+
+def edit_sidecar(path, fn):
+    p = path / checkpoint.SIDECAR
+    sidecar = json.loads(p.read_text())
+    fn(sidecar)
+    p.write_text(json.dumps(sidecar))
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        checkpoint.load(tmp_path / "nope")
+
+
+def test_missing_and_corrupt_sidecar(saved):
+    path, _ = saved
+    p = path / checkpoint.SIDECAR
+    text = p.read_text()
+    p.write_text(text[: len(text) // 2])
+    with pytest.raises(CheckpointError, match="corrupt sidecar"):
+        checkpoint.load(path)
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(CheckpointError, match="corrupt sidecar"):
+        checkpoint.load(path)
+    p.write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="sidecar"):
+        checkpoint.load(path)
+    p.unlink()
+    with pytest.raises(CheckpointError, match="no sidecar"):
+        checkpoint.load(path)
+
+
+def test_version_mismatch(saved):
+    path, _ = saved
+    edit_sidecar(path, lambda s: s.update(jaxlp_checkpoint_version=checkpoint.VERSION + 1))
+    with pytest.raises(CheckpointError, match="version"):
+        checkpoint.load(path)
+
+
+def test_mismatched_format(saved):
+    path, _ = saved
+    edit_sidecar(path, lambda s: s["tree"]["items"]["w"].update(format="mxfp4"))
+    with pytest.raises(CheckpointError, match="do not match format 'mxfp4'"):
+        checkpoint.load(path)
+
+
+def test_unknown_format(saved):
+    path, _ = saved
+    edit_sidecar(path, lambda s: s["tree"]["items"]["w"].update(format="nvfp9"))
+    with pytest.raises(CheckpointError, match="unknown quantization format 'nvfp9'"):
+        checkpoint.load(path)
+
+
+def test_sidecar_inconsistent_static_shape(saved):
+    path, _ = saved
+
+    def grow(s):
+        s["tree"]["items"]["w"]["static"]["shape"] = {"tuple": [4, 64]}
+
+    edit_sidecar(path, grow)
+    with pytest.raises(CheckpointError, match="inconsistent 'nvfp4'"):
+        checkpoint.load(path)
+
+
+def test_sidecar_and_data_shapes_disagree(saved):
+    path, _ = saved
+
+    def change(s):
+        s["tree"]["items"]["b"]["shape"] = [7]
+
+    edit_sidecar(path, change)
+    with pytest.raises(CheckpointError, match="disagree"):
+        checkpoint.load(path)
+
+
+def test_sidecar_names_an_array_the_data_lacks(saved):
+    path, _ = saved
+
+    def add(s):
+        s["tree"]["items"]["extra"] = dict(s["tree"]["items"]["b"], index=s["num_arrays"])
+        s["num_arrays"] += 1
+
+    edit_sidecar(path, add)
+    with pytest.raises(CheckpointError, match=re.escape("1 arrays (tree['extra']) are not in the data")):
+        checkpoint.load(path)
+
+
+def test_sidecar_with_duplicate_leaf_index(saved):
+    path, _ = saved
+    edit_sidecar(path, lambda s: s["tree"]["items"]["b"].update(index=0))
+    with pytest.raises(CheckpointError, match="indices"):
+        checkpoint.load(path)
+
+
+def test_deleted_array_files(saved):
+    path, _ = saved
+    removed = 0
+    for root, _, files in os.walk(path / checkpoint.ARRAYS):
+        if os.path.basename(root) == "d":
+            for f in files:
+                os.remove(os.path.join(root, f))
+                removed += 1
+    assert removed > 0
+    with pytest.raises(CheckpointError, match="array data"):
+        checkpoint.load(path)
+
+
+def test_missing_arrays_dir(saved):
+    path, _ = saved
+    shutil.rmtree(path / checkpoint.ARRAYS)
+    with pytest.raises(CheckpointError, match="missing"):
+        checkpoint.load(path)
+
+
+def test_checksum_mismatch(saved):
+    path, tree = saved
+    edit_sidecar(path, lambda s: s["tree"]["items"]["b"].update(crc32=s["tree"]["items"]["b"]["crc32"] ^ 1))
+    with pytest.raises(CheckpointError, match="checksum"):
+        checkpoint.load(path)
+    out = checkpoint.load(path, verify=False)
+    np.testing.assert_array_equal(np.asarray(out["b"]), np.asarray(tree["b"]))
