@@ -341,10 +341,13 @@ def _restore_arrays(path: str, specs: list[_LeafSpec], sharding, ocp) -> dict[st
     expected = {s.key: s for s in specs}
     with ocp.StandardCheckpointer() as ckptr:
         try:
-            stored = ckptr.metadata(arrays_path).item_metadata.tree
-            stored = {k: (tuple(v.shape), jnp.dtype(v.dtype)) for k, v in dict(stored).items()}
+            item = getattr(ckptr.metadata(arrays_path), "item_metadata", None)
         except Exception as e:  # noqa: BLE001  (Orbax raises many types)
             raise CheckpointError(f"{path}: cannot read the array metadata: {type(e).__name__}: {e}") from None
+        try:
+            stored = {k: (tuple(v.shape), jnp.dtype(v.dtype)) for k, v in dict(item.tree).items()}
+        except (AttributeError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: the array metadata is missing or unreadable (incomplete or damaged data)") from None
         missing = sorted(set(expected) - set(stored))
         if missing:
             names = ", ".join(expected[k].where for k in missing[:5])

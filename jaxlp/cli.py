@@ -1,4 +1,4 @@
-"""Command line: ``jaxlp generate``, ``jaxlp info``.
+"""Command line: ``jaxlp generate``, ``jaxlp info``, ``jaxlp demo``.
 
 User errors (missing or corrupt files, unsupported architectures, bad prompts) print one
 line ``jaxlp: error: ...`` and exit with status 2; no traceback.
@@ -51,8 +51,8 @@ def cmd_generate(args) -> int:
         raise UserError("the prompt is empty")
     console = _console()
     with console.status(f"loading {args.model}"):
-        tokenizer = load_tokenizer(args.model)
         model = jaxlp.from_pretrained(args.model, dtype=jnp.dtype(args.dtype))
+        tokenizer = load_tokenizer(args.model)
     prompt_ids = tokenizer.encode(args.prompt).ids
     sampler = make_sampler(args)
     start = time.perf_counter()
@@ -113,6 +113,13 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from jaxlp import demo
+
+    demo.run(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxlp", description="Low-precision LLM inference in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="describe a checkpoint: architecture, parameters, bytes")
     i.add_argument("--model", required=True)
     i.set_defaults(func=cmd_info)
+
+    d = sub.add_parser("demo", help="run generation on the built-in model (no downloads)")
+    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo)
     return parser
 
 

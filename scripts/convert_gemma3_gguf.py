@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 MARKER_NAME = "CONVERSION_COMPLETE.json"
+FORMAT_VERSION = 2  # bump when the output changes; older checkpoints are then reconverted
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 SAVE_DTYPE = "float32"
@@ -47,9 +48,15 @@ NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # SentencePiece piece types, as stored 
 
 
 def is_complete(out_dir: str | Path) -> bool:
-    """True iff ``out_dir`` holds the marker file and every required checkpoint file."""
+    """True iff ``out_dir`` holds every required file and a marker of the current FORMAT_VERSION."""
     out_dir = Path(out_dir)
-    return (out_dir / MARKER_NAME).is_file() and all((out_dir / f).is_file() for f in REQUIRED_FILES)
+    if not all((out_dir / f).is_file() for f in (*REQUIRED_FILES, MARKER_NAME)):
+        return False
+    try:
+        marker = json.loads((out_dir / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("format_version") == FORMAT_VERSION
 
 
 def _log(msg: str, t0: float) -> None:
@@ -223,6 +230,7 @@ def _write_checkpoint(stage: Path, t0: float) -> dict:
     if list(emb_shape) != [config.vocab_size, config.hidden_size]:
         raise RuntimeError(f"embedding shape {emb_shape} does not match config")
     return {
+        "format_version": FORMAT_VERSION,
         "source": GGUF_NAME,
         "source_sha256": gguf_pkg.EXPECTED_SHA256,
         "dtype": SAVE_DTYPE,

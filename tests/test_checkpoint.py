@@ -104,11 +104,24 @@ def test_unsupported_content(tmp_path):
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
 
 
-@pytest.fixture
-def saved(tmp_path):
-    tree = {"w": nvfp4.quantize(jnp.asarray(np.random.default_rng(503).standard_normal((4, 32)), jnp.float32)), "b": jnp.arange(6.0)}
-    path = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    tree = {
+        "w": nvfp4.quantize(jnp.asarray(np.random.default_rng(503).standard_normal((4, 32)), jnp.float32)),
+        "b": jnp.asarray(np.random.default_rng(504).standard_normal(600), jnp.float32),
+    }
+    path = tmp_path_factory.mktemp("saved") / "ckpt"
     checkpoint.save(path, tree)
+    return path, tree
+
+
+@pytest.fixture
+def saved(saved_once, tmp_path):
+    """A fresh copy per test. A copy at a new path is never in TensorStore's in-process cache,
+    so deleting its files really makes the data unreadable (as in a new process)."""
+    src, tree = saved_once
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
     return path, tree
 
 
@@ -204,16 +217,33 @@ def test_sidecar_with_duplicate_leaf_index(saved):
         checkpoint.load(path)
 
 
-def test_deleted_array_files(saved):
+@pytest.mark.parametrize("which", ["chunks", "data", "manifest", "metadata", "every_file"])
+def test_deleted_array_files(saved, which):
     path, _ = saved
-    removed = 0
-    for root, _, files in os.walk(path / checkpoint.ARRAYS):
-        if os.path.basename(root) == "d":
-            for f in files:
-                os.remove(os.path.join(root, f))
-                removed += 1
-    assert removed > 0
-    with pytest.raises(CheckpointError, match="array data"):
+    arrays = path / checkpoint.ARRAYS
+    process_d = arrays / "ocdbt.process_0" / "d"
+    targets = {
+        "chunks": [process_d / f for f in os.listdir(process_d)],
+        "data": [arrays / "d" / f for f in os.listdir(arrays / "d")],
+        "manifest": [arrays / "manifest.ocdbt"],
+        "metadata": [arrays / "_METADATA"],
+        "every_file": [os.path.join(r, f) for r, _, fs in os.walk(arrays) for f in fs],
+    }[which]
+    assert targets
+    for f in targets:
+        os.remove(f)
+    with pytest.raises(CheckpointError, match="array (data|metadata)"):
+        checkpoint.load(path)
+
+
+def test_flipped_bytes_in_array_data(saved):
+    path, _ = saved
+    process_d = path / checkpoint.ARRAYS / "ocdbt.process_0" / "d"
+    biggest = max(process_d.iterdir(), key=lambda f: f.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    biggest.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum|array data"):
         checkpoint.load(path)
 
 

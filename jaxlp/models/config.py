@@ -224,6 +224,8 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             f"{model_type}: attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported "
             "(transformers' Gemma 3 ignores it; Gemma 3 checkpoints set it to null)"
         )
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"{model_type}: partial_rotary_factor != 1 is not supported")
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedConfigError(f"{model_type}: use_bidirectional_attention is not supported")
 

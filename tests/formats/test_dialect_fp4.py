@@ -68,16 +68,16 @@ def unpack(q: DialectFP4Array):
     return nib & 7, nib >= 8
 
 
-def check_against_reference(x, block_size, selection):
-    q = quantize(jnp.asarray(x), block_size=block_size, selection=selection)
+def check_against_reference(x, block_size, selection, book=NOTES_BOOK):
+    q = quantize(jnp.asarray(x), block_size=block_size, selection=selection, formatbook=book.astype(int))
     x32 = np.asarray(jnp.asarray(x).astype(jnp.float32))
-    dialect, code, index, sign = reference_quantize(x32, block_size, selection)
+    dialect, code, index, sign = reference_quantize(x32, block_size, selection, book)
     np.testing.assert_array_equal(np.asarray(q.dialects).ravel(), dialect)
     np.testing.assert_array_equal(np.asarray(q.exponents).ravel(), code)
     got_index, got_sign = unpack(q)
     np.testing.assert_array_equal(got_index, index)
     np.testing.assert_array_equal(got_sign, sign)
-    deq = NOTES_BOOK[dialect][np.arange(len(dialect))[:, None], index] / 2 * 2.0 ** (code - 18)[:, None]
+    deq = book[dialect][np.arange(len(dialect))[:, None], index] / 2 * 2.0 ** (code - 18)[:, None]
     deq = np.where(sign, -deq, deq).reshape(x32.shape)
     np.testing.assert_array_equal(np.asarray(q.dequantize()), deq.astype(np.float32))
     return q
@@ -209,6 +209,19 @@ def test_custom_formatbook():
         quantize(jnp.asarray(x), formatbook=FORMATBOOK + 1)
     with pytest.raises(ValueError, match="differ in exactly one value"):
         quantize(jnp.asarray(x), formatbook=e2m1_book, selection="two_stage")
+
+
+def test_two_stage_pair_ties_take_the_larger_maximum():
+    # Pair maxima 15, 13, 11, 9 (half units; the last four pairs repeat 9): a block max rounding
+    # to 14 or 12 is equidistant from two pair maxima.
+    tails = [(6, 11, 15), (6, 9, 15), (6, 10, 13), (6, 8, 13), (6, 9, 11), (6, 7, 11)] + [(6, 8, 9), (6, 7, 9)] * 5
+    book = np.array([[0, 1, 2, 3, 4, *t] for t in tails], np.float64)
+    x = np.zeros((4, 32), np.float32)
+    x[0, 0], x[1, 0], x[2, 0], x[3, 0] = 7.0, 6.0, 5.0, 4.6
+    x[:, 1:] = np.linspace(-4, 4, 31)
+    q = check_against_reference(x, 32, "two_stage", book)
+    assert list(np.asarray(q.dialects)[:, 0] // 2) == [0, 1, 2, 3]
+    check_against_reference(np.random.default_rng(316).standard_normal((8, 64)).astype(np.float32), 32, "mse", book)
 
 
 def test_storage_and_pytree():

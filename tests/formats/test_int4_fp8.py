@@ -73,6 +73,25 @@ def test_zero_and_tiny_groups_hit_the_scale_clamp():
     assert q_ref.min() == -8 and q_ref.max() == 7  # tiny scales make the clip bite
 
 
+def test_exact_ties_round_half_to_even():
+    # Groups whose absmax is 7 s for an E4M3 scale s (so the scale is exactly s), filled with
+    # (n + 1/2) s: every quotient is an exact tie, which a reciprocal multiply would misround.
+    f8 = np.arange(256, dtype=np.uint8).view(F8).astype(np.float64)
+    scales = np.unique(np.abs(f8[np.isfinite(f8)]))
+    scales = scales[(scales >= 2.0**-6) & (scales <= 8)]
+    halves = np.tile(np.arange(-7, 7) + 0.5, 10)[:127]  # |.| <= 6.5 < 7
+    x = np.concatenate([np.full((len(scales), 1), 7.0), halves[None].repeat(len(scales), 0)], 1) * scales[:, None]
+    x = x.astype(np.float32)
+    assert np.all(x.astype(np.float64) == np.concatenate([np.full((len(scales), 1), 7.0), halves[None].repeat(len(scales), 0)], 1) * scales[:, None])
+    qa, q_ref, s_ref = check_against_reference(x)
+    np.testing.assert_array_equal(s_ref.astype(np.float64)[:, 0], scales)
+    assert np.all(q_ref[:, 1:] % 2 == 0)  # ties went to even
+    # Near-ties one ulp either side round away from the tie.
+    up = np.nextafter(x, np.float32(np.inf))
+    up[:, 0] = x[:, 0]
+    check_against_reference(up)
+
+
 def test_other_group_sizes_and_errors():
     rng = np.random.default_rng(204)
     check_against_reference((rng.standard_normal((3, 64)) * 0.1).astype(np.float32), group_size=32)
@@ -132,6 +151,21 @@ def test_activation_fp8_matches_numpy():
     np.testing.assert_allclose(back, x, rtol=2**-3, atol=0)  # E4M3 relative step plus the BF16 scale
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize_activation_fp8(jnp.array([[1.0, np.inf]]))
+
+
+def test_activation_fp8_exact_ties():
+    # Rows with scale c (absmax 448 c) holding c * (E4M3 midpoints): x / c is an exact tie.
+    f8 = np.arange(256, dtype=np.uint8).view(F8).astype(np.float64)
+    grid = np.unique(f8[np.isfinite(f8) & (f8 >= 0)])
+    mids = ((grid[1:] + grid[:-1]) / 2)[-64:]
+    c = np.array([1.125, 1.25, 1.375, 0.75, 0.625, 3.5 * 2.0**-8])
+    x = np.concatenate([np.full((len(c), 1), 448.0), np.tile(mids, (len(c), 1))], 1) * c[:, None]
+    x[:, 1::2] *= -1
+    x = x.astype(np.float32)
+    x_fp8, scale = quantize_activation_fp8(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(scale, np.float64)[:, 0], c)
+    ref = (x.astype(np.float64) / c[:, None]).astype(F8)  # exact quotients, RNE ties to even
+    np.testing.assert_array_equal(np.asarray(x_fp8).view(np.uint8), ref.view(np.uint8))
 
 
 def brute_force_pts(w: np.ndarray, group_size: int = 128) -> float:

@@ -1,0 +1,80 @@
+"""The command line: generate, info, demo, and one-line errors for bad input."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jaxlp.cli import main
+from jaxlp.demo import char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_checkpoint, tmp_path_factory):
+    _, path = hf_checkpoint("llama")
+    d = tmp_path_factory.mktemp("cli") / "model"
+    shutil.copytree(path, d)
+    char_tokenizer().save(str(d / "tokenizer.json"))
+    return d
+
+
+def test_generate_prints_text(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--prompt", "12 + 35 =", "--max-new-tokens", "8",
+                 "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.strip()) > 0
+
+
+def test_generate_sampler_and_seed_deterministic(model_dir, capsys):
+    args = ["generate", "--model", str(model_dir), "--prompt", "hello", "--max-new-tokens", "8", "--sampler",
+            "top-p", "--temperature", "1.5", "--seed", "4"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_info(model_dir, capsys):
+    assert main(["info", "--model", str(model_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "llama" in out and "parameters" in out
+    # parameters read from the safetensors headers agree with the config's count
+    line = next(l for l in out.splitlines() if l.startswith("parameters"))
+    n_file, n_config = (int(x.replace(",", "")) for x in line.replace("(config:", "").rstrip(")").split()[1:3])
+    assert n_file == n_config
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--model", "/nonexistent", "--prompt", "x"], "does not exist"),
+        (["generate", "--model", "{model}", "--prompt", "   "], "prompt is empty"),
+        (["generate", "--model", "{model}", "--prompt", "x" * 600, "--max-new-tokens", "8"], "context length"),
+        (["info", "--model", "{broken}"], "corrupt JSON"),
+        (["info", "--model", "{moe}"], "unsupported architecture"),
+        (["generate", "--model", "{notok}", "--prompt", "hi"], "no tokenizer.json"),
+    ],
+)
+def test_user_errors_are_one_line(model_dir, tmp_path, capsys, argv, message):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    (broken / "config.json").write_text("{")
+    moe = tmp_path / "moe"
+    shutil.copytree(model_dir, moe)
+    (moe / "config.json").write_text((model_dir / "config.json").read_text().replace('"llama"', '"mixtral"'))
+    notok = tmp_path / "notok"
+    shutil.copytree(model_dir, notok)
+    (notok / "tokenizer.json").unlink()
+    argv = [a.format(model=model_dir, broken=broken, moe=moe, notok=notok) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxlp: error:") and message in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1
+
+
+def test_console_script_demo_runs():
+    proc = subprocess.run([sys.executable, "-m", "jaxlp.cli", "demo", "--max-new-tokens", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "tok/s" in proc.stdout and "greedy" in proc.stdout
