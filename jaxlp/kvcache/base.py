@@ -2,25 +2,23 @@
 
 A cache *format* (a frozen, hashable dataclass such as :class:`jaxlp.kvcache.Dense`) makes
 the cache state with ``init``. The state is a pytree: :class:`KVCache` holds one layer
-cache per decoder layer, each with two methods:
+cache per decoder layer, each with one method that stores the new entries and attends:
 
-    layer = layer.update(k, v, positions)          # k, v: [B, S, KVH, D] after RoPE
-    out = layer.attend(q, positions, scale=..., window=..., softcap=...)   # q: [B, S, H, D]
+    out, layer = layer.attend(q, k, v, positions, scale=..., window=..., softcap=...)
+    # q: [B, S, H, D]; k, v: [B, S, KVH, D] after RoPE; positions: [B, S] absolute
 
-``positions [B, S]`` are the absolute token positions of the new entries; a row's slots
-beyond its own length hold stale data that the causal mask never shows (see
-:mod:`jaxlp.models.attention`). Quantized caches implement the same two methods.
+``S`` is the prompt bucket at prefill and 1 at decode. A row's slots beyond its own length
+hold stale data that the causal mask never shows (see :mod:`jaxlp.models.attention`). The
+order of storing and attending is the cache's own: a quantized cache may attend the new
+tokens in full precision and quantize them afterwards.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-
 
 if TYPE_CHECKING:
     from jaxlp.models.config import ModelConfig
@@ -29,10 +27,8 @@ if TYPE_CHECKING:
 class LayerCache:
     """One layer's cache state (a registered dataclass pytree)."""
 
-    def update(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "LayerCache":
-        raise NotImplementedError
-
-    def attend(self, q: jax.Array, positions: jax.Array, *, scale: float, window: int | None, softcap: float | None):
+    def attend(self, q, k, v, positions, *, scale: float, window: int | None, softcap: float | None):
+        """Store ``k, v`` at ``positions`` and attend ``q``: returns ``(out [B, S, H, D], new layer)``."""
         raise NotImplementedError
 
 

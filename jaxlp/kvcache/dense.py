@@ -22,19 +22,18 @@ class DenseLayerCache(LayerCache):
     k: jax.Array  # [B, L, KVH, D]
     v: jax.Array
 
-    def update(self, k, v, positions):
+    def attend(self, q, k, v, positions, *, scale, window, softcap):
         rows = jnp.arange(k.shape[0])[:, None]
-        return DenseLayerCache(
+        new = DenseLayerCache(
             self.k.at[rows, positions].set(k.astype(self.k.dtype), mode="drop"),
             self.v.at[rows, positions].set(v.astype(self.v.dtype), mode="drop"),
         )
-
-    def attend(self, q, positions, *, scale, window, softcap):
         slots = jnp.arange(self.k.shape[1])
-        return causal_attention(
-            q, self.k.astype(q.dtype), self.v.astype(q.dtype), positions, slots,
+        out = causal_attention(
+            q, new.k.astype(q.dtype), new.v.astype(q.dtype), positions, slots,
             scale=scale, window=window, softcap=softcap,
         )
+        return out, new
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,8 +48,7 @@ class Attention(nnx.Module):
         if cache_layer is None:
             out = causal_attention(q, k, v, positions, positions, **kwargs)
         else:
-            cache_layer = cache_layer.update(k, v, positions)
-            out = cache_layer.attend(q, positions, **kwargs)
+            out, cache_layer = cache_layer.attend(q, k, v, positions, **kwargs)
         return self.o_proj(out.reshape(b, s, c.num_heads * c.head_dim)), cache_layer
 
 
