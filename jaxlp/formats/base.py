@@ -144,34 +144,68 @@ def check_field(fmt: str, name: str, leaf: Any, shape: tuple[int, ...], dtype) -
         )
 
 
-def exact_divide(x: jax.Array, divisor) -> jax.Array:
-    """``x / divisor`` (broadcast) as correctly rounded IEEE divisions, also under ``jit``.
-
-    XLA rewrites a division by a constant or by a broadcast value into a multiplication by
-    the rounded reciprocal, which can be off by one ulp and flip a later rounding (an FP8 cast
-    or an integer rounding at a tie), so results would depend on how the divisor was built.
-    Broadcasting the divisor to the full shape behind an optimization barrier keeps the true
-    division.
-    """
-    x = jnp.asarray(x)
-    divisor = jnp.asarray(divisor, x.dtype)
-    shape = jnp.broadcast_shapes(x.shape, divisor.shape)
-    return jnp.broadcast_to(x, shape) / jax.lax.optimization_barrier(jnp.broadcast_to(divisor, shape))
-
-
 def exact_divide(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a / b`` correctly rounded (IEEE), elementwise with broadcasting.
+    """``a / b`` in FP32, correctly rounded (IEEE round-to-nearest-even), with broadcasting.
 
-    XLA's algebraic simplifier rewrites a division by a constant or by a broadcast value into a
-    multiplication by the reciprocal, which rounds differently (for ``x / 2688`` about a quarter
-    of FP32 results change). Reference quantizers (ModelOpt, torchao, ml_dtypes, NumPy) divide,
-    so scales and rounding decisions would not match bit for bit. Here the divisor is broadcast
-    to the result's shape and passed through an optimization barrier, so the rewrite cannot
-    apply (the broadcast divisor is materialized).
+    XLA does not divide exactly: its simplifier turns a division by a constant or a broadcast
+    value into a multiplication by the reciprocal, and on NVIDIA GPUs it emits ``div.full.f32``
+    (about a quarter of quotients 1 ulp off). Reference quantizers (ModelOpt and torchao in
+    PyTorch, ml_dtypes, NumPy) divide exactly, so scales and rounding decisions would differ.
+    This computes the quotient of the significands by integer long division (uint32, exact on
+    every backend) and rounds it to nearest even.
+
+    Subnormal results are produced as IEEE does (gradual underflow; note that XLA flushes FP32
+    subnormals to zero in later arithmetic on CPU and GPU, but their sign bit survives bitwise
+    use). A zero or subnormal ``a`` gives a signed zero; a zero, subnormal, infinite or NaN
+    ``b`` or an infinite or NaN ``a`` falls back to the plain division. Inputs are cast to
+    float32.
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
     shape = jnp.broadcast_shapes(a.shape, b.shape)
-    dtype = jnp.result_type(a, b)
-    a = jnp.broadcast_to(a.astype(dtype), shape)
-    b = jax.lax.optimization_barrier(jnp.broadcast_to(b.astype(dtype), shape))
-    return a / b
+    a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+    ua = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    ub = jax.lax.bitcast_convert_type(b, jnp.uint32)
+    sign = (ua ^ ub) & jnp.uint32(0x80000000)
+    ea = ((ua >> 23) & 0xFF).astype(jnp.int32)
+    eb = ((ub >> 23) & 0xFF).astype(jnp.int32)
+    ma = (ua & 0x7FFFFF) | jnp.uint32(0x800000)
+    mb = (ub & 0x7FFFFF) | jnp.uint32(0x800000)
+    shift = ma < mb
+    num = jnp.where(shift, ma << 1, ma)  # in [mb, 2 mb), so the quotient is in [1, 2)
+    exp = ea - eb + 127 - shift.astype(jnp.int32)
+    q = jnp.ones_like(num)
+    r = num - mb
+    for bits in (7, 7, 7, 3):  # 24 more quotient bits; r < mb < 2**24, so r << 7 fits in 31 bits
+        r = r << bits
+        d = r // mb
+        r = r - d * mb
+        q = (q << bits) | d
+    # q = floor(num * 2**24 / mb) in [2**24, 2**25): 24 significand bits and a round bit.
+    sticky = (r != 0).astype(jnp.uint32)
+    mant = (q >> 1) + ((q & 1) & (sticky | ((q >> 1) & 1)))
+    carry = mant >> 24
+    mant, exp = mant >> carry, exp + carry.astype(jnp.int32)
+    normal = sign | (jnp.clip(exp, 1, 254).astype(jnp.uint32) << 23) | (mant & 0x7FFFFF)
+    # Gradual underflow: value = q * 2**(exp - 151) = (q / 2**(2 - exp)) * 2**-149 for exp <= 0.
+    s = jnp.clip(1 - exp, 1, 25).astype(jnp.uint32)
+    sub_round = (q >> s) & 1
+    sub_sticky = ((q & ((jnp.uint32(1) << s) - 1)) != 0).astype(jnp.uint32) | sticky
+    sub_mant = (q >> (s + 1)) + (sub_round & (sub_sticky | ((q >> (s + 1)) & 1)))
+    subnormal = sign | sub_mant  # a carry into bit 23 gives the smallest normal, as it should
+    inf = sign | jnp.uint32(0x7F800000)
+    out = jax.lax.bitcast_convert_type(jnp.where(exp >= 255, inf, jnp.where(exp <= 0, subnormal, normal)), jnp.float32)
+    signed_zero = jax.lax.bitcast_convert_type(sign, jnp.float32)
+    a_zero = ea == 0
+    special = (eb == 0) | (eb == 255) | (ea == 255)
+    return jnp.where(special, a / b, jnp.where(a_zero, signed_zero, out))
+
+
+def cast_rounded(x: jax.Array, dtype) -> jax.Array:
+    """``x.astype(dtype)`` whose rounding survives a later cast back to a wider type.
+
+    With ``xla_allow_excess_precision`` (on by default) XLA on GPU folds a round trip such as
+    float32 -> float8_e4m3fn -> float32 into nothing, dropping the rounding. An optimization
+    barrier after the narrowing cast keeps it.
+    """
+    return jax.lax.optimization_barrier(jnp.asarray(x).astype(dtype))

@@ -45,6 +45,7 @@ import numpy as np
 from jaxlp.formats.base import (
     QuantizedArray,
     check_blocks,
+    check_field,
     check_finite,
     register_array,
     register_format,
@@ -133,13 +134,20 @@ def beneficial_ranges(formatbook=FORMATBOOK) -> np.ndarray:
     return ranges
 
 
+def _check_options(block_size, selection) -> None:
+    if block_size not in BLOCK_SIZES or isinstance(block_size, bool):
+        raise ValueError(f"dialect_fp4: block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
+    if selection not in SELECTIONS:
+        raise ValueError(f"dialect_fp4: selection must be one of {SELECTIONS}, got {selection!r}")
+
+
 def _pow2(k: jax.Array) -> jax.Array:
     """Exact float32 ``2**k`` for integer ``k`` in the normal range."""
     return jax.lax.bitcast_convert_type(((k.astype(jnp.int32) + 127) << 23), jnp.float32)
 
 
 def _nearest(h: jax.Array, row_values: jax.Array) -> jax.Array:
-    """Index of the nearest of 8 ascending values (ties up); ``h [..., B]``, ``row_values [..., 8]`` broadcast per block."""
+    """Index of the nearest of 8 ascending values, ties up: ``h [..., nb, B]``, ``row_values [..., nb, 8]``."""
     idx = jnp.zeros(h.shape, jnp.int32)
     for k in range(7):
         mid = (row_values[..., k] + row_values[..., k + 1]) * 0.5
@@ -206,7 +214,10 @@ def _dequantize_blocks(codes, dialects, exponents, block_size: int, formatbook: 
 
 @register_array
 class DialectFP4Array(QuantizedArray):
-    """BlockDialect DialectFP4: ``codes`` uint8 ``[..., K/2]``, ``dialects`` and ``exponents`` uint8 ``[..., K/block_size]``.
+    """BlockDialect DialectFP4 blocks.
+
+    ``codes`` uint8 ``[..., K/2]`` (two sign + index nibbles per byte), ``dialects`` and
+    ``exponents`` uint8 ``[..., K/block_size]``.
 
     ``exponents`` holds the 5-bit code ``floor(log2(block_amax)) + 16`` (see the module
     docstring); the block scale is ``2**(code - 18)``.
@@ -226,6 +237,14 @@ class DialectFP4Array(QuantizedArray):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         object.__setattr__(self, "block_size", int(self.block_size))
         object.__setattr__(self, "formatbook", as_formatbook(self.formatbook))
+
+    def check(self) -> None:
+        _check_options(self.block_size, self.selection)
+        check_blocks(self.shape, self.block_size, "dialect_fp4")
+        lead, k = self.shape[:-1], self.shape[-1]
+        check_field("dialect_fp4", "codes", self.codes, lead + (k // 2,), jnp.uint8)
+        check_field("dialect_fp4", "dialects", self.dialects, lead + (k // self.block_size,), jnp.uint8)
+        check_field("dialect_fp4", "exponents", self.exponents, lead + (k // self.block_size,), jnp.uint8)
 
     @property
     def effective_bits(self) -> float:
@@ -251,10 +270,7 @@ def quantize(x: jax.Array, *, block_size: int = 32, selection: str = "mse", form
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"dialect_fp4: expects floating-point input, got dtype {x.dtype}")
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"dialect_fp4: block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
-    if selection not in SELECTIONS:
-        raise ValueError(f"dialect_fp4: selection must be one of {SELECTIONS}, got {selection!r}")
+    _check_options(block_size, selection)
     book = DEFAULT_FORMATBOOK if formatbook is None else as_formatbook(formatbook)
     if selection == "two_stage":
         beneficial_ranges(book)  # validates the pair structure

@@ -31,6 +31,7 @@ import numpy as np
 from jaxlp.formats.base import (
     QuantizedArray,
     check_blocks,
+    check_field,
     check_finite,
     exact_divide,
     register_array,
@@ -55,6 +56,11 @@ def _fp8(x: jax.Array) -> jax.Array:
     return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
 
 
+def _check_group_size(group_size) -> None:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0 or group_size % 2:
+        raise ValueError(f"int4_fp8: group_size must be a positive even int, got {group_size!r}")
+
+
 def pack_int4(q: jax.Array) -> jax.Array:
     """Pack int4 values ``[..., K]`` (K even, values in [-8, 7]) two per uint8 (even index low nibble)."""
     nib = (q.astype(jnp.int32) & 0xF).astype(jnp.uint8)
@@ -72,7 +78,10 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 @register_array
 class Int4FP8Array(QuantizedArray):
-    """FireQ INT4 weights: ``codes`` uint8 ``[..., K/2]`` (two int4 per byte), ``scales`` E4M3 ``[..., K/group_size]``."""
+    """FireQ INT4 weights.
+
+    ``codes`` uint8 ``[..., K/2]`` (two int4 per byte), ``scales`` float8_e4m3fn ``[..., K/group_size]``.
+    """
 
     format = "int4_fp8"
 
@@ -84,6 +93,13 @@ class Int4FP8Array(QuantizedArray):
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         object.__setattr__(self, "group_size", int(self.group_size))
+
+    def check(self) -> None:
+        _check_group_size(self.group_size)
+        check_blocks(self.shape, self.group_size, "int4_fp8")
+        lead, k = self.shape[:-1], self.shape[-1]
+        check_field("int4_fp8", "codes", self.codes, lead + (k // 2,), jnp.uint8)
+        check_field("int4_fp8", "scales", self.scales, lead + (k // self.group_size,), jnp.float8_e4m3fn)
 
     def int4_values(self) -> jax.Array:
         """The int4 codes ``q`` as int8 ``[..., K]``."""
@@ -118,8 +134,7 @@ def quantize(x: jax.Array, *, group_size: int = GROUP_SIZE) -> Int4FP8Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"int4_fp8: expects floating-point input, got dtype {x.dtype}")
-    if not isinstance(group_size, int) or group_size <= 0 or group_size % 2:
-        raise ValueError(f"int4_fp8: group_size must be a positive even int, got {group_size!r}")
+    _check_group_size(group_size)
     check_blocks(x.shape, group_size, "int4_fp8")
     check_finite(x, "int4_fp8")
     codes, scales = _quantize_groups(x, group_size)

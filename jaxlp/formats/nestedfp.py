@@ -17,7 +17,8 @@ Merge (lossless): ``e_ = ((upper - (lower >> 7)) >> 1) & 0x3F`` and
 (``lower >> 7`` is the unrounded LSB of ``c``), so the merge is bit-exact for every word with
 ``e[4] == 0`` except ``|w|`` in ``[1.9375, 2)``, where the rounding carry overflows into the
 sign bit; ``|w|`` in ``[1.875, 1.9375)`` gives the E4M3 NaN byte. Hence the eligibility
-threshold must be below 1.875.
+threshold must be below 1.875. FP16 subnormals reconstruct exactly; their upper byte is the
+E4M3 subnormal nearest ``w * 2**8`` (zero only for ``|w| <= 2**-18``).
 
 Eligibility threshold: the default is the paper's ``|w| <= 1.75`` (the released serving code
 uses 1.8192). With 1.75 every upper byte is the exact RNE E4M3 cast of ``w * 2**8`` with no
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlp.formats.base import QuantizedArray, register_array, register_format, static_field
+from jaxlp.formats.base import QuantizedArray, check_field, register_array, register_format, static_field
 
 DEFAULT_THRESHOLD = 1.75
 """Default eligibility threshold on ``|w|`` (inclusive), the NestedFP paper's value."""
@@ -116,6 +117,11 @@ class NestedFPArray(QuantizedArray):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         object.__setattr__(self, "threshold", float(self.threshold))
 
+    def check(self) -> None:
+        _check_threshold(self.threshold)
+        check_field("nestedfp", "upper", self.upper, self.shape, jnp.uint8)
+        check_field("nestedfp", "lower", self.lower, self.shape, jnp.uint8)
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """FP16 mode: the exact FP16 weights, cast to ``dtype``."""
         return merge(self.upper, self.lower).astype(dtype)
@@ -144,7 +150,9 @@ def quantize(x: jax.Array, *, threshold: float = DEFAULT_THRESHOLD) -> NestedFPA
     if not isinstance(w16, jax.core.Tracer):
         mag = np.abs(np.asarray(w16, dtype=np.float32))
         if not np.all(np.isfinite(mag)):
-            raise ValueError("nestedfp: input holds NaN or Inf (after the float16 cast), which the format cannot represent")
+            raise ValueError(
+                "nestedfp: input holds NaN or Inf (after the float16 cast), which the format cannot represent"
+            )
         if mag.size and float(mag.max()) > threshold:
             raise ValueError(
                 f"nestedfp: max |w| = {float(mag.max())} (as float16) exceeds the eligibility threshold {threshold}; "

@@ -14,8 +14,8 @@ For ``x`` of shape ``[..., K]`` (K a multiple of 16), all arithmetic in FP32 as 
 - element ``q = rne_e2m1(clip(x / (e4m3(s) * g), -6, 6))`` (the denominator is rounded to FP32
   first). With a static scale, values above the calibrated amax saturate (s = 448, q = +-6).
 
-Divisions are IEEE divisions (:func:`~jaxlp.formats.base.exact_divide`), not XLA's default
-multiplication by a reciprocal, so results match ModelOpt bit for bit.
+Divisions are IEEE divisions (:func:`~jaxlp.formats.base.exact_divide`; XLA's own division is
+not correctly rounded), so results match ModelOpt bit for bit on every backend.
 Dequantization: ``(e2m1(q) * e4m3(s)) * g`` in FP32 (the first product is exact), then cast.
 Storage: 4 bits per element + 8 bits per 16 + 32 bits per tensor = 4.5 bits + 32/size.
 """
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxlp.formats import e2m1
 from jaxlp.formats.base import (
     QuantizedArray,
+    cast_rounded,
     check_blocks,
     check_field,
     check_finite,
@@ -118,11 +119,13 @@ def _quantize_arrays(x: jax.Array, static: jax.Array, *, mode: str, scale_clamp:
     s = exact_divide(block_amax, jnp.float32(E2M1_MAX) * g)
     s = jnp.where(s == 0, jnp.float32(1.0), s)
     s = jnp.clip(s, jnp.float32(SCALE_MIN[scale_clamp]), jnp.float32(E4M3_MAX))
-    block_scale = s.astype(jnp.float8_e4m3fn)
+    block_scale = cast_rounded(s, jnp.float8_e4m3fn)  # XLA on GPU would otherwise skip the rounding
 
     denom = block_scale.astype(jnp.float32) * g
-    q = jnp.clip(exact_divide(blocks, denom[..., None]), -E2M1_MAX, E2M1_MAX)
-    codes = e2m1.encode(q, sign_of=blocks).reshape(x.shape)
+    scaled = exact_divide(blocks, denom[..., None])
+    # Sign from the quotient's bits: ModelOpt's ``scaled < 0`` (a quotient that underflows to -0
+    # is not negative; a subnormal one is, though XLA would flush it in the clip).
+    codes = e2m1.encode(jnp.clip(scaled, -E2M1_MAX, E2M1_MAX), sign_of=scaled).reshape(x.shape)
     return e2m1.pack(codes), block_scale, g.astype(jnp.float32)
 
 

@@ -202,7 +202,10 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             "config has a quantization_config: pre-quantized HF checkpoints are not loaded; "
             "load the high-precision checkpoint and use jaxlp.quantize_model"
         )
-    unknown = sorted(k for k in cfg if k not in _BENIGN_KEYS and k != "quantization_config")
+    unknown = sorted(
+        k for k in cfg
+        if k not in _BENIGN_KEYS and k != "quantization_config" and not k.startswith("_") and not k.endswith("_token_id")
+    )
     if unknown:
         raise UnsupportedConfigError(f"{model_type}: unsupported config key(s) {unknown}")
 

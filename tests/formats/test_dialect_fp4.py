@@ -239,7 +239,8 @@ def test_storage_and_pytree():
     assert fields["block_size"] == 16 and fields["selection"] == "two_stage" and fields["shape"] == (4, 128)
     leaves, tree = jax.tree.flatten(q)
     assert len(leaves) == 3
-    rebuilt = DialectFP4Array(*leaves, **{**fields, "formatbook": [list(r) for r in fields["formatbook"]], "shape": [4, 128]})
+    as_json = {**fields, "formatbook": [list(r) for r in fields["formatbook"]], "shape": [4, 128]}
+    rebuilt = DialectFP4Array(*leaves, **as_json)
     assert rebuilt.static_fields() == fields  # JSON lists normalize back to tuples
     np.testing.assert_array_equal(np.asarray(jax.tree.unflatten(tree, leaves).dequantize()), np.ones((4, 128)))
 
@@ -294,9 +295,30 @@ def test_fuzz_finite_and_bounded(x, block_size, selection):
         mse_err = ((x - deq) ** 2).reshape(-1, block_size).sum(-1)
         two_err = ((x - two) ** 2).reshape(-1, block_size).sum(-1)
         assert np.all(mse_err <= two_err * (1 + 1e-5) + 1e-30)
-    assert np.array_equal(np.asarray(q.dialects), reference_quantize(x, block_size, selection)[0].reshape(q.dialects.shape))
+    ref_dialects = reference_quantize(x, block_size, selection)[0]
+    np.testing.assert_array_equal(np.asarray(q.dialects).ravel(), ref_dialects)
 
 
 @functools.cache
 def _jitted_quantize(block_size, selection):
     return jax.jit(functools.partial(quantize, block_size=block_size, selection=selection))
+
+
+def test_check_and_checkpoint_round_trip(tmp_path):
+    from jaxlp import checkpoint
+
+    x = jnp.asarray(np.random.default_rng(317).standard_normal((4, 64)), jnp.float32)
+    order = np.arange(16).reshape(8, 2)[::-1].ravel()
+    q = quantize(x, block_size=16, selection="two_stage", formatbook=FORMATBOOK[order])
+    q.check()
+    checkpoint.save(tmp_path / "ckpt", {"w": q})
+    back = checkpoint.load(tmp_path / "ckpt")["w"]
+    assert isinstance(back, DialectFP4Array) and back.static_fields() == q.static_fields()
+    np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(q.dequantize()))
+    fields = q.static_fields()
+    with pytest.raises(ValueError, match="dialects"):
+        DialectFP4Array(q.codes, q.dialects[:, :2], q.exponents, **fields).check()
+    with pytest.raises(ValueError, match="exponents"):
+        DialectFP4Array(q.codes, q.dialects, q.exponents.astype(jnp.int8), **fields).check()
+    with pytest.raises(ValueError, match="block_size"):
+        DialectFP4Array(q.codes, q.dialects, q.exponents, **{**fields, "block_size": 8}).check()

@@ -80,9 +80,9 @@ def test_exact_ties_round_half_to_even():
     scales = np.unique(np.abs(f8[np.isfinite(f8)]))
     scales = scales[(scales >= 2.0**-6) & (scales <= 8)]
     halves = np.tile(np.arange(-7, 7) + 0.5, 10)[:127]  # |.| <= 6.5 < 7
-    x = np.concatenate([np.full((len(scales), 1), 7.0), halves[None].repeat(len(scales), 0)], 1) * scales[:, None]
-    x = x.astype(np.float32)
-    assert np.all(x.astype(np.float64) == np.concatenate([np.full((len(scales), 1), 7.0), halves[None].repeat(len(scales), 0)], 1) * scales[:, None])
+    exact = np.concatenate([np.full((len(scales), 1), 7.0), halves[None].repeat(len(scales), 0)], 1) * scales[:, None]
+    x = exact.astype(np.float32)
+    assert np.all(x.astype(np.float64) == exact)
     qa, q_ref, s_ref = check_against_reference(x)
     np.testing.assert_array_equal(s_ref.astype(np.float64)[:, 0], scales)
     assert np.all(q_ref[:, 1:] % 2 == 0)  # ties went to even
@@ -125,7 +125,7 @@ def test_jit_registry_and_pytree():
     check_against_reference(x)
     x_act = jnp.asarray(rng.standard_normal((4, 96)), jnp.bfloat16)
     for eager_out, jit_out in zip(quantize_activation_fp8(x_act), jax.jit(quantize_activation_fp8)(x_act)):
-        np.testing.assert_array_equal(np.asarray(jit_out.astype(jnp.float32)), np.asarray(eager_out.astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(jit_out, np.float32), np.asarray(eager_out, np.float32))
     via_registry = base.quantize(x, "int4_fp8")
     assert isinstance(via_registry, Int4FP8Array)
     assert via_registry.static_fields() == {"shape": (8, 256), "group_size": 128}
@@ -230,3 +230,21 @@ def test_cas_matches_numpy():
         cas_scales([jnp.zeros(4)], 0.01)
     with pytest.raises(ValueError, match="positive"):
         cas_scales([jnp.ones((2, 4))], 0.0)
+
+
+def test_check_and_checkpoint_round_trip(tmp_path):
+    from jaxlp import checkpoint
+
+    x = jnp.asarray(np.random.default_rng(209).standard_normal((4, 256)) * 0.02, jnp.float32)
+    q = quantize(x)
+    q.check()
+    checkpoint.save(tmp_path / "ckpt", {"w": q})
+    back = checkpoint.load(tmp_path / "ckpt")["w"]
+    assert isinstance(back, Int4FP8Array) and back.static_fields() == q.static_fields()
+    np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(q.dequantize()))
+    with pytest.raises(ValueError, match="scales"):
+        Int4FP8Array(codes=q.codes, scales=q.scales.astype(jnp.float32), shape=q.shape).check()
+    with pytest.raises(ValueError, match="codes"):
+        Int4FP8Array(codes=q.codes[:, :64], scales=q.scales, shape=q.shape).check()
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        Int4FP8Array(codes=q.codes, scales=q.scales, shape=(4, 200)).check()

@@ -152,3 +152,19 @@ def test_eligibility_and_errors():
         merge(jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.uint8))
     with pytest.raises(ValueError, match="shape"):
         merge(jnp.zeros(3, jnp.uint8), jnp.zeros(4, jnp.uint8))
+
+
+def test_check_and_checkpoint_round_trip(tmp_path):
+    from jaxlp import checkpoint
+
+    x = jnp.asarray(np.random.default_rng(104).uniform(-1.5, 1.5, (4, 32)), jnp.float32)
+    q = nestedfp.quantize(x, threshold=1.8192)
+    q.check()
+    checkpoint.save(tmp_path / "ckpt", {"w": q})
+    back = checkpoint.load(tmp_path / "ckpt")["w"]
+    assert isinstance(back, NestedFPArray) and back.static_fields() == q.static_fields()
+    np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(q.dequantize()))
+    with pytest.raises(ValueError, match="lower"):
+        NestedFPArray(upper=q.upper, lower=q.lower[:, :16], shape=q.shape).check()
+    with pytest.raises(ValueError, match="threshold"):
+        NestedFPArray(upper=q.upper, lower=q.lower, shape=q.shape, threshold=1.9).check()

@@ -230,13 +230,11 @@ def test_baselines_share_jit_without_confusion():
 
     @jax.jit
     def run(sampler, h, tokens):
-        state = sampler.init(1)
-        temps = []
-        for i in range(h.shape[0]):
-            t, state, _ = sampler.step(state, h[i : i + 1])
-            state = sampler.record(state, tokens[i : i + 1])
-            temps.append(t[0])
-        return jnp.stack(temps)
+        def body(state, xs):
+            t, state, _ = sampler.step(state, xs[0][None])
+            return sampler.record(state, xs[1][None]), t[0]
+
+        return jax.lax.scan(body, sampler.init(1), (h, tokens))[1]
 
     results = {}
     for _ in range(2):

@@ -1,0 +1,99 @@
+"""Integer quantization helpers for KV caches: asymmetric min-max, symmetric absmax, bit packing.
+
+Asymmetric min-max over ``axis`` with ``b`` bits (KIVI, Kitty):
+
+    scale = max((max - min) / (2**b - 1), 1e-6)        # stored FP16, as is min
+    code  = clamp(floor((x - min) / scale + 0.5), 0, 2**b - 1)
+    x_hat = code * scale + min
+
+The codes are computed from the FP16-rounded scale and min (the values that dequantization
+reads), in float32. Symmetric absmax INT4 with FP8 E4M3 scales (FireQ):
+
+    scale = e4m3(max(|x|) / 7)   (round to nearest, at least the smallest subnormal 2**-9)
+    code  = clamp(round_half_even(x / scale), -8, 7);   x_hat = code * scale
+
+Packing puts ``8 // bits`` consecutive elements of the last axis in one byte, element ``i``
+of a byte at bits ``[i * bits, (i + 1) * bits)`` (low bits first).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SCALE_FLOOR = 1e-6
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_MIN_SUBNORMAL = 2.0**-9
+
+
+def minmax_quantize(x: jax.Array, bits: int, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Asymmetric ``bits``-bit codes (uint8) of ``x`` over ``axis``; scale and min in FP16 (keepdims)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    x = x.astype(jnp.float32)
+    lo = jnp.min(x, axis=axis, keepdims=True)
+    hi = jnp.max(x, axis=axis, keepdims=True)
+    levels = 2**bits - 1
+    scale = jnp.maximum((hi - lo) / levels, SCALE_FLOOR).astype(jnp.float16)
+    lo = lo.astype(jnp.float16)
+    codes = jnp.floor((x - lo.astype(jnp.float32)) / scale.astype(jnp.float32) + 0.5)
+    return jnp.clip(codes, 0, levels).astype(jnp.uint8), scale, lo
+
+
+def minmax_dequantize(codes: jax.Array, scale: jax.Array, lo: jax.Array) -> jax.Array:
+    """``codes * scale + min`` in float32 (scale and min broadcast against codes)."""
+    return codes.astype(jnp.float32) * scale.astype(jnp.float32) + lo.astype(jnp.float32)
+
+
+def fp8_scale(absmax: jax.Array, qmax: float) -> jax.Array:
+    """``absmax / qmax`` rounded to FP8 E4M3 (saturating at 448), at least ``2**-9``."""
+    s = jnp.clip(absmax.astype(jnp.float32) / qmax, FP8_MIN_SUBNORMAL, FP8_MAX)
+    return s.astype(FP8)
+
+
+def absmax_int4_quantize(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+    """Symmetric INT4 codes (int8 in [-8, 7]) over ``axis`` and FP8 E4M3 scales (keepdims)."""
+    x = x.astype(jnp.float32)
+    scale = fp8_scale(jnp.max(jnp.abs(x), axis=axis, keepdims=True), 7.0)
+    codes = jnp.clip(jnp.round(x / scale.astype(jnp.float32)), -8, 7)
+    return codes.astype(jnp.int8), scale
+
+
+def fake_quantize_fp8(x: jax.Array, axis: int = -1) -> jax.Array:
+    """``x`` through FP8 E4M3 with a float32 scale ``max|x| / 448`` over ``axis`` (float32 out)."""
+    x = x.astype(jnp.float32)
+    s = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / FP8_MAX
+    s = jnp.where(s > 0, s, 1.0)
+    return (x / s).astype(FP8).astype(jnp.float32) * s
+
+
+def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
+    """Pack unsigned ``bits``-bit codes along the last axis: ``[..., N] -> uint8 [..., N * bits / 8]``."""
+    per = 8 // bits
+    if codes.shape[-1] % per:
+        raise ValueError(f"last axis {codes.shape[-1]} is not a multiple of {per} ({bits}-bit codes per byte)")
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    mask = jnp.uint8(2**bits - 1)
+    parts = ((c & mask) << shifts).astype(jnp.uint32)
+    return jnp.sum(parts, axis=-1).astype(jnp.uint8)  # disjoint bit fields: the sum is the or
+
+
+def unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
+    """Inverse of :func:`pack_bits`: ``uint8 [..., M] -> uint8 [..., M * 8 / bits]``."""
+    per = 8 // bits
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    out = (packed[..., None] >> shifts) & jnp.uint8(2**bits - 1)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def pack_int4(codes: jax.Array) -> jax.Array:
+    """Signed INT4 codes (two's complement nibbles) packed two per byte along the last axis."""
+    return pack_bits(codes.astype(jnp.int8).astype(jnp.uint8) & jnp.uint8(0xF), 4)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """Inverse of :func:`pack_int4`: int8 codes in [-8, 7]."""
+    u = unpack_bits(packed, 4).astype(jnp.int8)
+    return jnp.where(u >= 8, u - 16, u).astype(jnp.int8)
