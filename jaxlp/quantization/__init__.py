@@ -1,0 +1,12 @@
+"""Quantized models: recipes, the quantized linear layer, ``quantize_model``, calibration."""
+
+from jaxlp.quantization.linear import QuantizedLinear, implementations, register_implementation
+from jaxlp.quantization.model import (
+    QuantizationReport,
+    collect_activation_amax,
+    quantize_model,
+    quantized_layers,
+    set_implementation,
+    set_mode,
+)
+from jaxlp.quantization.recipes import RECIPES, Recipe, get_recipe

@@ -1,0 +1,119 @@
+"""A linear layer whose weight is a quantized array: ``y = (act(x) @ dequant(W).T) * out_scale + b``.
+
+``implementation`` selects how the product is computed. ``"xla"`` is the pure-JAX reference
+and the CPU path: weight-only recipes dequantize the weight to the activation dtype and use
+XLA's dot; weight-activation recipes fake-quantize the activations and multiply the exactly
+dequantized values in float32 (for NVFP4 every element product is exact, so only the
+summation order separates this from a tensor-core kernel). GPU kernels register further
+implementations (``register_implementation``); ``"auto"`` picks the best registered one that
+supports the layer and falls back to ``"xla"``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlp.formats import QuantizedArray
+from jaxlp.quantization import activations
+
+NESTEDFP_MODES = ("fp16", "fp8")
+
+# name -> (supports(layer, x) -> bool, matmul(layer, x) -> y)
+_IMPLEMENTATIONS: dict[str, tuple[Callable, Callable]] = {}
+
+
+def register_implementation(name: str, supports: Callable, matmul: Callable) -> None:
+    """Add a kernel behind ``QuantizedLinear(implementation=name)`` (and ``"auto"``)."""
+    _IMPLEMENTATIONS[name] = (supports, matmul)
+
+
+def implementations() -> tuple[str, ...]:
+    return ("xla", "auto", *_IMPLEMENTATIONS)
+
+
+class QuantizedLinear(nnx.Module):
+    """Quantized replacement of :class:`jaxlp.models.layers.Linear` (weight ``[out, in]``).
+
+    weight: a QuantizedArray of shape ``[out_features, in_features]``.
+    activation: activation quantizer kind (see :mod:`~jaxlp.quantization.activations`) or None.
+    act_amax: calibrated amax of the input (static activation scales), or None.
+    out_scale: scalar multiplying the output (FireQ PTS stores ``1/p`` here).
+    mode: for NestedFP weights, ``"fp16"`` (exact) or ``"fp8"`` (the upper-byte FP8 model).
+    """
+
+    def __init__(
+        self,
+        weight: QuantizedArray,
+        bias: jax.Array | None = None,
+        *,
+        activation: str | None = None,
+        act_amax: jax.Array | None = None,
+        out_scale: float = 1.0,
+        implementation: str = "xla",
+        mode: str = "fp16",
+    ):
+        if len(weight.shape) != 2:
+            raise ValueError(f"QuantizedLinear needs a 2-D [out, in] weight, got shape {weight.shape}")
+        if activation is not None and activation not in activations.KINDS:
+            raise ValueError(f"unknown activation quantizer {activation!r}; known: {activations.KINDS}")
+        if activation in activations.STATIC and act_amax is None:
+            raise ValueError(f"activation {activation!r} needs a calibrated act_amax")
+        self.out_features, self.in_features = weight.shape
+        self.weight = nnx.Param(weight)
+        self.bias = None if bias is None else nnx.Param(bias)
+        self.act_amax = None if act_amax is None else nnx.Param(jnp.asarray(act_amax, jnp.float32))
+        self.activation = activation
+        self.out_scale = float(out_scale)
+        self.implementation = implementation
+        self.set_mode(mode)
+        self.set_implementation(implementation)
+
+    @property
+    def format(self) -> str:
+        return self.weight.get_value().format
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in NESTEDFP_MODES:
+            raise ValueError(f"NestedFP mode must be one of {NESTEDFP_MODES}, got {mode!r}")
+        self.mode = mode
+
+    def set_implementation(self, implementation: str) -> None:
+        if implementation not in implementations():
+            raise ValueError(f"unknown implementation {implementation!r}; available: {implementations()}")
+        self.implementation = implementation
+
+    def reference(self, x: jax.Array) -> jax.Array:
+        """The pure-JAX product (before bias), in x's dtype."""
+        w = self.weight.get_value()
+        nested_fp8 = w.format == "nestedfp" and self.mode == "fp8"
+        act = "nestedfp_fp8" if nested_fp8 else self.activation
+        if act is None:
+            wd = w.dequantize(jnp.float32 if w.format == "nestedfp" else x.dtype)
+            y = jnp.einsum("...k,nk->...n", x.astype(wd.dtype), wd, preferred_element_type=jnp.float32)
+        else:
+            amax = None if self.act_amax is None else self.act_amax[...]
+            xq = activations.fake_quantize(x, act, amax)
+            wd = w.dequantize_fp8(jnp.float32) if nested_fp8 else w.dequantize(jnp.float32)
+            y = jnp.einsum("...k,nk->...n", xq, wd, preferred_element_type=jnp.float32)
+        if self.out_scale != 1.0:
+            y = y * self.out_scale
+        return y.astype(x.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        impl = self.implementation
+        if impl == "auto":
+            impl = next((n for n, (ok, _) in _IMPLEMENTATIONS.items() if ok(self, x)), "xla")
+        if impl == "xla":
+            y = self.reference(x)
+        else:
+            supports, matmul = _IMPLEMENTATIONS[impl]
+            if not supports(self, x):
+                raise ValueError(f"implementation {impl!r} does not support this layer/input {x.shape}")
+            y = matmul(self, x)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y

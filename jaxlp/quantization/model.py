@@ -1,0 +1,191 @@
+"""``quantize_model``: rewrite a model's linear layers into :class:`QuantizedLinear` by a recipe.
+
+Calibration (for static activation scales) runs the model once per batch of offline token
+ids under ``jax.jit`` with observers on the selected layers that keep the running amax of
+their inputs. FireQ's CAS is folded into the preceding norms (and ``up_proj`` rows for
+``down_proj``) before quantization, and PTS scales each weight by a power of two that the
+layer's output scale undoes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlp import formats
+from jaxlp.formats import int4_fp8, nestedfp
+from jaxlp.models.layers import Linear
+from jaxlp.quantization.activations import STATIC
+from jaxlp.quantization.linear import QuantizedLinear
+from jaxlp.quantization.recipes import Recipe, get_recipe
+
+CAS_CONSTANTS = {"gate_up": 0.0096, "down": 0.015}  # FireQ's reference values for Llama-3-8B
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationReport:
+    """What ``quantize_model`` did: quantized layer paths, layers kept high precision and why."""
+
+    recipe: str
+    quantized: tuple[str, ...]
+    kept: tuple[tuple[str, str], ...]  # (path, reason)
+
+
+def _path_str(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def linear_layers(model, recipe: Recipe) -> dict[str, tuple]:
+    """``{path: (parent, attribute, Linear)}`` of the layers a recipe selects."""
+    found = {}
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, Linear) and recipe.selects(_path_str(path)):
+            parent = model
+            for p in path[:-1]:
+                parent = parent[p] if isinstance(p, int) else getattr(parent, p)
+            found[_path_str(path)] = (parent, path[-1], module)
+    return found
+
+
+class _AmaxObserver(nnx.Module):
+    def __init__(self, inner: Linear):
+        self.inner = inner
+        self.amax = nnx.Variable(jnp.zeros((), jnp.float32))
+
+    def __call__(self, x):
+        self.amax[...] = jnp.maximum(self.amax[...], jnp.max(jnp.abs(x.astype(jnp.float32))))
+        return self.inner(x)
+
+
+def _set(parent, attr, module):
+    if isinstance(attr, int):
+        parent[attr] = module
+    else:
+        setattr(parent, attr, module)
+
+
+def collect_activation_amax(model, layers: dict[str, tuple], calibration, *, batch_size: int = 4) -> dict[str, jax.Array]:
+    """Max |input| of each layer over ``calibration`` token ids ``[N, S]`` (no padding), one jit."""
+    from tqdm.auto import tqdm
+
+    ids = np.asarray(calibration)
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"calibration must be a non-empty [num_sequences, seq_len] array of token ids, got {ids.shape}")
+    if ids.min() < 0 or ids.max() >= model.config.vocab_size:
+        raise ValueError("calibration holds token ids outside the model's vocabulary")
+    observers = {}
+    for path, (parent, attr, linear) in layers.items():
+        observers[path] = _AmaxObserver(linear)
+        _set(parent, attr, observers[path])
+
+    @nnx.jit
+    def run(m, batch):
+        m.forward(batch)
+
+    try:
+        for start in tqdm(range(0, len(ids), batch_size), desc="calibrating", unit="batch", leave=False):
+            run(model, jnp.asarray(ids[start : start + batch_size]))
+    finally:
+        for path, (parent, attr, linear) in layers.items():
+            _set(parent, attr, linear)
+    return {path: obs.amax[...] for path, obs in observers.items()}
+
+
+def _fold_norm(norm, s: jax.Array):
+    """Divide an RMSNorm's gain by ``s`` (Gemma's ``1 + w`` gain included)."""
+    w = norm.weight[...].astype(jnp.float32)
+    new = (1.0 + w) / s - 1.0 if norm.offset else w / s
+    norm.weight.set_value(new.astype(norm.weight[...].dtype))
+
+
+def _apply_cas(model, weights: dict[str, jax.Array]) -> None:
+    """FireQ CAS on the MLPs: scale gate/up columns and down columns; fold the inverses."""
+    for i, layer in enumerate(model.layers):
+        gate, up, down = (f"layers.{i}.mlp.{n}_proj" for n in ("gate", "up", "down"))
+        if gate in weights and up in weights:
+            s = int4_fp8.cas_scales([weights[gate], weights[up]], CAS_CONSTANTS["gate_up"])
+            weights[gate], weights[up] = weights[gate] * s, weights[up] * s
+            _fold_norm(layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm, s)
+        if down in weights and up in weights:
+            s = int4_fp8.cas_scales([weights[down]], CAS_CONSTANTS["down"])
+            weights[down] = weights[down] * s
+            weights[up] = weights[up] / s[:, None]
+            if layer.mlp.up_proj.bias is not None:
+                b = layer.mlp.up_proj.bias
+                b.set_value((b[...].astype(jnp.float32) / s).astype(b[...].dtype))
+
+
+def quantize_model(
+    model,
+    recipe: str | Recipe,
+    *,
+    calibration=None,
+    calibration_batch_size: int = 4,
+    implementation: str = "xla",
+    inplace: bool = False,
+):
+    """Return a copy of ``model`` (unless ``inplace``) whose selected linears compute in the recipe's format.
+
+    ``calibration``: token ids ``[N, S]`` for recipes with static activation scales (NVFP4
+    W4A4). The result has ``model.quantization``, a :class:`QuantizationReport`.
+    """
+    recipe = get_recipe(recipe)
+    if not inplace:
+        model = nnx.clone(model)
+    layers = linear_layers(model, recipe)
+    if not layers:
+        raise ValueError(f"recipe {recipe.name!r} selects no linear layer (include={recipe.include!r})")
+    amax = {}
+    if recipe.activation in STATIC:
+        if calibration is None:
+            raise ValueError(f"recipe {recipe.name!r} quantizes activations with a static scale: pass calibration=")
+        amax = collect_activation_amax(model, layers, calibration, batch_size=calibration_batch_size)
+
+    weights = {p: lin.weight[...].astype(jnp.float32) for p, (_, _, lin) in layers.items()}
+    if recipe.cas:
+        _apply_cas(model, weights)
+    options = dict(recipe.weight_options)
+    quantized, kept = [], []
+    for path, (parent, attr, linear) in layers.items():
+        w = weights[path]
+        if recipe.weight_format == "nestedfp":
+            threshold = options.get("threshold", nestedfp.DEFAULT_THRESHOLD)
+            if not nestedfp.is_eligible(w.astype(jnp.float16), threshold):
+                kept.append((path, f"NestedFP exception layer: max |w| > {threshold}"))
+                continue
+        p = int4_fp8.pts_factor(w) if recipe.pts else jnp.float32(1.0)
+        q = formats.quantize(w * p, recipe.weight_format, **options)
+        bias = None if linear.bias is None else linear.bias[...]
+        _set(parent, attr, QuantizedLinear(
+            q, bias, activation=recipe.activation, act_amax=amax.get(path), out_scale=float(1.0 / p),
+            implementation=implementation,
+        ))
+        quantized.append(path)
+    model.quantization = QuantizationReport(recipe.name, tuple(quantized), tuple(kept))
+    return model
+
+
+def quantized_layers(model) -> Iterable[tuple[str, QuantizedLinear]]:
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, QuantizedLinear):
+            yield _path_str(path), module
+
+
+def set_mode(model, mode: str):
+    """Switch every NestedFP layer between ``"fp16"`` and ``"fp8"`` (same stored bytes); returns model."""
+    for _, layer in quantized_layers(model):
+        if layer.format == "nestedfp":
+            layer.set_mode(mode)
+    return model
+
+
+def set_implementation(model, implementation: str):
+    """Select the matmul implementation of every quantized layer; returns model."""
+    for _, layer in quantized_layers(model):
+        layer.set_implementation(implementation)
+    return model
