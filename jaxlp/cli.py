@@ -1,4 +1,4 @@
-"""Command line: ``jaxlp generate``, ``jaxlp info``, ``jaxlp demo``.
+"""Command line: ``jaxlp generate``, ``jaxlp quantize``, ``jaxlp info``, ``jaxlp demo``.
 
 User errors (missing or corrupt files, unsupported architectures, bad prompts) print one
 line ``jaxlp: error: ...`` and exit with status 2; no traceback.
@@ -53,6 +53,10 @@ def cmd_generate(args) -> int:
     with console.status(f"loading {args.model}"):
         model = jaxlp.from_pretrained(args.model, dtype=jnp.dtype(args.dtype))
         tokenizer = load_tokenizer(args.model)
+    if args.nestedfp_mode != "fp16":
+        from jaxlp.quantization import set_mode
+
+        set_mode(model, args.nestedfp_mode)
     prompt_ids = tokenizer.encode(args.prompt).ids
     sampler = make_sampler(args)
     start = time.perf_counter()
@@ -89,10 +93,32 @@ def _checkpoint_tensors(path: Path) -> tuple[int, int, dict[str, int]]:
     return count, nbytes, per_dtype
 
 
+def _info_quantized(path: Path) -> int:
+    import jax
+    from flax import nnx
+
+    from jaxlp.formats import QuantizedArray
+    from jaxlp.quantization.saving import load_quantized
+
+    model = load_quantized(path)
+    leaves = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, QuantizedArray))
+    quantized = sum(x.nbytes for x in leaves if isinstance(x, QuantizedArray))
+    other = sum(x.nbytes for x in leaves if not isinstance(x, QuantizedArray))
+    c, report = model.config, model.quantization
+    print(f"architecture  {c.model_type}, {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}")
+    print(f"recipe        {report.recipe}: {len(report.quantized)} layers quantized, {len(report.kept)} kept")
+    print(f"bytes         {quantized + other:,} ({quantized:,} in quantized layers, {other:,} high precision)")
+    return 0
+
+
 def cmd_info(args) -> int:
     from jaxlp.models.loading import read_config
 
     path = Path(args.model)
+    from jaxlp.quantization.saving import is_quantized_checkpoint
+
+    if is_quantized_checkpoint(path):
+        return _info_quantized(path)
     c = read_config(path)
     count, nbytes, per_dtype = _checkpoint_tensors(path)
     rows = [
@@ -110,6 +136,36 @@ def cmd_info(args) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    import jax.numpy as jnp
+
+    import jaxlp
+    from jaxlp.data import token_windows
+    from jaxlp.models.tokenizer import load_tokenizer
+    from jaxlp.quantization import get_recipe, save_quantized
+
+    recipe = get_recipe(args.recipe)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise UserError(f"{out} exists and is not empty (pass --overwrite)")
+    console = _console()
+    with console.status(f"loading {args.model}"):
+        model = jaxlp.from_pretrained(args.model, dtype=jnp.dtype(args.dtype))
+        tokenizer = load_tokenizer(args.model)
+    calibration = None
+    if recipe.activation in ("nvfp4",):
+        calibration = token_windows(tokenizer, args.calibration_sequences, args.calibration_length)
+        console.print(f"calibrating on {calibration.shape[0]} x {calibration.shape[1]} tokens of offline text")
+    quantized = jaxlp.quantize_model(model, recipe, calibration=calibration)
+    with console.status(f"saving to {out}"):
+        save_quantized(quantized, out, tokenizer_from=args.model, overwrite=args.overwrite)
+    report = quantized.quantization
+    print(f"{recipe.name}: {len(report.quantized)} layers quantized, {len(report.kept)} kept high precision -> {out}")
+    for path, why in report.kept:
+        print(f"  kept {path}: {why}")
     return 0
 
 
@@ -136,11 +192,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     g.add_argument("--kv-cache", default="bf16")
+    g.add_argument("--nestedfp-mode", default="fp16", choices=("fp16", "fp8"),
+                   help="for NestedFP checkpoints: compute with the FP16 or the FP8 model")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="describe a checkpoint: architecture, parameters, bytes")
     i.add_argument("--model", required=True)
     i.set_defaults(func=cmd_info)
+
+    q = sub.add_parser("quantize", help="quantize a checkpoint with a recipe and save it")
+    q.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    q.add_argument("--recipe", required=True, help="e.g. w4a4-nvfp4, w4a16-nvfp4, w8a8-fp8, w4a8-fireq, nestedfp")
+    q.add_argument("--out", required=True, help="output directory (loadable by jaxlp generate --model)")
+    q.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    q.add_argument("--calibration-sequences", type=int, default=8)
+    q.add_argument("--calibration-length", type=int, default=512)
+    q.add_argument("--overwrite", action="store_true")
+    q.set_defaults(func=cmd_quantize)
 
     d = sub.add_parser("demo", help="run generation on the built-in model (no downloads)")
     d.add_argument("--max-new-tokens", type=int, default=48)
@@ -156,7 +224,7 @@ def main(argv=None) -> int:
 
     try:
         return args.func(args)
-    except (UserError, CheckpointFormatError, UnsupportedConfigError, ValueError, FileNotFoundError) as e:
+    except (UserError, CheckpointFormatError, UnsupportedConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"jaxlp: error: {e}", file=sys.stderr)
         return 2
 

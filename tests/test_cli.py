@@ -78,3 +78,18 @@ def test_console_script_demo_runs():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "tok/s" in proc.stdout and "greedy" in proc.stdout
+
+
+def test_quantize_then_generate_and_info(model_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(model_dir), "--recipe", "w4a4-nvfp4", "--out", str(out),
+                 "--calibration-sequences", "2", "--calibration-length", "64", "--dtype", "float32"]) == 0
+    assert "14 layers quantized" in capsys.readouterr().out
+    assert main(["generate", "--model", str(out), "--prompt", "1 + 2 =", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["info", "--model", str(out)]) == 0
+    assert "w4a4-nvfp4" in capsys.readouterr().out
+    assert main(["quantize", "--model", str(model_dir), "--recipe", "w4a4-nvfp4", "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(model_dir), "--recipe", "w2a2", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown recipe" in capsys.readouterr().err

@@ -38,9 +38,14 @@ def _check_float(x: jax.Array, what: str) -> None:
 
 
 def _sign_bits(x: jax.Array) -> jax.Array:
-    """``x < 0`` from the bit pattern (independent of flush-to-zero of subnormals), as uint8 0/1."""
+    """``x < 0`` from the bit pattern, as uint8 0/1; a negative subnormal counts as negative.
+
+    XLA compiles with subnormals flushed to zero and LLVM may turn an integer test on a bitcast
+    float back into a float comparison (then a subnormal is zero); the optimization barrier on
+    the integer bits keeps the test bitwise.
+    """
     bits = jnp.finfo(x.dtype).bits
-    u = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}"))
+    u = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}")))
     sign = (u >> (bits - 1)) & 1
     nonzero = (u & ((1 << (bits - 1)) - 1)) != 0
     return (sign.astype(jnp.uint8) & nonzero.astype(jnp.uint8)).astype(jnp.uint8)
@@ -50,9 +55,10 @@ def _sign_bits(x: jax.Array) -> jax.Array:
 def encode(x: jax.Array, sign_of: jax.Array | None = None) -> jax.Array:
     """Round ``x`` to E2M1 codes (uint8 0..15): clip to +-6, nearest, ties to even.
 
-    sign_of: take the sign bit from ``sign_of < 0`` instead of ``x < 0`` (same shape). Pass the
-    unscaled input when ``x = input / positive_scale``: XLA flushes FP32 subnormals to zero, so a
-    tiny scaled value may lose its sign. NaN encodes as 0 (callers reject NaN before encoding).
+    sign_of: take the sign bit from ``sign_of < 0`` instead of ``x < 0`` (same shape), for
+    callers that clip or rescale before encoding: XLA flushes FP32 subnormals to zero in
+    arithmetic, which would drop the sign of a tiny value. The sign is read from the bits, so a
+    negative subnormal counts as negative. NaN encodes as 0 (callers reject NaN before encoding).
     """
     x = jnp.asarray(x)
     _check_float(x, "e2m1.encode")

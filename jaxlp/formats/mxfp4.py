@@ -7,7 +7,8 @@ consecutive elements along K, in FP32:
   E8M0 range ``[-127, 127]``. ``floor(log2)`` is read from the FP32 exponent bits (exact).
   An all-zero block (and any block with amax below ``2**-124``) gets ``-127``, as the OCP
   reference library (microxcaling) does.
-- element ``q = rne_e2m1(clip(x / 2**shared_exp, -6, 6))``; the division is exact (a power of two).
+- element ``q = rne_e2m1(clip(x / 2**shared_exp, -6, 6))``; the division is exact (a power of two),
+  the sign bit is ``x < 0``. FP32 subnormal inputs count as zero in magnitude (XLA flushes them).
 
 Dequantization: ``e2m1(q) * 2**shared_exp`` in FP32, then cast (results below ``2**-126`` are
 flushed to zero by XLA). Scales are stored as ``float8_e8m0fnu`` (the biased exponent

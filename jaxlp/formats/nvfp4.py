@@ -14,8 +14,12 @@ For ``x`` of shape ``[..., K]`` (K a multiple of 16), all arithmetic in FP32 as 
 - element ``q = rne_e2m1(clip(x / (e4m3(s) * g), -6, 6))`` (the denominator is rounded to FP32
   first). With a static scale, values above the calibrated amax saturate (s = 448, q = +-6).
 
+  The sign bit is ModelOpt's ``quotient < 0`` (a quotient that underflows to -0 encodes as +0).
+
 Divisions are IEEE divisions (:func:`~jaxlp.formats.base.exact_divide`; XLA's own division is
-not correctly rounded), so results match ModelOpt bit for bit on every backend.
+not correctly rounded) and the E4M3 rounding of ``s`` is kept with
+:func:`~jaxlp.formats.base.cast_rounded` (XLA on GPU would fold the round trip away), so codes
+and scales match ModelOpt bit for bit on CPU and GPU (checked on an H100).
 Dequantization: ``(e2m1(q) * e4m3(s)) * g`` in FP32 (the first product is exact), then cast.
 Storage: 4 bits per element + 8 bits per 16 + 32 bits per tensor = 4.5 bits + 32/size.
 """

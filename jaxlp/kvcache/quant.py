@@ -31,10 +31,16 @@ def minmax_quantize(x: jax.Array, bits: int, axis: int) -> tuple[jax.Array, jax.
     """Asymmetric ``bits``-bit codes (uint8) of ``x`` over ``axis``; scale and min in FP16 (keepdims)."""
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    return minmax_quantize_levels(x, 2**bits - 1, axis)
+
+
+def minmax_quantize_levels(x: jax.Array, levels, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """As :func:`minmax_quantize` with ``levels = 2**bits - 1`` given directly (it may be an
+    array broadcasting against the reduced shape, for mixed precision)."""
     x = x.astype(jnp.float32)
     lo = jnp.min(x, axis=axis, keepdims=True)
     hi = jnp.max(x, axis=axis, keepdims=True)
-    levels = 2**bits - 1
+    levels = jnp.asarray(levels, jnp.float32)
     scale = jnp.maximum((hi - lo) / levels, SCALE_FLOOR).astype(jnp.float16)
     lo = lo.astype(jnp.float16)
     codes = jnp.floor((x - lo.astype(jnp.float32)) / scale.astype(jnp.float32) + 0.5)

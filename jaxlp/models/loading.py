@@ -130,15 +130,26 @@ def shard_model(model: Transformer, mesh: Mesh) -> Transformer:
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         name = ".".join(str(p) for p in path)
-        value = var[...]
+        value = var.get_value()
+        if not isinstance(value, jax.Array):
+            raise ValueError(f"tensor parallelism of quantized layers is not supported yet ({name})")
         var.set_value(jax.device_put(value, NamedSharding(mesh, tp_spec(name, value.shape, model.config, tp))))
     nnx.update(model, nnx.from_flat_state(flat))
     return model
 
 
 def from_pretrained(path: str | Path, *, dtype=jnp.bfloat16, mesh: Mesh | None = None) -> Transformer:
-    """Load a Hugging Face checkpoint directory as a :class:`Transformer` with ``dtype`` params."""
+    """Load a Hugging Face checkpoint directory as a :class:`Transformer` with ``dtype`` params.
+
+    A directory written by :func:`jaxlp.quantization.save_quantized` loads as the quantized
+    model it holds (its own dtype; ``dtype`` is ignored).
+    """
     path = Path(path)
+    from jaxlp.quantization.saving import is_quantized_checkpoint, load_quantized
+
+    if is_quantized_checkpoint(path):
+        model = load_quantized(path)
+        return shard_model(model, mesh) if mesh is not None else model
     config = read_config(path)
     tensors = _read_tensors(safetensors_files(path))
     if config.tie_word_embeddings:

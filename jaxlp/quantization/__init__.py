@@ -10,3 +10,4 @@ from jaxlp.quantization.model import (
     set_mode,
 )
 from jaxlp.quantization.recipes import RECIPES, Recipe, get_recipe
+from jaxlp.quantization.saving import is_quantized_checkpoint, load_quantized, save_quantized

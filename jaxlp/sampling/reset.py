@@ -93,6 +93,9 @@ def _is_member(tokens: jax.Array, ids: tuple[int, ...]) -> jax.Array:
 
 def _normalize_ids(name: str, ids: Any) -> tuple[int, ...]:
     """A sorted tuple of distinct non-negative ints (hashable, so usable as a static field)."""
+    if isinstance(ids, tuple) and all(type(i) is int for i in ids):  # fast path (unflattening)
+        if all(0 <= a < b for a, b in zip(ids, ids[1:])) and (not ids or ids[0] >= 0):
+            return ids
     try:
         values = list(np.asarray(ids).reshape(-1)) if not isinstance(ids, (str, bytes)) else None
     except (TypeError, ValueError):

@@ -1,0 +1,298 @@
+"""Shared layout of the quantized KV caches (KIVI, Kitty, FireQ): sink, FP ring, quantized units.
+
+Per layer and row, positions map to three regions (``off`` = sink length):
+
+* ``p < off``: the sink, kept in ``dtype`` (FP16) for keys and values.
+* ``j = p - off >= 0``: a *stream* per keys and values. The first ``quantized(m)`` of the
+  row's ``m`` non-sink tokens are held quantized, in units of ``unit`` consecutive tokens
+  (a page of 128 tokens, or a single token); the rest (a Q-buffer, a local window) sit in
+  a full-precision ring of ``ring`` slots, slot ``j % ring``. With ``lag`` the number of
+  newest tokens always kept in full precision::
+
+      quantized(m) = unit * floor(max(m - lag, 0) / unit)
+
+  Kitty keys: unit 128, lag 0 (a page is packed when its Q-buffer fills); Kitty values:
+  unit 128, lag 128 (local window, then a value Q-buffer); KIVI keys: unit 128 (the
+  residual), lag 0; KIVI values: unit 1, lag 128; FireQ: unit 1, lag 0.
+
+Each :meth:`~QuantizedLayerCache.attend` call carries a contiguous run of positions
+``[start, end)`` per row (prefill: ``0..S-1``; decode: one position). The row's state
+before the call is taken to hold exactly ``start`` tokens, so that the representation of
+old tokens follows the rule above with ``m = start - off``; the call's own tokens are
+attended in full precision; afterwards they are stored, and every unit that the rule now
+marks quantized is quantized (several at once after a long prefill, at different steps
+for different rows). A position outside ``[0, max_len)`` marks a padding token: never
+stored, never seen.
+
+Rows whose call starts before the end of what they stored (a decode step at
+``length < S`` after a right-padded prefill of ``S`` positions) rewind: the ring records
+which position each slot holds, and a full-precision slot that was overwritten by a later
+(padding) position is read back from its quantized unit instead. That is exact when the
+overwritten tokens were never packed with padding; marking padded prompt positions as
+padding (outside ``[0, max_len)``) makes every case exact.
+
+Attention (:meth:`~QuantizedLayerCache.attend`) is the reference path: :meth:`dequantize`
+builds full-precision ``[B, max_len, KVH, D]`` keys and values, then
+:func:`jaxlp.models.attention.causal_attention` runs in float32. A fused kernel replaces
+those two steps and keeps :meth:`QuantizedLayerCache.store`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxlp.kvcache.base import CacheFormat, KVCache, LayerCache
+from jaxlp.models.attention import causal_attention
+
+if TYPE_CHECKING:
+    from jaxlp.models.config import ModelConfig
+
+AMORTIZE_LEN = 4096
+
+
+class Codec:
+    """Quantizes units of ``unit`` tokens of one head: ``encode(x [..., unit, D] f32) -> pytree``
+    (leaves with the same leading dims), ``decode(pytree) -> [..., unit, D] f32``."""
+
+    unit: int = 1
+
+    def encode(self, x: jax.Array) -> Any:
+        raise NotImplementedError
+
+    def decode(self, store: Any) -> jax.Array:
+        raise NotImplementedError
+
+    def unit_shapes(self, head_dim: int) -> Any:
+        """Shape/dtype pytree of one encoded unit of one head."""
+        return jax.eval_shape(self.encode, jax.ShapeDtypeStruct((self.unit, head_dim), jnp.float32))
+
+    def unit_bytes(self, head_dim: int) -> int:
+        """Bytes of one encoded unit of one head (codes and metadata)."""
+        return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(self.unit_shapes(head_dim)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+    """Static layout of a key or value stream (see module doc)."""
+
+    codec: Codec
+    lag: int
+    ring: int  # full-precision slots
+    units: int  # quantized units allocated
+
+    @property
+    def unit(self) -> int:
+        return self.codec.unit
+
+    def quantized(self, m):
+        """How many of the first ``m`` non-sink tokens are held quantized."""
+        return self.unit * (jnp.maximum(m - self.lag, 0) // self.unit)
+
+    @classmethod
+    def make(cls, codec: Codec, lag: int, num_tokens: int) -> "StreamSpec":
+        """The stream for ``num_tokens`` non-sink positions: a ring just large enough."""
+        quantized = codec.unit * (max(num_tokens - lag, 0) // codec.unit)
+        return cls(codec, lag, min(lag + codec.unit - 1, num_tokens), quantized // codec.unit)
+
+    def bytes(self, num_heads: int, head_dim: int, itemsize: int) -> int:
+        """Bytes per row: ring (values and int32 slot positions) and quantized units."""
+        ring = self.ring * (num_heads * head_dim * itemsize + 4)
+        return ring + self.units * num_heads * self.codec.unit_bytes(head_dim)
+
+
+def _empty_store(codec: Codec, lead: tuple[int, ...], head_dim: int):
+    return jax.tree.map(lambda s: jnp.zeros(lead + s.shape, s.dtype), codec.unit_shapes(head_dim))
+
+
+def _decode_store(codec: Codec, store) -> jax.Array:
+    """``[B, U, KVH, ...]`` units to ``[B, U * unit, KVH, D]`` float32."""
+    x = codec.decode(store)  # [B, U, KVH, unit, D]
+    b, u, h, t, d = x.shape
+    return jnp.moveaxis(x, 3, 2).reshape(b, u * t, h, d)
+
+
+def call_bounds(positions: jax.Array, max_len: int):
+    """Valid mask ``[B, S]`` and each row's ``start, end`` (0, 0 for a row of padding only)."""
+    valid = (positions >= 0) & (positions < max_len)
+    end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
+    start = jnp.min(jnp.where(valid, positions, max_len), axis=1)
+    return valid, jnp.where(end > 0, start, 0), end
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["sink_k", "sink_v", "k_ring", "k_ring_pos", "v_ring", "v_ring_pos", "k_store", "v_store"],
+    meta_fields=["k_spec", "v_spec", "max_len"],
+)
+@dataclasses.dataclass(frozen=True)
+class QuantizedLayerCache(LayerCache):
+    """One layer: sink ``[B, off, KVH, D]``, rings ``[B, R, KVH, D]`` with slot positions
+    ``[B, R]`` (-1: empty), quantized units (pytrees of ``[B, U, KVH, ...]``)."""
+
+    sink_k: jax.Array
+    sink_v: jax.Array
+    k_ring: jax.Array
+    k_ring_pos: jax.Array
+    v_ring: jax.Array
+    v_ring_pos: jax.Array
+    k_store: Any
+    v_store: Any
+    k_spec: StreamSpec
+    v_spec: StreamSpec
+    max_len: int
+
+    @property
+    def sink_len(self) -> int:
+        return self.sink_k.shape[1]
+
+    def dequantize(self, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values ``[B, max_len, KVH, D]`` float32 as the cache holds them for rows
+        holding ``start`` tokens (slots at or beyond ``start`` hold stale data)."""
+        k = self._view(self.k_spec, self.sink_k, self.k_ring, self.k_ring_pos, self.k_store, start)
+        v = self._view(self.v_spec, self.sink_v, self.v_ring, self.v_ring_pos, self.v_store, start)
+        return k, v
+
+    def _view(self, spec, sink, ring, ring_pos, store, start):
+        off, m_all = self.sink_len, self.max_len - self.sink_len
+        tail = _decode_store(spec.codec, store)
+        tail = jnp.pad(tail, ((0, 0), (0, m_all - tail.shape[1]), (0, 0), (0, 0)))
+        if spec.ring:
+            j = jnp.arange(m_all)
+            slot = j % spec.ring
+            in_ring = ring_pos[:, slot] == j
+            full = j[None] >= spec.quantized(jnp.maximum(start - off, 0))[:, None]
+            tail = jnp.where((in_ring & full)[:, :, None, None], ring[:, slot].astype(jnp.float32), tail)
+        return jnp.concatenate([sink.astype(jnp.float32), tail], axis=1)
+
+    def attend(self, q, k, v, positions, *, scale, window, softcap):
+        b, s = positions.shape
+        if q.shape[:2] != (b, s) or k.shape != v.shape or k.shape[:2] != (b, s):
+            raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} do not match positions {positions.shape}")
+        valid, start, end = call_bounds(positions, self.max_len)
+        keys, values = self.dequantize(start)
+        rows = jnp.arange(b)[:, None]
+        slots = jnp.where(valid, positions, self.max_len)
+        keys = keys.at[rows, slots].set(k.astype(jnp.float32), mode="drop")
+        values = values.at[rows, slots].set(v.astype(jnp.float32), mode="drop")
+        out = causal_attention(
+            q.astype(jnp.float32), keys, values, positions, jnp.arange(self.max_len),
+            scale=scale, window=window, softcap=softcap,
+        )
+        return out.astype(q.dtype), self.store(k, v, positions)
+
+    def store(self, k, v, positions) -> "QuantizedLayerCache":
+        """The state after storing ``k, v [B, S, KVH, D]`` at ``positions`` (see module doc)."""
+        valid, start, end = call_bounds(positions, self.max_len)
+        rows = jnp.arange(positions.shape[0])[:, None]
+        off = self.sink_len
+        sink_slot = jnp.where(valid & (positions < off), positions, off)
+        dtype = self.sink_k.dtype
+        new = dict(
+            sink_k=self.sink_k.at[rows, sink_slot].set(k.astype(dtype), mode="drop"),
+            sink_v=self.sink_v.at[rows, sink_slot].set(v.astype(dtype), mode="drop"),
+        )
+        for name, x in (("k", k), ("v", v)):
+            spec = getattr(self, f"{name}_spec")
+            ring, ring_pos, store = self._update_stream(
+                spec, getattr(self, f"{name}_ring"), getattr(self, f"{name}_ring_pos"),
+                getattr(self, f"{name}_store"), x.astype(dtype), positions, valid, start, end,
+            )
+            new.update({f"{name}_ring": ring, f"{name}_ring_pos": ring_pos, f"{name}_store": store})
+        return dataclasses.replace(self, **new)
+
+    def _update_stream(self, spec, ring, ring_pos, store, x, positions, valid, start, end):
+        b, s = positions.shape
+        off = self.sink_len
+        m_start, m_end = jnp.maximum(start - off, 0), jnp.maximum(end - off, 0)
+        if spec.units:
+            unit = spec.unit
+            count = min(spec.units, -(-s // unit))  # units a call of s tokens can complete
+            first, stop = spec.quantized(m_start) // unit, spec.quantized(m_end) // unit
+            u = first[:, None] + jnp.arange(count)  # [B, count]
+            j = u[:, :, None] * unit + jnp.arange(unit)  # [B, count, unit] non-sink index
+            r3 = jnp.arange(b)[:, None, None]
+            call = jnp.clip(j + off - start[:, None, None], 0, s - 1)
+            in_call = valid[r3, call] & (positions[r3, call] == j + off)
+            old = _decode_store(spec.codec, store)
+            old = old[r3, jnp.clip(j, 0, old.shape[1] - 1)].astype(x.dtype)
+            if spec.ring:
+                slot = j % spec.ring
+                in_ring = ring_pos[r3, slot] == j
+                old = jnp.where(in_ring[..., None, None], ring[r3, slot], old)
+            fp = jnp.where(in_call[..., None, None], x[r3, call], old)  # [B, count, unit, KVH, D]
+            units = spec.codec.encode(jnp.moveaxis(fp, 2, 3).astype(jnp.float32))
+            target = jnp.where(u < stop[:, None], u, spec.units)
+            rows = jnp.arange(b)[:, None]
+            store = jax.tree.map(lambda st, new: st.at[rows, target].set(new, mode="drop"), store, units)
+        if spec.ring:
+            j = positions - off
+            keep = valid & (j >= 0) & (j >= spec.quantized(m_end)[:, None])
+            slot = jnp.where(keep, j % spec.ring, spec.ring)
+            rows = jnp.arange(b)[:, None]
+            ring = ring.at[rows, slot].set(x, mode="drop")
+            ring_pos = ring_pos.at[rows, slot].set(j, mode="drop")
+        return ring, ring_pos, store
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedCacheFormat(CacheFormat):
+    """A cache of sink + key/value streams. Subclasses give ``sink``, ``dtype`` and
+    ``streams(config) -> ((key codec, key lag), (value codec, value lag))``."""
+
+    sink: int = 0
+    dtype: Any = jnp.float16
+
+    def streams(self, config: ModelConfig) -> tuple[tuple[Codec, int], tuple[Codec, int]]:
+        raise NotImplementedError
+
+    def layout(self, config: ModelConfig, max_len: int) -> tuple[int, StreamSpec, StreamSpec]:
+        """``(sink length, key stream, value stream)`` for ``max_len`` positions."""
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        off = min(self.sink, max_len)
+        (kc, kl), (vc, vl) = self.streams(config)
+        return off, StreamSpec.make(kc, kl, max_len - off), StreamSpec.make(vc, vl, max_len - off)
+
+    def init_layer(self, config: ModelConfig, batch_size: int, max_len: int) -> QuantizedLayerCache:
+        off, ks, vs = self.layout(config, max_len)
+        h, d = config.num_kv_heads, config.head_dim
+        return QuantizedLayerCache(
+            sink_k=jnp.zeros((batch_size, off, h, d), self.dtype),
+            sink_v=jnp.zeros((batch_size, off, h, d), self.dtype),
+            k_ring=jnp.zeros((batch_size, ks.ring, h, d), self.dtype),
+            k_ring_pos=jnp.full((batch_size, ks.ring), -1, jnp.int32),
+            v_ring=jnp.zeros((batch_size, vs.ring, h, d), self.dtype),
+            v_ring_pos=jnp.full((batch_size, vs.ring), -1, jnp.int32),
+            k_store=_empty_store(ks.codec, (batch_size, ks.units, h), d),
+            v_store=_empty_store(vs.codec, (batch_size, vs.units, h), d),
+            k_spec=ks, v_spec=vs, max_len=max_len,
+        )
+
+    def init(self, config: ModelConfig, batch_size: int, max_len: int) -> KVCache:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return KVCache(tuple(self.init_layer(config, batch_size, max_len) for _ in range(config.num_layers)))
+
+    def bytes_for(self, config: ModelConfig, num_tokens: int) -> int:
+        """Exact bytes of one layer's state for one row of ``num_tokens`` positions: sink,
+        full-precision rings (with their int32 slot positions) and the quantized units that a
+        sequence of that length fills (the state :meth:`init` allocates for ``max_len =
+        num_tokens``)."""
+        off, ks, vs = self.layout(config, num_tokens)
+        h, d, item = config.num_kv_heads, config.head_dim, jnp.dtype(self.dtype).itemsize
+        return 2 * off * h * d * item + ks.bytes(h, d, item) + vs.bytes(h, d, item)
+
+    def fixed_bytes(self, config: ModelConfig) -> int:
+        """Bytes per layer that do not grow with the batch (0 here)."""
+        return 0
+
+    def bytes_per_token(self, config: ModelConfig) -> float:
+        """Bytes per token per layer at a context of 4096 tokens: ``bytes_for(config, 4096) / 4096``
+        (sink, rings and metadata amortised over that context)."""
+        return self.bytes_for(config, AMORTIZE_LEN) / AMORTIZE_LEN
