@@ -12,3 +12,7 @@ from jaxlp.formats.mxfp4 import MXFP4Array
 from jaxlp.formats.nvfp4 import NVFP4Array
 
 # --- NestedFP, INT4xFP8 (FireQ), DialectFP4 (BlockDialect) ---
+from jaxlp.formats import dialect_fp4, int4_fp8, nestedfp
+from jaxlp.formats.dialect_fp4 import DialectFP4Array
+from jaxlp.formats.int4_fp8 import Int4FP8Array
+from jaxlp.formats.nestedfp import NestedFPArray

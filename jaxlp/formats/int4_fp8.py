@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlp.formats.base import (
+    cast_rounded,
     QuantizedArray,
     check_blocks,
     check_field,
@@ -53,7 +54,7 @@ PTS_UNDERFLOW = 7 * 2.0**-9
 
 def _fp8(x: jax.Array) -> jax.Array:
     """Round float32 to float8_e4m3fn (RNE), saturating at +-448 instead of overflowing to NaN."""
-    return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return cast_rounded(jnp.clip(x, -FP8_MAX, FP8_MAX), jnp.float8_e4m3fn)
 
 
 def _check_group_size(group_size) -> None:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlp.formats import dialect_fp4, fp8, int4_fp8, mxfp4, nvfp4
+from jaxlp.formats.base import cast_rounded
 
 STATIC = {"nvfp4"}  # activation formats that need a calibrated amax
 
@@ -27,7 +28,7 @@ STATIC = {"nvfp4"}  # activation formats that need a calibrated amax
 def _nestedfp_fp8(x):
     absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     scale = jnp.clip(0.7 * 448.0 / jnp.maximum(absmax, 1e-5), 0.1, 50.0)
-    x8 = jnp.clip(x * scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    x8 = cast_rounded(jnp.clip(x * scale, -448.0, 448.0), jnp.float8_e4m3fn)
     return x8.astype(jnp.float32) / scale
 
 

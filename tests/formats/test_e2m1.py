@@ -52,6 +52,14 @@ def test_exact_values_and_clipping():
     np.testing.assert_array_equal(codes, [0, 1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 15, 15, 9, 0, 8, 0])
 
 
+def test_negative_subnormals_keep_their_sign():
+    # XLA flushes FP32 subnormals in arithmetic; the sign test must stay bitwise (ModelOpt: x < 0).
+    x = np.array([-1e-39, 1e-39, -1e-45, -0.0, 0.0, -1.0], np.float32)
+    np.testing.assert_array_equal(np.asarray(e2m1.encode(jnp.asarray(x))), [8, 0, 8, 0, 0, 10])
+    clipped = jax.jit(lambda v: e2m1.encode(jnp.clip(v, -6, 6), sign_of=v))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(clipped), [8, 0, 8, 0, 0, 10])
+
+
 def test_random_matches_references():
     rng = np.random.default_rng(101)
     x = np.concatenate(

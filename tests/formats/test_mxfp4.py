@@ -52,6 +52,7 @@ def assert_matches(q, ref):
     assert scale.dtype == ml_dtypes.float8_e8m0fnu
     np.testing.assert_array_equal(scale.view(np.uint8), (shared + 127).astype(np.uint8))
     np.testing.assert_array_equal(scale.astype(np.float64), np.exp2(shared))  # ml_dtypes decodes E8M0
+    np.testing.assert_array_equal(scale.view(np.uint8), np.exp2(shared).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(q.shared_exponent()), shared)
     np.testing.assert_array_equal(np.asarray(q.dequantize()), deq)
 
