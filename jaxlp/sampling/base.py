@@ -60,17 +60,37 @@ def filter_logits(
         threshold = jnp.max(logp, axis=-1, keepdims=True) + jnp.log(jnp.asarray(min_p, jnp.float32))[..., None]
         logits = jnp.where(logp < threshold, neg_inf, logits)
     if top_p is not None:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        p = jnp.asarray(top_p, jnp.float32)[..., None]
-        drop_sorted = mass_before >= p
-        drop_sorted = drop_sorted.at[..., 0].set(False)
-        # Threshold = smallest kept logit; ties with it are kept too (as with a sort cut).
-        kept_min = jnp.min(jnp.where(drop_sorted, jnp.inf, sorted_logits), axis=-1, keepdims=True)
-        logits = jnp.where(logits < kept_min, neg_inf, logits)
+        logits = jnp.where(logits < _top_p_threshold(logits, top_p), neg_inf, logits)
     return logits
+
+
+TOP_P_CANDIDATES = 256
+
+
+def _top_p_threshold(logits: jax.Array, top_p) -> jax.Array:
+    """Smallest logit kept by top-p (``[..., 1]``); ties with it are kept too.
+
+    Fast path: when the ``TOP_P_CANDIDATES`` largest logits of every row already hold mass
+    ``>= p``, the nucleus lies among them and ``lax.top_k`` replaces the full sort (the
+    common case for the peaked distributions of decoding); otherwise a full sort.
+    Probabilities are ``exp(logit - logsumexp(row))`` in both paths.
+    """
+    p = jnp.asarray(top_p, jnp.float32)[..., None]
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+    def threshold(sorted_logits):
+        probs = jnp.exp(sorted_logits - lse)
+        drop = (jnp.cumsum(probs, axis=-1) - probs) >= p
+        drop = drop.at[..., 0].set(False)
+        return jnp.min(jnp.where(drop, jnp.inf, sorted_logits), axis=-1, keepdims=True)
+
+    k = min(TOP_P_CANDIDATES, logits.shape[-1])
+    candidates = jax.lax.top_k(logits, k)[0]
+    covered = jnp.all(jnp.sum(jnp.exp(candidates - lse), axis=-1, keepdims=True) >= p)
+    if k == logits.shape[-1]:
+        return threshold(candidates)
+    return jax.lax.cond(covered, lambda: threshold(candidates),
+                        lambda: threshold(-jnp.sort(-logits, axis=-1)))
 
 
 def sample_with_temperature(

@@ -22,11 +22,12 @@ sampler runs under ``jit`` / ``lax.while_loop`` with no host sync, any batch siz
 independent. :func:`reset_temperatures` replays the same update over a recorded trace.
 
 Numerics: entropies and thresholds are float32. Sums use Kahan compensation, so the running
-mean over a 32k-token generation stays at float32 rounding. Means of the same set of tokens
-are computed by the same operations (the window mean *is* the running mean while fewer than
-``window + 1`` tokens exist; the step mean equals the running mean while no boundary has
-occurred), so the exact ties of the algorithm (e.g. every one of the first ``window`` tokens
-is in a confident step) are exact here too.
+mean over a 32k-token generation stays at float32 rounding. Means are compared as fractions
+by cross-multiplication (``a/b > c/d`` iff ``a*d > c*b``), never through a division, and
+means of the same set of tokens are built from the same sums (the window mean *is* the
+running mean while at most ``window`` tokens exist; the step sum equals the running sum
+while no boundary has occurred). So the exact ties of the algorithm (e.g. every one of the
+first ``window`` tokens is in a confident step) resolve exactly on CPU and GPU alike.
 
 The ablation baselines of the paper (fixed threshold, other step estimators, uniform
 ``t_low``) are subclasses of :class:`EntropyTemperatureSampler`; see ``baselines.py``.
@@ -83,6 +84,25 @@ def _kahan_add(total: jax.Array, comp: jax.Array, x: jax.Array) -> tuple[jax.Arr
     y = x - comp
     t = total + y
     return t, (t - total) - y
+
+
+# Means are carried as fractions (num, den) and compared by cross-multiplying, so every
+# decision uses only correctly rounded float32 products: XLA's float32 division on GPU is not
+# correctly rounded, which would break exact ties (e.g. two means of equal value).
+Fraction = tuple[jax.Array, jax.Array]
+
+
+def _select(cond: jax.Array, a: Fraction, b: Fraction) -> Fraction:
+    return jnp.where(cond, a[0], b[0]), jnp.where(cond, a[1], b[1])
+
+
+def _greater(a: Fraction, b: Fraction) -> jax.Array:
+    """a > b for positive denominators."""
+    return a[0] * b[1] > b[0] * a[1]
+
+
+def _value(a: Fraction) -> jax.Array:
+    return a[0] / a[1]
 
 
 def _is_member(tokens: jax.Array, ids: tuple[int, ...]) -> jax.Array:
@@ -231,39 +251,37 @@ class EntropyTemperatureSampler(Sampler):
         step_comp = jnp.where(boundary, 0.0, state.step_comp)
         step_len = jnp.where(boundary, 0, state.step_len)
 
-        # 3. Step estimate over tokens before this one.
+        # 3. Step estimate over tokens before this one, kept as a fraction num / den (den >= 1).
         count = state.count
         recorded = count > 0
-        total_mean = state.total_sum / jnp.maximum(count, 1).astype(jnp.float32)
+        ones = jnp.ones_like(h)
+        total = (state.total_sum, jnp.maximum(count, 1).astype(jnp.float32))
         # While count <= w the window holds every generated token: its mean is the running mean.
-        # (Dividing by a traced count, not the constant w, keeps XLA from turning the division
-        # into a multiplication by an inexact reciprocal: every mean here is correctly rounded.)
-        window_len = jnp.minimum(count, w).astype(jnp.float32)
-        window_mean = jnp.where(count <= w, total_mean, jnp.sum(state.window, axis=-1) / window_len)
-        step_mean = step_sum / jnp.maximum(step_len, 1).astype(jnp.float32)
+        window_mean = _select(count <= w, total, (jnp.sum(state.window, axis=-1), jnp.full_like(h, w)))
+        step_mean = (step_sum, jnp.maximum(step_len, 1).astype(jnp.float32))
+        current = (h, ones)
         if self.step_estimator == "hybrid":
-            estimate = jnp.where(step_len < w, jnp.where(recorded, window_mean, h), step_mean)
+            estimate = _select(step_len < w, _select(recorded, window_mean, current), step_mean)
         elif self.step_estimator == "window":
-            estimate = jnp.where(recorded, window_mean, h)
+            estimate = _select(recorded, window_mean, current)
         elif self.step_estimator == "causal":
-            estimate = jnp.where(step_len > 0, step_mean, h)
+            estimate = _select(step_len > 0, step_mean, current)
         elif self.step_estimator == "ema":
-            estimate = jnp.where(recorded, state.ema, h)
+            estimate = _select(recorded, (state.ema, ones), current)
         else:  # "none": the estimate is Hbar itself, so every step is confident.
-            estimate = jnp.where(recorded, total_mean, h)
+            estimate = _select(recorded, total, current)
 
         # 4-6. Step type and temperature.
-        running_mean = jnp.where(recorded, total_mean, estimate)
-        uncertain = estimate > running_mean
+        running_mean = _select(recorded, total, estimate)
+        uncertain = _greater(estimate, running_mean)
         t_low = jnp.asarray(self.t_low, jnp.float32)
         t_high = jnp.asarray(self.t_high, jnp.float32)
         tau0 = jnp.asarray(self.tau0, jnp.float32)
         if self.confident_rule == "threshold":
-            threshold = jnp.where(uncertain, estimate, tau0)
-            temperature = jnp.where(h >= threshold, t_high, t_low)
+            high = jnp.where(uncertain, ~_greater(estimate, current), h >= tau0)
         else:  # "uniform_low": every token of a confident step gets t_low.
-            temperature = jnp.where(uncertain & (h >= estimate), t_high, t_low)
-        temperature = jnp.broadcast_to(temperature, h.shape)
+            high = uncertain & ~_greater(estimate, current)
+        temperature = jnp.broadcast_to(jnp.where(high, t_high, t_low), h.shape)
 
         # 7. Push H.
         slot = jnp.arange(w, dtype=jnp.int32) == (count % w)[:, None]
@@ -283,7 +301,8 @@ class EntropyTemperatureSampler(Sampler):
             last_tokens=state.last_tokens,
         )
         used = jnp.where(temperature <= GREEDY_TEMPERATURE, 0.0, temperature)
-        return temperature, new_state, ReSETStats(used, h, estimate, running_mean, uncertain)
+        stats = ReSETStats(used, h, _value(estimate), _value(running_mean), uncertain)
+        return temperature, new_state, stats
 
     def _update_ema(self, ema: jax.Array, h: jax.Array, recorded: jax.Array) -> jax.Array:
         del h, recorded

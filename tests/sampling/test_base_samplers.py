@@ -146,3 +146,20 @@ def test_categorical_hyperparameters_are_leaves():
     f(Categorical(temperature=0.6, top_p=0.9), logits, jax.random.key(0))
     f(Categorical(temperature=1.1, top_p=0.5), logits, jax.random.key(0))
     assert len(calls) == 1
+
+
+def test_top_p_fast_path_equals_full_sort():
+    """The top-k candidate path and the full-sort path keep the same tokens."""
+    import jaxlp.sampling.base as base
+
+    rng = np.random.default_rng(123)
+    for scale in (0.5, 3.0, 8.0):  # flat (sort path) to peaked (candidate path) rows
+        logits = jnp.asarray(rng.standard_normal((4, 3000)) * scale, jnp.float32)
+        fast = base.filter_logits(logits, top_p=0.9)
+        old = base.TOP_P_CANDIDATES
+        try:
+            base.TOP_P_CANDIDATES = 3000  # forces the exact full sort
+            full = base.filter_logits(logits, top_p=0.9)
+        finally:
+            base.TOP_P_CANDIDATES = old
+        np.testing.assert_array_equal(np.isfinite(np.asarray(fast)), np.isfinite(np.asarray(full)))

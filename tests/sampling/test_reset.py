@@ -95,9 +95,9 @@ def compare_trace(stats, ref, *, exact_means=False):
     assert bad.size == 0, f"first mismatch at position {bad[0]}: {temps[bad[0]]} vs {ref[bad[0]]}"
     est = np.array([r[2] for r in ref])
     hbar = np.array([r[3] for r in ref])
-    if exact_means:  # exact sums: the float32 means are the rounded exact means
-        np.testing.assert_array_equal(np.asarray(stats.step_estimate), est.astype(np.float32))
-        np.testing.assert_array_equal(np.asarray(stats.running_mean), hbar.astype(np.float32))
+    if exact_means:  # exact sums: the reported means are one division (a GPU's may be 2 ulp off)
+        np.testing.assert_allclose(np.asarray(stats.step_estimate), est, rtol=3e-7, atol=0)
+        np.testing.assert_allclose(np.asarray(stats.running_mean), hbar, rtol=3e-7, atol=0)
     else:
         np.testing.assert_allclose(np.asarray(stats.step_estimate), est, rtol=2e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(stats.running_mean), hbar, rtol=2e-6, atol=1e-6)
@@ -219,8 +219,8 @@ def test_hand_computed_trace():
     # t4: step=[0,2] len 2 >= w -> est=1, Hbar=1.5 -> confident, 2.5>=1 -> high
     # t5: step=[0,2,2.5] -> est=1.5, Hbar=8.5/5=1.7 -> confident, 0.5<1 -> low
     np.testing.assert_array_equal(np.asarray(s.temperature), [2.0, 2.0, 0.25, 2.0, 2.0, 0.25])
-    np.testing.assert_allclose(np.asarray(s.step_estimate), [1, 1, 2, 1.5, 1, 1.5], rtol=1e-7)
-    np.testing.assert_allclose(np.asarray(s.running_mean), [1, 1, 2, 4 / 3, 1.5, 1.7], rtol=1e-7)
+    np.testing.assert_allclose(np.asarray(s.step_estimate), [1, 1, 2, 1.5, 1, 1.5], rtol=3e-7)
+    np.testing.assert_allclose(np.asarray(s.running_mean), [1, 1, 2, 4 / 3, 1.5, 1.7], rtol=3e-7)
     np.testing.assert_array_equal(np.asarray(s.uncertain), [0, 0, 0, 1, 0, 0])
     assert reference_reset(h, tokens, **ref_kwargs(cfg))[3][0] == 2.0
 
