@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-SAMPLERS = ("greedy", "temperature", "top-k", "top-p", "min-p")
+SAMPLERS = ("greedy", "temperature", "top-k", "top-p", "min-p", "reset", "fixed-threshold", "sliding-window",
+            "within-step-mean", "ema", "uniform-confident-low")
 
 
 class UserError(Exception):
@@ -24,10 +25,24 @@ def _console():
     return Console(stderr=True)
 
 
-def make_sampler(args):
+def make_sampler(args, tokenizer=None):
+    from jaxlp import sampling
     from jaxlp.sampling.base import Categorical, Greedy
 
     name = args.sampler
+    entropy_samplers = {"reset": sampling.ReSETConfig, "fixed-threshold": sampling.FixedThreshold,
+                        "sliding-window": sampling.SlidingWindowEstimate,
+                        "within-step-mean": sampling.WithinStepMeanEstimate, "ema": sampling.EMAEstimate,
+                        "uniform-confident-low": sampling.UniformConfidentLow}
+    if name in entropy_samplers:
+        t_low, tau0 = args.t_low, args.tau0
+        if args.preset:
+            preset = sampling.reset_preset(args.preset)
+            t_low = preset.t_low if t_low is None else t_low
+            tau0 = preset.tau0 if tau0 is None else tau0
+        if t_low is None or tau0 is None:
+            raise UserError(f"sampler {name!r} needs --t-low and --tau0 (or --preset; calibrate with jaxlp calibrate-tau0)")
+        return entropy_samplers[name].from_tokenizer(tokenizer, t_low, tau0, t_high=args.t_high, top_p=args.top_p)
     if name == "greedy":
         return Greedy()
     if name == "temperature":
@@ -58,7 +73,7 @@ def cmd_generate(args) -> int:
 
         set_mode(model, args.nestedfp_mode)
     prompt_ids = tokenizer.encode(args.prompt).ids
-    sampler = make_sampler(args)
+    sampler = make_sampler(args, tokenizer)
     start = time.perf_counter()
     with console.status(f"compiling and generating up to {args.max_new_tokens} tokens"):
         result = jaxlp.generate(
@@ -169,6 +184,34 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_calibrate_tau0(args) -> int:
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxlp
+    from jaxlp.data import token_windows
+    from jaxlp.models.tokenizer import load_tokenizer
+    from jaxlp.sampling import base_decoding, calibrate_tau0
+
+    console = _console()
+    with console.status(f"loading {args.model}"):
+        model = jaxlp.from_pretrained(args.model, dtype=jnp.dtype(args.dtype))
+        tokenizer = load_tokenizer(args.model)
+    if args.prompts_file:
+        lines = [l for l in Path(args.prompts_file).read_text().split("\n\n") if l.strip()][: args.num_prompts]
+        prompts = [tokenizer.encode(l).ids for l in lines]
+    else:
+        prompts = token_windows(tokenizer, args.num_prompts, args.prompt_length).tolist()
+    with console.status(f"generating {args.max_new_tokens} tokens for {len(prompts)} calibration prompts"):
+        result = jaxlp.generate(model, prompts, max_new_tokens=args.max_new_tokens, sampler=base_decoding(),
+                                seed=args.seed, return_stats=True)
+    entropies = result.entropy[np.isfinite(result.entropy)]
+    tau0 = calibrate_tau0(entropies)
+    print(f"tau0 = {tau0:.4f}  (80th percentile of {entropies.size} raw-logit token entropies, "
+          f"generated at T=0.6, top-p 0.95)")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from jaxlp import demo
 
@@ -189,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--t-low", type=float, default=None, help="entropy samplers: temperature of confident tokens")
+    g.add_argument("--t-high", type=float, default=1.0, help="entropy samplers: temperature of uncertain tokens")
+    g.add_argument("--tau0", type=float, default=None, help="entropy samplers: token-entropy threshold (nats)")
+    g.add_argument("--preset", default=None, help="entropy samplers: the paper's (t_low, tau0) for a model, "
+                   "e.g. Qwen3-8B")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     g.add_argument("--kv-cache", default="bf16")
@@ -209,6 +257,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calibration-length", type=int, default=512)
     q.add_argument("--overwrite", action="store_true")
     q.set_defaults(func=cmd_quantize)
+
+    c = sub.add_parser("calibrate-tau0", help="ReSET's tau0: 80th percentile of token entropies on calibration prompts")
+    c.add_argument("--model", required=True)
+    c.add_argument("--prompts-file", default=None, help="text file of prompts separated by blank lines "
+                   "(default: windows of offline text)")
+    c.add_argument("--num-prompts", type=int, default=5)
+    c.add_argument("--prompt-length", type=int, default=64)
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    c.set_defaults(func=cmd_calibrate_tau0)
 
     d = sub.add_parser("demo", help="run generation on the built-in model (no downloads)")
     d.add_argument("--max-new-tokens", type=int, default=48)

@@ -93,3 +93,16 @@ def test_quantize_then_generate_and_info(model_dir, tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert main(["quantize", "--model", str(model_dir), "--recipe", "w2a2", "--out", str(tmp_path / "x")]) == 2
     assert "unknown recipe" in capsys.readouterr().err
+
+
+def test_entropy_samplers_and_tau0_calibration(model_dir, capsys):
+    base = ["generate", "--model", str(model_dir), "--prompt", "a\n\nb", "--max-new-tokens", "6", "--dtype", "float32"]
+    assert main(base + ["--sampler", "reset", "--t-low", "0.1", "--tau0", "0.5"]) == 0
+    assert main(base + ["--sampler", "fixed-threshold", "--preset", "Qwen3-8B"]) == 0
+    capsys.readouterr()
+    assert main(base + ["--sampler", "reset"]) == 2
+    assert "--t-low and --tau0" in capsys.readouterr().err
+    assert main(["calibrate-tau0", "--model", str(model_dir), "--num-prompts", "2", "--prompt-length", "16",
+                 "--max-new-tokens", "8", "--dtype", "float32"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("tau0 = ") and float(line.split()[2]) > 0
