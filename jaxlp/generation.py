@@ -70,6 +70,9 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
     model = nnx.merge(graphdef, params)
     batch, seq = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    # Padding gets a position past the cache, so that no cache stores or attends it (a
+    # quantized cache could otherwise pack padding into a row's page before decode overwrites it).
+    positions = jnp.where(positions < lengths[:, None], positions, seq + max_new_tokens)
     hidden, cache = model.forward(tokens, positions, cache)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = model.logits(last)

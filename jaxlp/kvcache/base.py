@@ -7,8 +7,10 @@ cache per decoder layer, each with one method that stores the new entries and at
     out, layer = layer.attend(q, k, v, positions, scale=..., window=..., softcap=...)
     # q: [B, S, H, D]; k, v: [B, S, KVH, D] after RoPE; positions: [B, S] absolute
 
-``S`` is the prompt bucket at prefill and 1 at decode. A row's slots beyond its own length
-hold stale data that the causal mask never shows (see :mod:`jaxlp.models.attention`). The
+``S`` is the prompt bucket at prefill and 1 at decode. At prefill, a row's padding carries
+a position ``>= max_len``: caches neither store nor attend such entries. A row's slots
+beyond its own length hold stale data that the causal mask never shows (see
+:mod:`jaxlp.models.attention`). The
 order of storing and attending is the cache's own: a quantized cache may attend the new
 tokens in full precision and quantize them afterwards.
 """

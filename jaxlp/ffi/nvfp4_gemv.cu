@@ -1,0 +1,717 @@
+// NVFP4 small-M GEMV for Hopper (sm_90) behind XLA FFI custom calls.
+//
+//   y[m, n] = sum_k act(x)[m, k] * W[n, k]        m < M <= 32
+//
+// Weights: NVFP4 with ModelOpt layout: data uint8 [N, K/2] (even k in the low nibble),
+// E4M3 block scales uint8 [N, K/16] row-major, FP32 tensor scale g_w (device scalar).
+// Activations: BF16/F32 x [M, K]; either used as is (W4A16) or quantized to NVFP4 with a
+// static tensor scale g_x and dynamic E4M3 scales per 16 elements of each token (W4A4).
+//
+// Two kernels per call, the second launched with programmatic dependent launch (PDL) so that
+// its weight stream starts while the first one still runs:
+//
+// 1. stage: activations -> x_eff, FP16 [M, Kp] (Kp = K rounded up to 128, zero padded),
+//    each group of 8 stored in the order x0 x4 x1 x5 x2 x6 x3 x7 (see decode below).
+//    W4A16: x_eff = x * 2^-e per (token, 128-chunk), e from the chunk's amax, so that every
+//           BF16 value is exact in FP16; xs[m, chunk] = 2^e (FP32) scales the chunk's partial.
+//    W4A4:  x_eff = e2m1(q) * e4m3(s_x), exact in FP16 (ModelOpt numerics, IEEE divisions).
+// 2. gemv: one CTA = 16*R output rows x all of K, its warps split K (KSPLIT). Each thread
+//    loads 32 consecutive k (16 bytes, one 128-bit load) of rows g and g+8 of each 16-row tile
+//    (g = lane/4, t = lane%4 owns k in [128c + 32t, +32)); decodes FP4 in registers with the
+//    FP16 bit trick: nibble n -> ((n&8)<<12)|((n&7)<<9) read as FP16 is e2m1(n) * 2^-14, done
+//    for nibbles (i, i+4) of a 32-bit word at once; multiplies by e4m3(s_w) * 2^7 in FP16
+//    (HMUL2; e2m1 * e4m3 * 2^-7 is exact in FP16 for every valid scale), and feeds the result
+//    as the A operand of mma.sync m16n8k16 (FP16 x FP16 -> FP32) whose B operand is x_eff for
+//    8 tokens (n = token). Every product is exact and every sum is FP32, so W4A4 matches the
+//    FP32 emulation of ModelOpt up to summation order. Tokens of one launch share each weight
+//    tile (NT = ceil(M/8) MMAs per decoded A fragment), each thread keeps R*NT*4 independent
+//    FP32 accumulators, and warps reduce their K-partials through shared memory at the end.
+//    Output: y = acc * g_w * 2^7 (* g_x for W4A4), rounded once to the output dtype.
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxlp_nvfp4 {
+
+constexpr int kChunkK = 128;   // k per warp step (4 threads x 32 k)
+constexpr int kMaxKSplit = 8;  // warps per CTA at most
+constexpr int kMaxM = 32;
+
+enum ActMode : int { kA16 = 0, kA4 = 1 };
+
+// ---------------------------------------------------------------------------------------------
+// Small device helpers
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Streaming 128-bit load of weights: read-only path, not kept in L1; L2 fetches the
+// surrounding 256 bytes, i.e. the next chunks of the same row.
+__device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint2 ld_stream_v2(const void* p) {
+  uint2 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+// Activations: plain (coherent) loads that stay in L1; the next chunk is prefetched into L1.
+__device__ __forceinline__ uint4 ld_act_v4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+__device__ __forceinline__ uint32_t ld_u16(const void* p) {
+  unsigned short r;
+  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t ld_u8(const void* p) {
+  unsigned short r;
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
+// FP16x2 multiply, round to nearest, subnormals kept (no .ftz).
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Two E4M3 bytes (low byte first) -> FP16x2, exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+  uint32_t d;
+  unsigned short s = static_cast<unsigned short>(two_bytes);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(s));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// FP4 nibbles (i, i+4) of a 32-bit word -> FP16x2 {e2m1(n_i), e2m1(n_{i+4})} * 2^-14.
+template <int I>
+__device__ __forceinline__ uint32_t decode_pair(uint32_t w) {
+  constexpr int kMagShift = 9 - 4 * I;    // magnitude bits 4I..4I+2 -> 9..11
+  constexpr int kSignShift = 12 - 4 * I;  // sign bit 4I+3 -> 15
+  uint32_t mag;
+  if constexpr (kMagShift >= 0) {
+    mag = w << kMagShift;
+  } else {
+    mag = w >> (-kMagShift);
+  }
+  const uint32_t sign = w << kSignShift;
+  return (mag & 0x0E000E00u) | (sign & 0x80008000u);
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Eight consecutive activations (16-byte aligned for BF16, 32 for F32) as floats.
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Eight activations stored in the kernel order x0 x4 x1 x5 x2 x6 x3 x7 as one 16-byte store.
+__device__ __forceinline__ void store8_permuted(uint16_t* dst, const float (&v)[8]) {
+  uint4 u;
+  u.x = pack_half2(v[0], v[4]);
+  u.y = pack_half2(v[1], v[5]);
+  u.z = pack_half2(v[2], v[6]);
+  u.w = pack_half2(v[3], v[7]);
+  *reinterpret_cast<uint4*>(dst) = u;
+}
+
+__device__ __forceinline__ float exp2_int(int e) {  // 2^e for -126 <= e <= 127
+  return __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+}
+
+// E2M1 code of a quotient: clip to +-6, round to nearest, ties to even (ModelOpt); the sign bit
+// is set iff the quotient is negative and nonzero (so -0.0 encodes as +0). NaN -> 0.
+__device__ __forceinline__ uint32_t e2m1_code(float q) {
+  float a = fabsf(q);
+  a = a > 6.0f ? 6.0f : a;
+  const uint32_t mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                       (a > 5.0f);
+  const uint32_t bits = __float_as_uint(q);
+  const uint32_t neg = (bits >> 31) & ((bits & 0x7FFFFFFFu) != 0);
+  return mag | (neg << 3);
+}
+
+__device__ __forceinline__ float e2m1_value(uint32_t code) {  // the FP16 bit trick, times 2^14
+  const unsigned short bits = static_cast<unsigned short>(((code & 8u) << 12) | ((code & 7u) << 9));
+  return __half2float(__ushort_as_half(bits)) * 16384.0f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stage 1: activations -> x_eff
+
+// W4A16: one thread per group of 8 k; the 16 threads of a 128-chunk share its exponent.
+template <typename TIn>
+__global__ void __launch_bounds__(256) stage_a16_kernel(const TIn* __restrict__ x, uint16_t* __restrict__ xeff,
+                                                        float* __restrict__ xs, int M, int K, int Kp) {
+  pdl_launch_dependents();
+  const int groups = Kp / 8;  // a multiple of 16, so each 16-lane half-warp is one chunk
+  const int gid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int tok = gid / groups, grp = gid - tok * groups;
+  const bool active = tok < M;
+  const int k = grp * 8;
+  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (active && k < K) load8(x + static_cast<int64_t>(tok) * K + k, v);
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  // amax in [2^e, 2^(e+1)): scale by 2^(14-e) so that the chunk lies below 2^15 (FP16 max 65504).
+  int shift = 0;
+  if (amax > 0.f && amax <= 3.4028235e38f) {
+    int ex;
+    frexpf(amax, &ex);
+    shift = 15 - ex;
+    shift = shift < -100 ? -100 : (shift > 100 ? 100 : shift);
+  }
+  if (!active) return;
+  const float up = exp2_int(shift);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] *= up;  // exact: a power of two, no overflow
+  store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k, v);
+  if ((grp & 15) == 0) xs[static_cast<int64_t>(tok) * (Kp / kChunkK) + grp / 16] = exp2_int(-shift);
+}
+
+// W4A4 / standalone quantizer: one thread per 16-element block of one token.
+// Writes x_eff (if xeff != nullptr; blocks in [K, Kp) as zeros) and the NVFP4 codes and scales
+// (if codes != nullptr).
+template <typename TIn>
+__global__ void __launch_bounds__(256) stage_a4_kernel(const TIn* __restrict__ x, const float* __restrict__ gptr,
+                                                       uint16_t* __restrict__ xeff, uint8_t* __restrict__ codes,
+                                                       uint8_t* __restrict__ scales, int M, int K, int Kp) {
+  pdl_launch_dependents();
+  const int blocks = (xeff != nullptr ? Kp : K) / 16;
+  const int gid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int tok = gid / blocks, blk = gid - tok * blocks;
+  if (tok >= M) return;
+  const int k = blk * 16;
+  if (k >= K) {
+    const float z[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k, z);
+    store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k + 8, z);
+    return;
+  }
+  const float g = *gptr;
+  float v[16];
+  {
+    float a[8], b[8];
+    load8(x + static_cast<int64_t>(tok) * K + k, a);
+    load8(x + static_cast<int64_t>(tok) * K + k + 8, b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[i] = a[i];
+      v[i + 8] = b[i];
+    }
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  float s = __fdiv_rn(amax, __fmul_rn(6.0f, g));
+  if (s == 0.f) s = 1.0f;
+  s = fminf(fmaxf(s, 0.001953125f), 448.0f);  // [2^-9, 448]
+  const __nv_fp8_storage_t s8 = __nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3);
+  const float sf = __half2float(__half(__nv_cvt_fp8_to_halfraw(s8, __NV_E4M3)));
+  const float denom = __fmul_rn(sf, g);
+  uint32_t code[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) code[i] = e2m1_code(__fdiv_rn(v[i], denom));
+  if (xeff != nullptr) {
+    float e[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) e[i] = e2m1_value(code[i]) * sf;  // exact
+    float lo[8], hi[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      lo[i] = e[i];
+      hi[i] = e[i + 8];
+    }
+    store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k, lo);
+    store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k + 8, hi);
+  }
+  if (codes != nullptr) {
+    uint2 packed;
+    packed.x = code[0] | code[1] << 4 | code[2] << 8 | code[3] << 12 | code[4] << 16 | code[5] << 20 |
+               code[6] << 24 | code[7] << 28;
+    packed.y = code[8] | code[9] << 4 | code[10] << 8 | code[11] << 12 | code[12] << 16 | code[13] << 20 |
+               code[14] << 24 | code[15] << 28;
+    *reinterpret_cast<uint2*>(codes + static_cast<int64_t>(tok) * (K / 2) + k / 2) = packed;
+    scales[static_cast<int64_t>(tok) * (K / 16) + blk] = s8;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stage 2: the GEMV
+
+struct GemvParams {
+  const uint8_t* wdata;   // [N, K/2]
+  const uint8_t* wscale;  // [N, K/16]
+  const float* wg;        // g_w
+  const float* xg;        // g_x (W4A4)
+  const uint16_t* xeff;   // [M, Kp] FP16
+  const float* xs;        // [M, Kp/128] (W4A16)
+  void* y;                // [M, N]
+  int M, N, K, Kp;
+  int vec16;  // 1: rows are 16-byte aligned (K % 32 == 0): one 128-bit load per 32 k
+};
+
+template <int R, int NT, int MODE>
+struct Stage {
+  uint4 w[R][2];      // rows g, g+8 of each 16-row tile: 32 nibbles each
+  uint32_t s[R][2];   // their two E4M3 block scales (low byte = first block)
+  float xs[NT][2];    // W4A16: chunk scales of tokens 8*nt + 2t, +1
+  int k0;             // first k of the thread's 32 in this chunk
+};
+
+template <int R, int NT, int MODE>
+__device__ __forceinline__ void load_weights(Stage<R, NT, MODE>& st, const GemvParams& p,
+                                             const uint8_t* const (&wrow)[R][2], const uint8_t* const (&srow)[R][2],
+                                             int k0) {
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      uint32_t s = 0u;
+      if (p.vec16) {
+        if (k0 < p.K) {
+          w = ld_stream_v4(wrow[rt][h] + k0 / 2);
+          s = ld_u16(srow[rt][h] + k0 / 16);
+        }
+      } else {  // rows only 8-byte aligned; K % 32 == 16 so the second block may lie past K
+        if (k0 < p.K) {
+          const uint2 lo = ld_stream_v2(wrow[rt][h] + k0 / 2);
+          w.x = lo.x;
+          w.y = lo.y;
+          s = ld_u8(srow[rt][h] + k0 / 16);
+        }
+        if (k0 + 16 < p.K) {
+          const uint2 hi = ld_stream_v2(wrow[rt][h] + k0 / 2 + 8);
+          w.z = hi.x;
+          w.w = hi.y;
+          s |= ld_u8(srow[rt][h] + k0 / 16 + 1) << 8;
+        }
+      }
+      st.w[rt][h] = w;
+      st.s[rt][h] = s;
+    }
+  }
+}
+
+// Prefetch the chunk's activations into L1 and load its W4A16 chunk scales.
+template <int R, int NT, int MODE>
+__device__ __forceinline__ void load_acts(Stage<R, NT, MODE>& st, const GemvParams& p, int g, int t, int k0, int c) {
+  st.k0 = k0;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = nt * 8 + g;
+    if (tok < p.M) prefetch_l1(p.xeff + static_cast<int64_t>(tok) * p.Kp + k0);
+    if (MODE == kA16) {
+      const int chunks = p.Kp / kChunkK;
+      const int t0 = nt * 8 + 2 * t;
+      st.xs[nt][0] = t0 < p.M ? p.xs[static_cast<int64_t>(t0) * chunks + c] : 0.f;
+      st.xs[nt][1] = t0 + 1 < p.M ? p.xs[static_cast<int64_t>(t0 + 1) * chunks + c] : 0.f;
+    }
+  }
+}
+
+template <int R, int NT, int MODE>
+__device__ __forceinline__ void compute(const Stage<R, NT, MODE>& st, const GemvParams& p, int g,
+                                        float (&acc)[R][NT][4]) {
+  constexpr uint32_t kTwo7 = 0x58005800u;  // FP16x2 {128, 128}
+  // B operands: x_eff of token 8*nt + g, the thread's 32 k (16 FP16 pairs), zeros past M.
+  uint4 x[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = nt * 8 + g;
+    const uint16_t* src = p.xeff + static_cast<int64_t>(tok) * p.Kp + st.k0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[nt][i] = tok < p.M ? ld_act_v4(src + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+  }
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt) {
+    // Block scales * 2^7 as FP16, broadcast to both halves: sc[h][block].
+    uint32_t sc[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t s2 = hmul2(e4m3x2_to_f16x2(st.s[rt][h]), kTwo7);
+      sc[h][0] = prmt(s2, s2, 0x1010u);
+      sc[h][1] = prmt(s2, s2, 0x3232u);
+    }
+    float part[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) part[nt][i] = MODE == kA16 ? 0.f : acc[rt][nt][i];
+
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // word j of each row: k in [8j, 8j+8) of the thread's 32
+      const uint32_t w0 = word_of(st.w[rt][0], j), w1 = word_of(st.w[rt][1], j);
+      const uint32_t s0 = sc[0][j >> 1], s1 = sc[1][j >> 1];
+      // pairs q = 4j + i hold k (8j+i, 8j+i+4); MMA step 2j uses pairs 4j, 4j+1; step 2j+1: 4j+2, 4j+3.
+      const uint32_t r0p0 = hmul2(decode_pair<0>(w0), s0), r1p0 = hmul2(decode_pair<0>(w1), s1);
+      const uint32_t r0p1 = hmul2(decode_pair<1>(w0), s0), r1p1 = hmul2(decode_pair<1>(w1), s1);
+      const uint32_t r0p2 = hmul2(decode_pair<2>(w0), s0), r1p2 = hmul2(decode_pair<2>(w1), s1);
+      const uint32_t r0p3 = hmul2(decode_pair<3>(w0), s0), r1p3 = hmul2(decode_pair<3>(w1), s1);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint4 xv = x[nt][j];  // x_eff words 4j..4j+3 = pairs 4j..4j+3
+        mma_16816(part[nt], r0p0, r1p0, r0p1, r1p1, xv.x, xv.y);
+        mma_16816(part[nt], r0p2, r1p2, r0p3, r1p3, xv.z, xv.w);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (MODE == kA16) {  // C fragment: c0, c2 -> token 2t; c1, c3 -> token 2t+1
+        acc[rt][nt][0] = fmaf(part[nt][0], st.xs[nt][0], acc[rt][nt][0]);
+        acc[rt][nt][1] = fmaf(part[nt][1], st.xs[nt][1], acc[rt][nt][1]);
+        acc[rt][nt][2] = fmaf(part[nt][2], st.xs[nt][0], acc[rt][nt][2]);
+        acc[rt][nt][3] = fmaf(part[nt][3], st.xs[nt][1], acc[rt][nt][3]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[rt][nt][i] = part[nt][i];
+      }
+    }
+  }
+}
+
+// Resident CTAs (of 256 threads) per SM that the register budget aims for.
+template <int R, int NT>
+constexpr int kMinBlocks = (R == 1 && NT == 1) ? 4 : (R * NT <= 2 ? 2 : 1);
+
+template <int R, int NT, int MODE, typename TOut>
+__global__ void __launch_bounds__(256, (kMinBlocks<R, NT>)) gemv_kernel(const GemvParams p) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_base = blockIdx.x * (16 * R);
+  const int chunks = p.Kp / kChunkK;
+  const int c_begin = (warp * chunks) / nwarps, c_end = ((warp + 1) * chunks) / nwarps;
+  const int64_t row_bytes = p.K / 2, row_scales = p.K / 16;
+
+  const uint8_t* wrow[R][2];
+  const uint8_t* srow[R][2];
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = min(row_base + rt * 16 + g + 8 * h, p.N - 1);  // rows past N: load row N-1, never stored
+      wrow[rt][h] = p.wdata + r * row_bytes;
+      srow[rt][h] = p.wscale + r * row_scales;
+    }
+
+  float acc[R][NT][4];
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.f;
+
+  Stage<R, NT, MODE> sa, sb;
+  if (c_begin < c_end) load_weights(sa, p, wrow, srow, c_begin * kChunkK + 32 * t);
+  pdl_wait();  // x_eff is written by the stage kernel
+  if (c_begin < c_end) load_acts(sa, p, g, t, c_begin * kChunkK + 32 * t, c_begin);
+  for (int c = c_begin; c < c_end; c += 2) {
+    if (c + 1 < c_end) {
+      load_weights(sb, p, wrow, srow, (c + 1) * kChunkK + 32 * t);
+      load_acts(sb, p, g, t, (c + 1) * kChunkK + 32 * t, c + 1);
+    }
+    compute(sa, p, g, acc);
+    if (c + 1 >= c_end) break;
+    if (c + 2 < c_end) {
+      load_weights(sa, p, wrow, srow, (c + 2) * kChunkK + 32 * t);
+      load_acts(sa, p, g, t, (c + 2) * kChunkK + 32 * t, c + 2);
+    }
+    compute(sb, p, g, acc);
+  }
+
+  // Reduce the K-partials of the warps; a fixed order, so results are deterministic.
+  __shared__ float red[kMaxKSplit * R * NT * 4 * 32];
+  constexpr int kPerWarp = R * NT * 4 * 32;
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp * kPerWarp + ((rt * NT + nt) * 4 + i) * 32 + lane] = acc[rt][nt][i];
+  __syncthreads();
+  const float gscale = *p.wg * 128.0f * (MODE == kA4 ? *p.xg : 1.0f);
+  TOut* y = static_cast<TOut*>(p.y);
+  for (int idx = threadIdx.x; idx < kPerWarp; idx += blockDim.x) {
+    float s = 0.f;
+    for (int w = 0; w < nwarps; ++w) s += red[w * kPerWarp + idx];
+    const int l = idx & 31, i = (idx >> 5) & 3, tile = idx >> 7;
+    const int nt = tile % NT, rt = tile / NT;
+    const int row = row_base + rt * 16 + (l >> 2) + ((i & 2) ? 8 : 0);
+    const int tok = nt * 8 + 2 * (l & 3) + (i & 1);
+    if (row < p.N && tok < p.M) y[static_cast<int64_t>(tok) * p.N + row] = from_float<TOut>(s * gscale);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+inline ffi::Error cuda_error(cudaError_t e, const char* where) {
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp nvfp4 ") + where + ": " + cudaGetErrorString(e));
+}
+
+inline ffi::Error bad(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp nvfp4: " + msg);
+}
+
+inline int round_up(int v, int m) { return (v + m - 1) / m * m; }
+
+template <int R, int NT, int MODE, typename TOut>
+cudaError_t launch_gemv(cudaStream_t stream, const GemvParams& p, int ksplit, bool pdl) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((p.N + 16 * R - 1) / (16 * R));
+  cfg.blockDim = dim3(32 * ksplit);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, gemv_kernel<R, NT, MODE, TOut>, p);
+}
+
+template <int MODE, typename T>
+cudaError_t launch_gemv_dispatch(cudaStream_t stream, const GemvParams& p, int rows_per_warp, int ksplit, bool pdl) {
+  const int nt = (p.M + 7) / 8;
+  if (rows_per_warp == 1) {
+    if (nt == 1) return launch_gemv<1, 1, MODE, T>(stream, p, ksplit, pdl);
+    if (nt == 2) return launch_gemv<1, 2, MODE, T>(stream, p, ksplit, pdl);
+    return launch_gemv<1, 4, MODE, T>(stream, p, ksplit, pdl);
+  }
+  if (nt == 1) return launch_gemv<2, 1, MODE, T>(stream, p, ksplit, pdl);
+  if (nt == 2) return launch_gemv<2, 2, MODE, T>(stream, p, ksplit, pdl);
+  return launch_gemv<2, 4, MODE, T>(stream, p, ksplit, pdl);
+}
+
+template <typename T>
+cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg, GemvParams p, int rows_per_warp,
+                     int ksplit, bool pdl) {
+  const int threads = 256;
+  if (mode == kA16) {
+    const int n = p.M * (p.Kp / 8);
+    stage_a16_kernel<T><<<(n + threads - 1) / threads, threads, 0, stream>>>(
+        x, const_cast<uint16_t*>(p.xeff), const_cast<float*>(p.xs), p.M, p.K, p.Kp);
+  } else {
+    const int n = p.M * (p.Kp / 16);
+    stage_a4_kernel<T><<<(n + threads - 1) / threads, threads, 0, stream>>>(
+        x, xg, const_cast<uint16_t*>(p.xeff), nullptr, nullptr, p.M, p.K, p.Kp);
+  }
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  if (mode == kA16) return launch_gemv_dispatch<kA16, T>(stream, p, rows_per_warp, ksplit, pdl);
+  return launch_gemv_dispatch<kA4, T>(stream, p, rows_per_warp, ksplit, pdl);
+}
+
+ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> wdata, ffi::Buffer<ffi::U8> wscale,
+                    ffi::Buffer<ffi::F32> wg, ffi::Buffer<ffi::F32> xg, ffi::Result<ffi::AnyBuffer> y,
+                    ffi::Result<ffi::Buffer<ffi::F16>> xeff, ffi::Result<ffi::Buffer<ffi::F32>> xs, int64_t mode,
+                    int64_t rows_per_warp, int64_t k_split, int64_t pdl) {
+  const auto xd = x.dimensions();
+  const auto wd = wdata.dimensions();
+  const auto sd = wscale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2) return bad("x, data and scales must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  if (M < 1 || M > kMaxM) return bad("M (tokens) must be in [1, 32], got " + std::to_string(M));
+  if (K < 16 || K % 16) return bad("K must be a positive multiple of 16, got " + std::to_string(K));
+  if (N < 1) return bad("N must be positive");
+  if (K > (int64_t(1) << 30) || N > (int64_t(1) << 30)) return bad("N and K must be below 2^30");
+  if (wd[1] != K / 2) return bad("weight data must be [N, K/2]");
+  if (sd[0] != N || sd[1] != K / 16) return bad("block scales must be [N, K/16]");
+  const int Kp = round_up(static_cast<int>(K), kChunkK);
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != M || yd[1] != N) return bad("output must be [M, N]");
+  const auto ed = xeff->dimensions();
+  if (ed.size() != 2 || ed[0] != M || ed[1] != Kp) return bad("x_eff workspace must be [M, Kp]");
+  const auto qd = xs->dimensions();
+  if (qd.size() != 2 || qd[0] != M || qd[1] != Kp / kChunkK) return bad("xs workspace must be [M, Kp/128]");
+  if (mode != kA16 && mode != kA4) return bad("mode must be 0 (W4A16) or 1 (W4A4)");
+  if (rows_per_warp != 1 && rows_per_warp != 2) return bad("rows_per_warp must be 1 or 2");
+  if (k_split != 2 && k_split != 4 && k_split != 8) return bad("k_split must be 2, 4 or 8");
+  if (x.element_type() != y->element_type()) return bad("output dtype must match the activation dtype");
+  if (wg.element_count() != 1 || xg.element_count() != 1) return bad("tensor scales must be scalars");
+
+  GemvParams p;
+  p.wdata = wdata.typed_data();
+  p.wscale = wscale.typed_data();
+  p.wg = wg.typed_data();
+  p.xg = xg.typed_data();
+  p.xeff = reinterpret_cast<const uint16_t*>(xeff->untyped_data());
+  p.xs = xs->typed_data();
+  p.y = y->untyped_data();
+  p.M = static_cast<int>(M);
+  p.N = static_cast<int>(N);
+  p.K = static_cast<int>(K);
+  p.Kp = Kp;
+  const uintptr_t wptr = reinterpret_cast<uintptr_t>(p.wdata);
+  p.vec16 = (K % 32 == 0) && (wptr % 16 == 0) && (reinterpret_cast<uintptr_t>(p.wscale) % 2 == 0);
+  if (!p.vec16 && wptr % 8 != 0) return bad("weight data must be 8-byte aligned");
+  if (reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 != 0 || reinterpret_cast<uintptr_t>(p.xeff) % 16 != 0)
+    return bad("activation buffers must be 16-byte aligned");
+
+  cudaError_t e;
+  switch (x.element_type()) {
+    case ffi::DataType::BF16:
+      e = run_gemv<__nv_bfloat16>(stream, static_cast<int>(mode),
+                                  reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()), p.xg, p,
+                                  static_cast<int>(rows_per_warp), static_cast<int>(k_split), pdl != 0);
+      break;
+    case ffi::DataType::F32:
+      e = run_gemv<float>(stream, static_cast<int>(mode), reinterpret_cast<const float*>(x.untyped_data()), p.xg, p,
+                          static_cast<int>(rows_per_warp), static_cast<int>(k_split), pdl != 0);
+      break;
+    default:
+      return bad("activations must be bfloat16 or float32");
+  }
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(e, "gemv launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> g,
+                        ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::Buffer<ffi::U8>> scales) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return bad("x must be 2-D [M, K]");
+  const int64_t M = xd[0], K = xd[1];
+  if (K < 16 || K % 16) return bad("K must be a positive multiple of 16, got " + std::to_string(K));
+  if (M < 1 || M * K > (int64_t(1) << 31)) return bad("M * K must be in [1, 2^31]");
+  const auto cd = codes->dimensions();
+  const auto sd = scales->dimensions();
+  if (cd.size() != 2 || cd[0] != M || cd[1] != K / 2) return bad("codes must be [M, K/2]");
+  if (sd.size() != 2 || sd[0] != M || sd[1] != K / 16) return bad("scales must be [M, K/16]");
+  if (g.element_count() != 1) return bad("tensor scale must be a scalar");
+  if (reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 != 0) return bad("x must be 16-byte aligned");
+  const int threads = 256;
+  const int64_t n = M * (K / 16);
+  const int grid = static_cast<int>((n + threads - 1) / threads);
+  switch (x.element_type()) {
+    case ffi::DataType::BF16:
+      stage_a4_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(
+          reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()), g.typed_data(), nullptr, codes->typed_data(),
+          scales->typed_data(), static_cast<int>(M), static_cast<int>(K), static_cast<int>(K));
+      break;
+    case ffi::DataType::F32:
+      stage_a4_kernel<float><<<grid, threads, 0, stream>>>(reinterpret_cast<const float*>(x.untyped_data()),
+                                                           g.typed_data(), nullptr, codes->typed_data(),
+                                                           scales->typed_data(), static_cast<int>(M),
+                                                           static_cast<int>(K), static_cast<int>(K));
+      break;
+    default:
+      return bad("activations must be bfloat16 or float32");
+  }
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(e, "quantize launch");
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxlp_nvfp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Gemv, jaxlp_nvfp4::GemvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()           // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // weight codes [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // weight block scales (E4M3 bits) [N, K/16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // g_w
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // g_x (ignored for W4A16)
+                                  .Ret<ffi::AnyBuffer>()           // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F16>>()    // x_eff workspace [M, Kp]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // chunk scales workspace [M, Kp/128]
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("rows_per_warp")
+                                  .Attr<int64_t>("k_split")
+                                  .Attr<int64_t>("pdl"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Quantize, jaxlp_nvfp4::QuantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // g_x
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // codes [M, K/2]
+                                  .Ret<ffi::Buffer<ffi::U8>>(),  // scales (E4M3 bits) [M, K/16]
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,175 @@
+"""NVFP4 matmul dispatch: the CUDA GEMV for small M, XLA dequantize-then-dot for large M.
+
+Importing this module registers ``"nvfp4_cuda"`` with :class:`QuantizedLinear`, so
+``QuantizedLinear(..., implementation="nvfp4_cuda")`` (or ``"auto"``, or
+``set_implementation(model, "auto")``) runs NVFP4 layers (W4A16 and W4A4) through it on a GPU.
+Other formats, other activation quantizers and CPU runs keep the pure-JAX reference.
+
+For an input of ``M`` tokens (all leading axes flattened) and a weight ``[N, K]``:
+
+- ``M <= 32`` and the measured table says the GEMV wins: :func:`jaxlp.ffi.nvfp4.nvfp4_gemv`
+  with the table's launch configuration (W4A4 quantizes the activations inside the call).
+- otherwise :func:`dequantize_dot`: weights decoded to ``e2m1 * e4m3`` (exact in BF16 / FP16),
+  activations as they are (W4A16) or quantized to NVFP4 and decoded the same way (W4A4), one
+  XLA dot with FP32 accumulation on the tensor cores, times ``g_w`` (and ``g_x``). For NVFP4
+  every product is exact, so W4A4 is emulated exactly up to summation order.
+
+The table (``jaxlp/ffi/nvfp4_dispatch.json``) holds, per benchmarked ``(N, K)`` and activation
+mode, the winner at each benchmarked M (``scripts/bench_nvfp4.py`` writes it). For an M
+between benchmarked values the next larger one decides; a shape not in the table uses the
+nearest benchmarked shape (by ``|log N - log N'| + |log K - log K'|``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxlp.ffi import nvfp4 as ffi_nvfp4
+from jaxlp.formats import e2m1, nvfp4
+from jaxlp.formats.nvfp4 import BLOCK_SIZE, NVFP4Array
+from jaxlp.quantization.linear import register_implementation
+
+IMPLEMENTATION = "nvfp4_cuda"
+TABLE_PATH = Path(__file__).resolve().parents[1] / "ffi" / "nvfp4_dispatch.json"
+ACTIVATIONS = (None, "nvfp4")
+XLA = "xla"
+
+
+def act_tensor_scale(amax: jax.Array) -> jax.Array:
+    """The static tensor scale of W4A4 activations, as :func:`activations.fake_quantize` derives it."""
+    g = nvfp4.tensor_scale_from_amax(jnp.maximum(jnp.asarray(amax, jnp.float32), 1e-12))
+    return jnp.maximum(g, jnp.float32(nvfp4.TENSOR_SCALE_MIN))
+
+
+def _decode_exact(q: NVFP4Array, dtype) -> jax.Array:
+    """``e2m1(q) * e4m3(s)`` without the tensor scale: exact in BF16, FP16 and FP32."""
+    values = e2m1.decode(e2m1.unpack(q.data), jnp.float32)
+    values = values.reshape(*values.shape[:-1], values.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    out = values * q.block_scale.astype(jnp.float32)[..., None]
+    return out.reshape(q.data.shape[:-1] + (2 * q.data.shape[-1],)).astype(dtype)
+
+
+def dequantize_dot(x: jax.Array, w: NVFP4Array, act_tensor_scale: jax.Array | None = None) -> jax.Array:
+    """``x [M, K] @ dequant(w).T`` by XLA (the large-M path); W4A4 when ``act_tensor_scale`` is given.
+
+    Operands are BF16 (FP16) when ``x`` is, FP32 (HIGHEST precision) otherwise; FP32 accumulation.
+    """
+    compute = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    precision = None if compute != jnp.float32 else jax.lax.Precision.HIGHEST
+    scale = w.tensor_scale
+    if act_tensor_scale is None:
+        xe = x.astype(compute)
+    else:
+        # The floor is quantize's own; it also makes g_x a traced value under jit, which
+        # nvfp4.quantize's eager argument check needs when the scale is a captured constant.
+        g_x = jnp.maximum(jnp.asarray(act_tensor_scale, jnp.float32), jnp.float32(nvfp4.TENSOR_SCALE_MIN))
+        xe = _decode_exact(nvfp4.quantize(x.astype(jnp.float32), tensor_scale=g_x), compute)
+        scale = scale * g_x
+    we = _decode_exact(w, compute)
+    y = jnp.einsum("mk,nk->mn", xe, we, preferred_element_type=jnp.float32, precision=precision)
+    return (y * scale).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The measured table
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(path: str | None = None) -> dict:
+    """The dispatch table as a dict (see the module docstring); empty entries if the file is absent."""
+    p = Path(path) if path else TABLE_PATH
+    if not p.is_file():
+        return {"shapes": []}
+    table = json.loads(p.read_text())
+    if not isinstance(table.get("shapes"), list):
+        raise ValueError(f"{p}: a dispatch table needs a 'shapes' list")
+    return table
+
+
+def _nearest(entries: list[dict], n: int, k: int) -> dict | None:
+    best, dist = None, math.inf
+    for e in entries:
+        d = abs(math.log(e["n"] / n)) + abs(math.log(e["k"] / k))
+        if d < dist:
+            best, dist = e, d
+    return best
+
+
+DEFAULT_RULE = [[16, {"rows_per_warp": 1, "k_split": 8}], [128, XLA]]
+
+
+def plan(m: int, n: int, k: int, mode: str, table: dict | None = None) -> ffi_nvfp4.GemvConfig | None:
+    """The GEMV launch configuration for ``M`` tokens of an ``[N, K]`` weight, or None for XLA.
+
+    mode: ``"w4a16"`` or ``"w4a4"``.
+    """
+    if mode not in ffi_nvfp4.MODES:
+        raise ValueError(f"mode must be one of {tuple(ffi_nvfp4.MODES)}, got {mode!r}")
+    if m > ffi_nvfp4.MAX_M:
+        return None
+    table = load_table() if table is None else table
+    entry = _nearest([e for e in table["shapes"] if mode in e], n, k)
+    rule = entry[mode] if entry else table.get("default", DEFAULT_RULE)
+    choice = XLA
+    for bound, c in sorted(rule, key=lambda r: r[0]):
+        if m <= bound:
+            choice = c
+            break
+    if choice == XLA:
+        return None
+    return ffi_nvfp4.GemvConfig(rows_per_warp=int(choice["rows_per_warp"]), k_split=int(choice["k_split"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# QuantizedLinear hooks
+
+
+def nvfp4_matmul(layer, x: jax.Array, *, config: ffi_nvfp4.GemvConfig | None = None, force: str | None = None):
+    """The product of a QuantizedLinear with NVFP4 weights (``out_scale`` applied, no bias).
+
+    force: ``"gemv"`` or ``"xla"`` to bypass the table (benchmarks); config overrides its launch
+    configuration.
+    """
+    w = layer.weight.get_value()
+    n, k = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    g_x = None
+    if layer.activation == "nvfp4":
+        g_x = act_tensor_scale(layer.act_amax[...])
+    mode = "w4a16" if g_x is None else "w4a4"
+    if force == "xla":
+        cfg = None
+    elif force == "gemv" or config is not None:
+        cfg = config or ffi_nvfp4.GemvConfig()
+    else:
+        cfg = plan(m, n, k, mode)
+    if cfg is not None and x2.dtype in ffi_nvfp4.ACT_DTYPES and m <= ffi_nvfp4.MAX_M:
+        y = ffi_nvfp4.nvfp4_gemv(x2, w, act_tensor_scale=g_x, config=cfg)
+    else:
+        y = dequantize_dot(x2, w, g_x)
+    if layer.out_scale != 1.0:
+        y = (y.astype(jnp.float32) * layer.out_scale).astype(x.dtype)
+    return y.reshape(*lead, n)
+
+
+def supports(layer, x: jax.Array) -> bool:
+    """NVFP4 weights, no or NVFP4 activation quantization, a GPU with the kernel library."""
+    w = layer.weight.get_value()
+    if getattr(w, "format", None) != nvfp4.FORMAT or len(w.shape) != 2:
+        return False
+    if layer.activation not in ACTIVATIONS:
+        return False
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        return False
+    return ffi_nvfp4.available()
+
+
+register_implementation(IMPLEMENTATION, supports, nvfp4_matmul)
