@@ -146,14 +146,29 @@ def generate(
     return_stats: bool = False,
     pad_id: int = 0,
     max_length: int | None = None,
+    cache_budget_bytes: int | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens for each prompt (lists of token ids).
 
     ``sampler`` defaults to greedy; ``stop_tokens`` default to the model's EOS ids; the same
     ``seed`` gives the same tokens. ``max_length`` (default the model's
-    ``max_position_embeddings``) bounds prompt plus new tokens.
+    ``max_position_embeddings``) bounds prompt plus new tokens. With ``cache_budget_bytes``,
+    prompts run in consecutive batches as large as the KV cache format fits in that budget
+    (rows are independent, so the tokens do not change).
     """
     config = model.config
+    if cache_budget_bytes is not None:
+        width = prompt_bucket(max(len(p) for p in prompts)) + max_new_tokens if len(prompts) else 1
+        size = kvcache.max_batch_size(kvcache.get(kv_cache), config, width, cache_budget_bytes)
+        if size < 1:
+            raise ValueError(f"a single row's KV cache ({width} positions) does not fit in {cache_budget_bytes} bytes")
+        if size < len(prompts):
+            kwargs = dict(max_new_tokens=max_new_tokens, sampler=sampler, kv_cache=kv_cache, stop_tokens=stop_tokens,
+                          seed=seed, return_stats=return_stats, pad_id=pad_id, max_length=max_length)
+            parts = [generate(model, prompts[i : i + size], **kwargs) for i in range(0, len(prompts), size)]
+            join = lambda name: (None if getattr(parts[0], name) is None  # noqa: E731
+                                 else np.concatenate([getattr(p, name) for p in parts]))
+            return GenerationResult(*(join(f.name) for f in dataclasses.fields(GenerationResult)))
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     for i, p in enumerate(prompts):

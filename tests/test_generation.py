@@ -131,3 +131,15 @@ def test_bad_input_raises_clear_errors(model):
 
 def test_prompt_bucket():
     assert [generation.prompt_bucket(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
+
+
+def test_cache_budget_splits_the_batch_without_changing_tokens(model):
+    from jaxlp import kvcache
+
+    prompts = _prompts(6, [3, 7, 5, 9, 4])
+    whole = jaxlp.generate(model, prompts, max_new_tokens=6, stop_tokens=())
+    one_row = kvcache.cache_bytes(kvcache.get("bf16"), model.config, 1, 16 + 6)
+    split = jaxlp.generate(model, prompts, max_new_tokens=6, stop_tokens=(), cache_budget_bytes=2 * one_row)
+    np.testing.assert_array_equal(split.tokens, whole.tokens)
+    with pytest.raises(ValueError, match="does not fit"):
+        jaxlp.generate(model, prompts, max_new_tokens=6, cache_budget_bytes=one_row // 2)
