@@ -7,7 +7,7 @@
     jaxlp.checkpoint.save(path, tree); jaxlp.checkpoint.load(path)
 """
 
-from jaxlp import checkpoint, formats, kvcache, models, quantization, sampling
+from jaxlp import checkpoint, data, formats, kvcache, models, quantization, sampling
 from jaxlp.formats import dequantize, quantize
 from jaxlp.generation import GenerationResult, generate
 from jaxlp.models import from_pretrained

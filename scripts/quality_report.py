@@ -59,15 +59,20 @@ def linear_bytes(model) -> int:
     return total
 
 
-def weight_errors(reference, quantized) -> dict[str, float]:
-    ref = dict(nnx.iter_modules(reference))
+def weight_errors(reference, quantized, recipe) -> dict[str, float]:
+    """||dequant(W_q) - W|| / ||W|| per layer, W being the weight the recipe quantized (after CAS)."""
+    from jaxlp.quantization import model as qm
+
+    layers = qm.linear_layers(nnx.clone(reference), recipe)
+    weights = {p: lin.weight[...].astype(jnp.float32) for p, (_, _, lin) in layers.items()}
+    if recipe.cas:
+        qm._apply_cas(nnx.clone(reference), weights)
     errors = {}
     for path, layer in quantized_layers(quantized):
-        key = tuple(int(p) if p.isdigit() else p for p in path.split("."))
-        w = ref[key].weight[...].astype(jnp.float32)
         q: QuantizedArray = layer.weight.get_value()
         deq = (q.dequantize_fp8(jnp.float32) if layer.format == "nestedfp" and layer.mode == "fp8"
                else q.dequantize(jnp.float32)) * layer.out_scale
+        w = weights[path]
         errors[path] = float(jnp.linalg.norm(deq - w) / jnp.linalg.norm(w))
     return errors
 
@@ -105,7 +110,7 @@ def main(argv=None) -> int:
         for b in tqdm(batches, desc=spec, leave=False):
             n, k = _sequence_stats(quantized, b, _reference_logprobs(model, b))
             nll, kl = nll + float(n), kl + float(k)
-        errors = weight_errors(model, quantized)
+        errors = weight_errors(model, quantized, RECIPES[name])
         results.append(dict(recipe=spec, ppl=float(np.exp(nll / n_tokens)), kl=kl / n_tokens,
                             bytes=linear_bytes(quantized), layer_errors=errors,
                             kept=[list(k) for k in quantized.quantization.kept]))
