@@ -25,31 +25,35 @@ from tqdm.auto import tqdm
 
 import jaxlp
 from jaxlp import kvcache
+from jaxlp.kvcache import fireq
 from jaxlp.data import token_windows
 from jaxlp.models.tokenizer import load_tokenizer
 
 CACHES = ("bf16", "kivi-k4v4", "kivi-k2v2", "kivi-k2v2*", "kivi-k2v4*", "kivi-k4v2*", "kitty", "kitty-pro",
-          "fireq-int4")
+          "fireq-int4", "fireq-int4-calibrated")
 
 
-def evaluate(model, ids: np.ndarray, prefill: int, cache_name: str, chunk: int = 256) -> tuple[float, float, float]:
-    """(NLL sum, KL sum, tokens) of teacher-forced decoding through ``cache_name`` vs the BF16 cache."""
+def evaluate(model, test_model, cache_format, ids: np.ndarray, prefill: int, chunk: int = 256):
+    """(NLL sum, KL sum, tokens) of teacher-forced decoding of ``test_model`` through
+    ``cache_format`` against ``model`` over the BF16 cache."""
     graphdef, params = nnx.split(model)
+    test_graphdef, test_params = nnx.split(test_model)
     total = ids.shape[1]
-    formats = (kvcache.get("bf16"), kvcache.get(cache_name))
-    caches = tuple(f.init(model.config, 1, total) for f in formats)
+    caches = tuple(f.init(model.config, 1, total) for f in (kvcache.get("bf16"), cache_format))
     ids = jnp.asarray(ids)
 
-    @jax.jit
-    def prefill_fn(params, caches):
-        m = nnx.merge(graphdef, params)
-        pos = jnp.arange(prefill)[None]
-        out = [m.forward(ids[:, :prefill], pos, c) for c in caches]
-        return tuple(m.logits(h[:, -1]) for h, _ in out), tuple(c for _, c in out)
+    def models(both):
+        return nnx.merge(graphdef, both[0]), nnx.merge(test_graphdef, both[1])
 
     @jax.jit
-    def decode_chunk(params, caches, logits, start):
-        m = nnx.merge(graphdef, params)
+    def prefill_fn(both, caches):
+        pos = jnp.arange(prefill)[None]
+        out = [m.forward(ids[:, :prefill], pos, c) for m, c in zip(models(both), caches)]
+        return tuple(m.logits(h[:, -1]) for m, (h, _) in zip(models(both), out)), tuple(c for _, c in out)
+
+    @jax.jit
+    def decode_chunk(both, caches, logits, start):
+        ms = models(both)
 
         def body(carry, t):
             caches, logits, nll, kl = carry
@@ -57,17 +61,18 @@ def evaluate(model, ids: np.ndarray, prefill: int, cache_name: str, chunk: int =
             ref_lp, lp = (jax.nn.log_softmax(x, axis=-1) for x in logits)
             nll = nll - jnp.take_along_axis(lp, target, axis=-1).sum()
             kl = kl + jnp.sum(jnp.exp(ref_lp) * (ref_lp - lp))
-            out = [m.forward(target, jnp.full((1, 1), t), c) for c in caches]
-            return (tuple(c for _, c in out), tuple(m.logits(h[:, 0]) for h, _ in out), nll, kl), None
+            out = [m.forward(target, jnp.full((1, 1), t), c) for m, c in zip(ms, caches)]
+            return (tuple(c for _, c in out), tuple(m.logits(h[:, 0]) for m, (h, _) in zip(ms, out)), nll, kl), None
 
         steps = start + jnp.arange(chunk)
         (caches, logits, nll, kl), _ = jax.lax.scan(body, (caches, logits, 0.0, 0.0), steps)
         return caches, logits, nll, kl
 
-    logits, caches = prefill_fn(params, caches)
+    both = (params, test_params)
+    logits, caches = prefill_fn(both, caches)
     nll = kl = 0.0
-    for start in tqdm(range(prefill, total - 1, chunk), desc=cache_name, leave=False):
-        caches, logits, n, k = decode_chunk(params, caches, logits, start)
+    for start in tqdm(range(prefill, total - 1, chunk), desc=cache_format.name, leave=False):
+        caches, logits, n, k = decode_chunk(both, caches, logits, start)
         nll, kl = nll + float(n), kl + float(k)
     return nll, kl, float(total - 1 - prefill)
 
@@ -90,8 +95,12 @@ def main(argv=None) -> int:
     rows = []
     start = time.perf_counter()
     for name in tqdm(args.caches.split(","), desc="caches"):
-        nll, kl, n = evaluate(model, ids, args.prefill, name, args.chunk)
-        fmt = kvcache.get(name)
+        if name == "fireq-int4-calibrated":  # RPN + CRS calibrated on text disjoint from the evaluation
+            calib = token_windows(tokenizer, 4, 512, split="calibration")
+            test_model, fmt = fireq.calibrate(model, calib)
+        else:
+            test_model, fmt = model, kvcache.get(name)
+        nll, kl, n = evaluate(model, test_model, fmt, ids, args.prefill, args.chunk)
         rows.append(dict(cache=name, ppl=float(np.exp(nll / n)), kl=kl / n,
                          bytes_per_token_per_layer=float(fmt.bytes_per_token(model.config))))
         print(f"{name:<12} ppl {rows[-1]['ppl']:8.3f}  KL {rows[-1]['kl']:.5f}  "

@@ -247,3 +247,27 @@ def collect_keys(model, input_ids) -> list[tuple[np.ndarray, np.ndarray]]:
         x, _ = layer(x, positions, None)
     return out
 
+
+
+def calibrate(model, input_ids, *, alpha: float = 8.0, k: int = 8, beta: float = 8.0):
+    """FireQ's outlier smoothing calibrated on ``input_ids [B, S]``: ``(model, cache format)``.
+
+    CRS picks ``k`` outlier pairs per head from the post-RoPE keys; RPN normalises the other
+    pairs from the pre-RoPE keys. RPN is folded into a copy of the model's q/k projections
+    when the model has no q/k norms; otherwise (Qwen3, Gemma 3) it is applied online with
+    CRS, which is equivalent because a common factor on both channels of a rotate-half pair
+    commutes with RoPE. The returned model is a copy; ``model`` is left unchanged.
+    """
+    from flax import nnx
+
+    keys = collect_keys(model, input_ids)
+    model = nnx.clone(model)
+    crs, rpn = [], []
+    for pre, post in keys:
+        scales, channels = crs_channels(post, k=k, beta=beta)
+        crs.append(scales)
+        rpn.append(rpn_factors(pre, alpha=alpha, exclude=channels))
+    if model.config.qk_norm:
+        return model, FireQInt4.calibrated([c * r for c, r in zip(crs, rpn)], name="fireq-int4-calibrated")
+    fold_rpn(model, rpn)
+    return model, FireQInt4.calibrated(crs, name="fireq-int4-calibrated")

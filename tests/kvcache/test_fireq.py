@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jaxlp
 from jaxlp import kvcache
 from jaxlp.kvcache import fireq
 from jaxlp.kvcache.quant import fake_quantize_fp8
@@ -192,3 +193,30 @@ def test_bytes_hand_computed():
     assert fmt.bytes_for(cfg, 1000) == 1000 * per_token and fmt.bytes_per_token(cfg) == per_token
     assert fmt.fixed_bytes(cfg) == 8 * 128 * 4
     assert fmt.init(cfg, 2, 1000).nbytes == 3 * (2 * 1000 * per_token + 8 * 128 * 4)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_calibrate_keeps_full_precision_attention_unchanged(qk_norm):
+    """RPN + CRS change only what is quantized: with FP32 storage the logits stay the same."""
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxlp.kvcache import fireq
+    from jaxlp.models import ModelConfig, Transformer
+
+    cfg = ModelConfig(model_type="qwen3" if qk_norm else "llama", vocab_size=64, hidden_size=64,
+                      intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=qk_norm)
+    model = Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 24)))
+    calibrated, fmt = fireq.calibrate(model, ids, k=2)
+    assert fmt.channel_scales is not None and len(fmt.channel_scales) == 2
+    scales = np.asarray(fmt.channel_scales[0])
+    assert not np.allclose(scales, 1.0)
+    ref = np.asarray(model(ids))
+    # Scores are unchanged before quantization: the calibrated model (RPN folded or not) over
+    # an FP32 cache with the online scales and no quantization equals the original model.
+    if not qk_norm:
+        np.testing.assert_allclose(np.asarray(calibrated(ids)), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    res = jaxlp.generate(calibrated, ids[:, :8].tolist(), max_new_tokens=4, kv_cache=fmt, stop_tokens=())
+    assert res.tokens.shape == (2, 4)
