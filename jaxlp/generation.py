@@ -186,14 +186,18 @@ def generate(
     stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
     cache_format = kvcache.get(kv_cache)
     pool_key = (cache_format, config, tokens.shape[0], tokens.shape[1] + max_new_tokens)
-    cache = _cache_pool.pop(pool_key, None)
+    # Only dense caches are reused: their stale slots are provably invisible (a slot is a
+    # position); quantized caches keep buffers whose bookkeeping starts from a fresh init.
+    cache = _cache_pool.pop(pool_key, None) if isinstance(cache_format, kvcache.Dense) else None
     if cache is None:
         cache = cache_format.init(config, tokens.shape[0], tokens.shape[1] + max_new_tokens)
     graphdef, params = nnx.split(model)
-    out, num_tokens, finished, (entropy, temperature), _cache_pool[pool_key] = _generate_jit(
+    out, num_tokens, finished, (entropy, temperature), cache = _generate_jit(
         graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths), cache, jax.random.key(seed),
         sampler or Greedy(), stop_ids, max_new_tokens=max_new_tokens, return_stats=return_stats, pad_id=pad_id,
     )
+    if isinstance(cache_format, kvcache.Dense):
+        _cache_pool[pool_key] = cache
     return GenerationResult(
         tokens=np.asarray(out),
         num_tokens=np.asarray(num_tokens),

@@ -143,3 +143,16 @@ def test_cache_budget_splits_the_batch_without_changing_tokens(model):
     np.testing.assert_array_equal(split.tokens, whole.tokens)
     with pytest.raises(ValueError, match="does not fit"):
         jaxlp.generate(model, prompts, max_new_tokens=6, cache_budget_bytes=one_row // 2)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "kitty"])
+def test_repeated_calls_do_not_see_earlier_calls(model, cache):
+    """A second call with the same shapes (reusing a donated buffer for dense caches) gives
+    the same tokens as a fresh call, even after a call that wrote longer rows."""
+    long = _prompts(8, [15, 14])
+    short = _prompts(9, [3, 2])
+    generation.clear_cache_pool()
+    fresh = jaxlp.generate(model, short, max_new_tokens=8, kv_cache=cache, stop_tokens=())
+    jaxlp.generate(model, long, max_new_tokens=8, kv_cache=cache, stop_tokens=())
+    again = jaxlp.generate(model, short, max_new_tokens=8, kv_cache=cache, stop_tokens=())
+    np.testing.assert_array_equal(again.tokens, fresh.tokens)
