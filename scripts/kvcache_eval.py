@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="docs/kvcache_eval")
     parser.add_argument("--caches", default=",".join(CACHES))
     parser.add_argument("--tokens", type=int, default=4097, help="total tokens (prefill + decoded + 1)")
-    parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--prefill", type=int, default=3072)
     parser.add_argument("--chunk", type=int, default=256)
     args = parser.parse_args(argv)
     if (args.tokens - 1 - args.prefill) % args.chunk:
