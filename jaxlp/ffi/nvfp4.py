@@ -9,7 +9,7 @@
 static tensor scale ``g_x = amax / 2688`` and dynamic E4M3 scales per 16 elements of each token,
 see :func:`jaxlp.formats.nvfp4.quantize`); every product is exact, so only the FP32 summation
 order differs from the pure-JAX reference. For W4A16, ``x`` enters the FP16 tensor-core
-products scaled by a power of two per 128-element chunk (exact for BF16 inputs; FP32 inputs are
+products scaled by a power of two per 256-element chunk (exact for BF16 inputs; FP32 inputs are
 rounded to FP16's 11 bits). The design is described at the top of ``nvfp4_gemv.cu``.
 
 The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`) and its FFI targets are
@@ -35,7 +35,7 @@ GEMV_TARGET = "jaxlp_nvfp4_gemv"
 QUANTIZE_TARGET = "jaxlp_nvfp4_quantize"
 LIBRARY = "nvfp4_gemv"
 MAX_M = 32  # tokens per GEMV launch
-CHUNK_K = 128  # k per warp step; the x_eff workspace is K rounded up to this
+CHUNK_K = 256  # k per warp step; the x_eff workspace is K rounded up to this
 ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 MODES = {"w4a16": 0, "w4a4": 1}
 
@@ -129,11 +129,14 @@ def gemv_call(
     act_tensor_scale: jax.Array | None = None,
     *,
     config: GemvConfig = GemvConfig(),
+    probe: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The raw custom call: ``(y [M, N], x_eff f16 [M, Kp], chunk_scales f32 [M, Kp/128])``.
+    """The raw custom call: ``(y [M, N], x_eff f16 [M, Kp], chunk_scales f32 [M, Kp/256])``.
 
     ``x_eff`` and the chunk scales are the kernel's activation workspace (returned for tests):
     each group of 8 values is stored in the order x0 x4 x1 x5 x2 x6 x3 x7.
+    probe: a diagnostic for benchmarks (M <= 8): the same memory traffic with no arithmetic; y is
+    meaningless.
     """
     if data.ndim != 2 or data.dtype != jnp.uint8:
         raise ValueError(f"nvfp4_gemv: data must be uint8 [N, K/2], got {data.dtype}{data.shape}")
@@ -150,6 +153,8 @@ def gemv_call(
             f"{block_scale_bits.dtype}{block_scale_bits.shape}"
         )
     mode = MODES["w4a16"] if act_tensor_scale is None else MODES["w4a4"]
+    if probe:
+        mode = 2
     wg = jnp.asarray(w_tensor_scale, jnp.float32).reshape(())
     xg = jnp.ones((), jnp.float32) if act_tensor_scale is None else jnp.asarray(act_tensor_scale, jnp.float32).reshape(())
     kp = padded_k(k)

@@ -10,16 +10,17 @@
 // Two kernels per call, the second launched with programmatic dependent launch (PDL) so that
 // its weight stream starts while the first one still runs:
 //
-// 1. stage: activations -> x_eff, FP16 [M, Kp] (Kp = K rounded up to 128, zero padded),
+// 1. stage: activations -> x_eff, FP16 [M, Kp] (Kp = K rounded up to 256, zero padded),
 //    each group of 8 stored in the order x0 x4 x1 x5 x2 x6 x3 x7 (see decode below).
-//    W4A16: x_eff = x * 2^-e per (token, 128-chunk), e from the chunk's amax, so that every
+//    W4A16: x_eff = x * 2^-e per (token, 256-chunk), e from the chunk's amax, so that every
 //           BF16 value is exact in FP16; xs[m, chunk] = 2^e (FP32) scales the chunk's partial.
 //    W4A4:  x_eff = e2m1(q) * e4m3(s_x), exact in FP16 (ModelOpt numerics, IEEE divisions).
-// 2. gemv: one CTA = 16*R output rows x all of K, its warps split K (KSPLIT). Each thread
-//    loads 32 consecutive k (16 bytes, one 128-bit load) of rows g and g+8 of each 16-row tile
-//    (g = lane/4, t = lane%4 owns k in [128c + 32t, +32)); decodes FP4 in registers with the
-//    FP16 bit trick: nibble n -> ((n&8)<<12)|((n&7)<<9) read as FP16 is e2m1(n) * 2^-14, done
-//    for nibbles (i, i+4) of a 32-bit word at once; multiplies by e4m3(s_w) * 2^7 in FP16
+// 2. gemv: one CTA = 16*R output rows x all of K, its warps split K (KSPLIT) by interleaved
+//    256-k chunks (warp w takes chunks w, w + KSPLIT, ...). Each thread loads 64 consecutive k
+//    (32 bytes, two 128-bit loads) of rows g and g+8 of each 16-row tile (g = lane/4, t = lane%4
+//    owns k in [256c + 64t, +64)); decodes FP4 in registers with the FP16 bit trick: nibble n ->
+//    ((n&8)<<12)|((n&7)<<9) read as FP16 is e2m1(n) * 2^-14 (built per byte, 8 nibbles of a
+//    32-bit word in 11 integer ops, pairs (i, i+4) placed by PRMT); multiplies by e4m3(s_w) * 2^7 in FP16
 //    (HMUL2; e2m1 * e4m3 * 2^-7 is exact in FP16 for every valid scale), and feeds the result
 //    as the A operand of mma.sync m16n8k16 (FP16 x FP16 -> FP32) whose B operand is x_eff for
 //    8 tokens (n = token). Every product is exact and every sum is FP32, so W4A4 matches the
@@ -42,11 +43,11 @@ namespace ffi = xla::ffi;
 
 namespace jaxlp_nvfp4 {
 
-constexpr int kChunkK = 128;   // k per warp step (4 threads x 32 k)
+constexpr int kChunkK = 256;   // k per warp step (4 threads x 64 k)
 constexpr int kMaxKSplit = 8;  // warps per CTA at most
 constexpr int kMaxM = 32;
 
-enum ActMode : int { kA16 = 0, kA4 = 1 };
+enum ActMode : int { kA16 = 0, kA4 = 1, kProbe = 2 };  // kProbe: W4A16 staging, weights loaded, no math
 
 // ---------------------------------------------------------------------------------------------
 // Small device helpers
@@ -94,6 +95,12 @@ __device__ __forceinline__ uint32_t ld_u16(const void* p) {
   return r;
 }
 
+__device__ __forceinline__ uint32_t ld_u32(const void* p) {
+  uint32_t r;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+
 __device__ __forceinline__ uint32_t ld_u8(const void* p) {
   unsigned short r;
   asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(r) : "l"(p));
@@ -121,19 +128,17 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return d;
 }
 
-// FP4 nibbles (i, i+4) of a 32-bit word -> FP16x2 {e2m1(n_i), e2m1(n_{i+4})} * 2^-14.
-template <int I>
-__device__ __forceinline__ uint32_t decode_pair(uint32_t w) {
-  constexpr int kMagShift = 9 - 4 * I;    // magnitude bits 4I..4I+2 -> 9..11
-  constexpr int kSignShift = 12 - 4 * I;  // sign bit 4I+3 -> 15
-  uint32_t mag;
-  if constexpr (kMagShift >= 0) {
-    mag = w << kMagShift;
-  } else {
-    mag = w >> (-kMagShift);
-  }
-  const uint32_t sign = w << kSignShift;
-  return (mag & 0x0E000E00u) | (sign & 0x80008000u);
+// FP4 nibbles of a 32-bit word (n_j in bits 4j..4j+3) -> four FP16x2 pairs {n_i, n_{i+4}}, i = 0..3,
+// each value e2m1(n) * 2^-14. The FP16 pattern of nibble n is ((n&8)<<12)|((n&7)<<9): a high byte
+// (n&8)<<4 | (n&7)<<1 over a zero low byte. `even` holds that byte for the even nibbles (one per
+// byte of w), `odd` for the odd ones; one PRMT per pair places two of them over zero low bytes.
+__device__ __forceinline__ void decode_word(uint32_t w, uint32_t (&pair)[4]) {
+  const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
+  const uint32_t odd = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
+  pair[0] = prmt(even, 0u, 0x2404u);  // n0, n4
+  pair[1] = prmt(odd, 0u, 0x2404u);   // n1, n5
+  pair[2] = prmt(even, 0u, 0x3414u);  // n2, n6
+  pair[3] = prmt(odd, 0u, 0x3414u);   // n3, n7
 }
 
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -219,12 +224,12 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {  // the FP16 bit tr
 // ---------------------------------------------------------------------------------------------
 // Stage 1: activations -> x_eff
 
-// W4A16: one thread per group of 8 k; the 16 threads of a 128-chunk share its exponent.
+// W4A16: one thread per group of 8 k; the 32 threads (one warp) of a 256-chunk share its exponent.
 template <typename TIn>
 __global__ void __launch_bounds__(256) stage_a16_kernel(const TIn* __restrict__ x, uint16_t* __restrict__ xeff,
                                                         float* __restrict__ xs, int M, int K, int Kp) {
   pdl_launch_dependents();
-  const int groups = Kp / 8;  // a multiple of 16, so each 16-lane half-warp is one chunk
+  const int groups = Kp / 8;  // a multiple of 32, so each warp is one chunk of one token
   const int gid = blockIdx.x * blockDim.x + threadIdx.x;
   const int tok = gid / groups, grp = gid - tok * groups;
   const bool active = tok < M;
@@ -235,7 +240,7 @@ __global__ void __launch_bounds__(256) stage_a16_kernel(const TIn* __restrict__ 
 #pragma unroll
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
-  for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   // amax in [2^e, 2^(e+1)): scale by 2^(14-e) so that the chunk lies below 2^15 (FP16 max 65504).
   int shift = 0;
   if (amax > 0.f && amax <= 3.4028235e38f) {
@@ -249,7 +254,7 @@ __global__ void __launch_bounds__(256) stage_a16_kernel(const TIn* __restrict__ 
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[i] *= up;  // exact: a power of two, no overflow
   store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k, v);
-  if ((grp & 15) == 0) xs[static_cast<int64_t>(tok) * (Kp / kChunkK) + grp / 16] = exp2_int(-shift);
+  if ((grp & 31) == 0) xs[static_cast<int64_t>(tok) * (Kp / kChunkK) + grp / 32] = exp2_int(-shift);
 }
 
 // W4A4 / standalone quantizer: one thread per 16-element block of one token.
@@ -328,18 +333,21 @@ struct GemvParams {
   const float* wg;        // g_w
   const float* xg;        // g_x (W4A4)
   const uint16_t* xeff;   // [M, Kp] FP16
-  const float* xs;        // [M, Kp/128] (W4A16)
+  const float* xs;        // [M, Kp/256] (W4A16)
   void* y;                // [M, N]
   int M, N, K, Kp;
-  int vec16;  // 1: rows are 16-byte aligned (K % 32 == 0): one 128-bit load per 32 k
+  int vec16;  // 1: rows 16-byte aligned (K % 32 == 0), 128-bit loads; 0: 64-bit loads (K % 32 == 16)
+  int scale32;  // 1: scale rows 4-byte aligned (K % 64 == 0), one 32-bit load per 4 blocks
 };
 
+// One warp step: thread t of a 16-row tile owns k in [256c + 64t, +64) of rows g and g+8:
+// 32 bytes (two 128-bit loads) of nibbles and 4 E4M3 block scales per row.
 template <int R, int NT, int MODE>
 struct Stage {
-  uint4 w[R][2];      // rows g, g+8 of each 16-row tile: 32 nibbles each
-  uint32_t s[R][2];   // their two E4M3 block scales (low byte = first block)
+  uint4 w[R][2][2];   // [tile][row g / g+8][first / second 32 k]
+  uint32_t s[R][2];   // 4 block scales per row (byte b = block b)
   float xs[NT][2];    // W4A16: chunk scales of tokens 8*nt + 2t, +1
-  int k0;             // first k of the thread's 32 in this chunk
+  int k0;
 };
 
 template <int R, int NT, int MODE>
@@ -350,28 +358,44 @@ __device__ __forceinline__ void load_weights(Stage<R, NT, MODE>& st, const GemvP
   for (int rt = 0; rt < R; ++rt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      const uint8_t* wp = wrow[rt][h] + k0 / 2;
+      const uint8_t* sp = srow[rt][h] + k0 / 16;
+      uint4 a = make_uint4(0u, 0u, 0u, 0u), b = make_uint4(0u, 0u, 0u, 0u);
       uint32_t s = 0u;
       if (p.vec16) {
+        if (k0 < p.K) a = ld_stream_v4(wp);
+        if (k0 + 32 < p.K) b = ld_stream_v4(wp + 16);
+      } else {  // four 64-bit pieces, each one 16-element block
         if (k0 < p.K) {
-          w = ld_stream_v4(wrow[rt][h] + k0 / 2);
-          s = ld_u16(srow[rt][h] + k0 / 16);
-        }
-      } else {  // rows only 8-byte aligned; K % 32 == 16 so the second block may lie past K
-        if (k0 < p.K) {
-          const uint2 lo = ld_stream_v2(wrow[rt][h] + k0 / 2);
-          w.x = lo.x;
-          w.y = lo.y;
-          s = ld_u8(srow[rt][h] + k0 / 16);
+          const uint2 v = ld_stream_v2(wp);
+          a.x = v.x;
+          a.y = v.y;
         }
         if (k0 + 16 < p.K) {
-          const uint2 hi = ld_stream_v2(wrow[rt][h] + k0 / 2 + 8);
-          w.z = hi.x;
-          w.w = hi.y;
-          s |= ld_u8(srow[rt][h] + k0 / 16 + 1) << 8;
+          const uint2 v = ld_stream_v2(wp + 8);
+          a.z = v.x;
+          a.w = v.y;
+        }
+        if (k0 + 32 < p.K) {
+          const uint2 v = ld_stream_v2(wp + 16);
+          b.x = v.x;
+          b.y = v.y;
+        }
+        if (k0 + 48 < p.K) {
+          const uint2 v = ld_stream_v2(wp + 24);
+          b.z = v.x;
+          b.w = v.y;
         }
       }
-      st.w[rt][h] = w;
+      if (p.scale32) {
+        if (k0 < p.K) s = ld_u32(sp);
+      } else {
+#pragma unroll
+        for (int blk = 0; blk < 4; ++blk)
+          if (k0 + 16 * blk < p.K) s |= ld_u8(sp + blk) << (8 * blk);
+      }
+      st.w[rt][h][0] = a;
+      st.w[rt][h][1] = b;
       st.s[rt][h] = s;
     }
   }
@@ -384,7 +408,11 @@ __device__ __forceinline__ void load_acts(Stage<R, NT, MODE>& st, const GemvPara
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int tok = nt * 8 + g;
-    if (tok < p.M) prefetch_l1(p.xeff + static_cast<int64_t>(tok) * p.Kp + k0);
+    if (tok < p.M) {
+      const uint16_t* src = p.xeff + static_cast<int64_t>(tok) * p.Kp + k0;
+      prefetch_l1(src);
+      prefetch_l1(src + 32);
+    }
     if (MODE == kA16) {
       const int chunks = p.Kp / kChunkK;
       const int t0 = nt * 8 + 2 * t;
@@ -398,65 +426,87 @@ template <int R, int NT, int MODE>
 __device__ __forceinline__ void compute(const Stage<R, NT, MODE>& st, const GemvParams& p, int g,
                                         float (&acc)[R][NT][4]) {
   constexpr uint32_t kTwo7 = 0x58005800u;  // FP16x2 {128, 128}
-  // B operands: x_eff of token 8*nt + g, the thread's 32 k (16 FP16 pairs), zeros past M.
-  uint4 x[NT][4];
+  if constexpr (MODE == kProbe) {  // diagnostic: the memory stream alone (result ~0, loads kept)
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int tok = nt * 8 + g;
-    const uint16_t* src = p.xeff + static_cast<int64_t>(tok) * p.Kp + st.k0;
+    for (int rt = 0; rt < R; ++rt) {
+      uint32_t v = st.s[rt][0] ^ st.s[rt][1];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) x[nt][i] = tok < p.M ? ld_act_v4(src + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
-  }
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-  for (int rt = 0; rt < R; ++rt) {
-    // Block scales * 2^7 as FP16, broadcast to both halves: sc[h][block].
-    uint32_t sc[2][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t s2 = hmul2(e4m3x2_to_f16x2(st.s[rt][h]), kTwo7);
-      sc[h][0] = prmt(s2, s2, 0x1010u);
-      sc[h][1] = prmt(s2, s2, 0x3232u);
+        for (int q = 0; q < 2; ++q) v ^= st.w[rt][h][q].x ^ st.w[rt][h][q].y ^ st.w[rt][h][q].z ^ st.w[rt][h][q].w;
+      acc[rt][0][0] += static_cast<float>(v & 1u) * 1e-30f;
     }
-    float part[NT][4];
+    return;
+  }
+  float part[R][NT][4];
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) part[nt][i] = MODE == kA16 ? 0.f : acc[rt][nt][i];
+      for (int i = 0; i < 4; ++i) part[rt][nt][i] = MODE == kA16 ? 0.f : acc[rt][nt][i];
 
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {  // word j of each row: k in [8j, 8j+8) of the thread's 32
-      const uint32_t w0 = word_of(st.w[rt][0], j), w1 = word_of(st.w[rt][1], j);
-      const uint32_t s0 = sc[0][j >> 1], s1 = sc[1][j >> 1];
-      // pairs q = 4j + i hold k (8j+i, 8j+i+4); MMA step 2j uses pairs 4j, 4j+1; step 2j+1: 4j+2, 4j+3.
-      const uint32_t r0p0 = hmul2(decode_pair<0>(w0), s0), r1p0 = hmul2(decode_pair<0>(w1), s1);
-      const uint32_t r0p1 = hmul2(decode_pair<1>(w0), s0), r1p1 = hmul2(decode_pair<1>(w1), s1);
-      const uint32_t r0p2 = hmul2(decode_pair<2>(w0), s0), r1p2 = hmul2(decode_pair<2>(w1), s1);
-      const uint32_t r0p3 = hmul2(decode_pair<3>(w0), s0), r1p3 = hmul2(decode_pair<3>(w1), s1);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const uint4 xv = x[nt][j];  // x_eff words 4j..4j+3 = pairs 4j..4j+3
-        mma_16816(part[nt], r0p0, r1p0, r0p1, r1p1, xv.x, xv.y);
-        mma_16816(part[nt], r0p2, r1p2, r0p3, r1p3, xv.z, xv.w);
-      }
-    }
+  for (int half = 0; half < 2; ++half) {  // the thread's first / second 32 k: blocks 2*half, 2*half+1
+    // B operands: x_eff of token 8*nt + g (16 FP16 pairs), zeros past M.
+    uint4 x[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      if (MODE == kA16) {  // C fragment: c0, c2 -> token 2t; c1, c3 -> token 2t+1
-        acc[rt][nt][0] = fmaf(part[nt][0], st.xs[nt][0], acc[rt][nt][0]);
-        acc[rt][nt][1] = fmaf(part[nt][1], st.xs[nt][1], acc[rt][nt][1]);
-        acc[rt][nt][2] = fmaf(part[nt][2], st.xs[nt][0], acc[rt][nt][2]);
-        acc[rt][nt][3] = fmaf(part[nt][3], st.xs[nt][1], acc[rt][nt][3]);
-      } else {
+      const int tok = nt * 8 + g;
+      const uint16_t* src = p.xeff + static_cast<int64_t>(tok) * p.Kp + st.k0 + 32 * half;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[rt][nt][i] = part[nt][i];
+      for (int i = 0; i < 4; ++i) x[nt][i] = tok < p.M ? ld_act_v4(src + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int rt = 0; rt < R; ++rt) {
+      // The two block scales * 2^7 in FP16, each broadcast to both halves: sc[row g / g+8][block].
+      uint32_t sc[2][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t s2 = hmul2(e4m3x2_to_f16x2(half ? st.s[rt][h] >> 16 : st.s[rt][h] & 0xFFFFu), kTwo7);
+        sc[h][0] = prmt(s2, s2, 0x1010u);
+        sc[h][1] = prmt(s2, s2, 0x3232u);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // word j of this half: k in [8j, 8j+8), block j / 2 of the half
+        const int blk = j >> 1;
+        uint32_t r0[4], r1[4];
+        decode_word(word_of(st.w[rt][0][half], j), r0);
+        decode_word(word_of(st.w[rt][1][half], j), r1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          r0[i] = hmul2(r0[i], sc[0][blk]);
+          r1[i] = hmul2(r1[i], sc[1][blk]);
+        }
+        // Pairs q = 4j + i hold k (8j+i, 8j+i+4): MMA step 2j takes pairs 4j, 4j+1; 2j+1 takes 4j+2, 4j+3.
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint4 xv = x[nt][j];
+          mma_16816(part[rt][nt], r0[0], r1[0], r0[1], r1[1], xv.x, xv.y);
+          mma_16816(part[rt][nt], r0[2], r1[2], r0[3], r1[3], xv.z, xv.w);
+        }
       }
     }
   }
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (MODE == kA16) {  // C fragment: c0, c2 -> token 2t; c1, c3 -> token 2t+1
+        acc[rt][nt][0] = fmaf(part[rt][nt][0], st.xs[nt][0], acc[rt][nt][0]);
+        acc[rt][nt][1] = fmaf(part[rt][nt][1], st.xs[nt][1], acc[rt][nt][1]);
+        acc[rt][nt][2] = fmaf(part[rt][nt][2], st.xs[nt][0], acc[rt][nt][2]);
+        acc[rt][nt][3] = fmaf(part[rt][nt][3], st.xs[nt][1], acc[rt][nt][3]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[rt][nt][i] = part[rt][nt][i];
+      }
+    }
 }
 
 // Resident CTAs (of 256 threads) per SM that the register budget aims for.
 template <int R, int NT>
-constexpr int kMinBlocks = (R == 1 && NT == 1) ? 4 : (R * NT <= 2 ? 2 : 1);
+constexpr int kMinBlocks = R * NT == 1 ? 2 : 1;
 
 template <int R, int NT, int MODE, typename TOut>
 __global__ void __launch_bounds__(256, (kMinBlocks<R, NT>)) gemv_kernel(const GemvParams p) {
@@ -464,7 +514,6 @@ __global__ void __launch_bounds__(256, (kMinBlocks<R, NT>)) gemv_kernel(const Ge
   const int g = lane >> 2, t = lane & 3;
   const int row_base = blockIdx.x * (16 * R);
   const int chunks = p.Kp / kChunkK;
-  const int c_begin = (warp * chunks) / nwarps, c_end = ((warp + 1) * chunks) / nwarps;
   const int64_t row_bytes = p.K / 2, row_scales = p.K / 16;
 
   const uint8_t* wrow[R][2];
@@ -486,20 +535,24 @@ __global__ void __launch_bounds__(256, (kMinBlocks<R, NT>)) gemv_kernel(const Ge
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.f;
 
+  // Warps take chunks warp, warp + nwarps, ...: at any time the CTA's warps read neighbouring
+  // chunks, so each row is streamed in runs of nwarps * 128 bytes.
   Stage<R, NT, MODE> sa, sb;
-  if (c_begin < c_end) load_weights(sa, p, wrow, srow, c_begin * kChunkK + 32 * t);
+  const int c0 = warp;
+  if (c0 < chunks) load_weights(sa, p, wrow, srow, c0 * kChunkK + 64 * t);
   pdl_wait();  // x_eff is written by the stage kernel
-  if (c_begin < c_end) load_acts(sa, p, g, t, c_begin * kChunkK + 32 * t, c_begin);
-  for (int c = c_begin; c < c_end; c += 2) {
-    if (c + 1 < c_end) {
-      load_weights(sb, p, wrow, srow, (c + 1) * kChunkK + 32 * t);
-      load_acts(sb, p, g, t, (c + 1) * kChunkK + 32 * t, c + 1);
+  if (c0 < chunks) load_acts(sa, p, g, t, c0 * kChunkK + 64 * t, c0);
+  for (int c = c0; c < chunks; c += 2 * nwarps) {
+    const int c1 = c + nwarps, c2 = c + 2 * nwarps;
+    if (c1 < chunks) {
+      load_weights(sb, p, wrow, srow, c1 * kChunkK + 64 * t);
+      load_acts(sb, p, g, t, c1 * kChunkK + 64 * t, c1);
     }
     compute(sa, p, g, acc);
-    if (c + 1 >= c_end) break;
-    if (c + 2 < c_end) {
-      load_weights(sa, p, wrow, srow, (c + 2) * kChunkK + 32 * t);
-      load_acts(sa, p, g, t, (c + 2) * kChunkK + 32 * t, c + 2);
+    if (c1 >= chunks) break;
+    if (c2 < chunks) {
+      load_weights(sa, p, wrow, srow, c2 * kChunkK + 64 * t);
+      load_acts(sa, p, g, t, c2 * kChunkK + 64 * t, c2);
     }
     compute(sb, p, g, acc);
   }
@@ -572,7 +625,7 @@ template <typename T>
 cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg, GemvParams p, int rows_per_warp,
                      int ksplit, bool pdl) {
   const int threads = 256;
-  if (mode == kA16) {
+  if (mode == kA16 || mode == kProbe) {
     const int n = p.M * (p.Kp / 8);
     stage_a16_kernel<T><<<(n + threads - 1) / threads, threads, 0, stream>>>(
         x, const_cast<uint16_t*>(p.xeff), const_cast<float*>(p.xs), p.M, p.K, p.Kp);
@@ -584,6 +637,10 @@ cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg,
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   if (mode == kA16) return launch_gemv_dispatch<kA16, T>(stream, p, rows_per_warp, ksplit, pdl);
+  if (mode == kProbe) {
+    return rows_per_warp == 1 ? launch_gemv<1, 1, kProbe, T>(stream, p, ksplit, pdl)
+                              : launch_gemv<2, 1, kProbe, T>(stream, p, ksplit, pdl);
+  }
   return launch_gemv_dispatch<kA4, T>(stream, p, rows_per_warp, ksplit, pdl);
 }
 
@@ -608,8 +665,9 @@ ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> 
   const auto ed = xeff->dimensions();
   if (ed.size() != 2 || ed[0] != M || ed[1] != Kp) return bad("x_eff workspace must be [M, Kp]");
   const auto qd = xs->dimensions();
-  if (qd.size() != 2 || qd[0] != M || qd[1] != Kp / kChunkK) return bad("xs workspace must be [M, Kp/128]");
-  if (mode != kA16 && mode != kA4) return bad("mode must be 0 (W4A16) or 1 (W4A4)");
+  if (qd.size() != 2 || qd[0] != M || qd[1] != Kp / kChunkK) return bad("xs workspace must be [M, Kp/256]");
+  if (mode != kA16 && mode != kA4 && mode != kProbe) return bad("mode must be 0 (W4A16), 1 (W4A4) or 2 (probe)");
+  if (mode == kProbe && M > 8) return bad("the probe mode takes M <= 8");
   if (rows_per_warp != 1 && rows_per_warp != 2) return bad("rows_per_warp must be 1 or 2");
   if (k_split != 2 && k_split != 4 && k_split != 8) return bad("k_split must be 2, 4 or 8");
   if (x.element_type() != y->element_type()) return bad("output dtype must match the activation dtype");
@@ -628,7 +686,8 @@ ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> 
   p.K = static_cast<int>(K);
   p.Kp = Kp;
   const uintptr_t wptr = reinterpret_cast<uintptr_t>(p.wdata);
-  p.vec16 = (K % 32 == 0) && (wptr % 16 == 0) && (reinterpret_cast<uintptr_t>(p.wscale) % 2 == 0);
+  p.vec16 = (K % 32 == 0) && (wptr % 16 == 0);
+  p.scale32 = (K % 64 == 0) && (reinterpret_cast<uintptr_t>(p.wscale) % 4 == 0);
   if (!p.vec16 && wptr % 8 != 0) return bad("weight data must be 8-byte aligned");
   if (reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 != 0 || reinterpret_cast<uintptr_t>(p.xeff) % 16 != 0)
     return bad("activation buffers must be 16-byte aligned");
@@ -700,7 +759,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Gemv, jaxlp_nvfp4::GemvImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()    // g_x (ignored for W4A16)
                                   .Ret<ffi::AnyBuffer>()           // y [M, N]
                                   .Ret<ffi::Buffer<ffi::F16>>()    // x_eff workspace [M, Kp]
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // chunk scales workspace [M, Kp/128]
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // chunk scales workspace [M, Kp/256]
                                   .Attr<int64_t>("mode")
                                   .Attr<int64_t>("rows_per_warp")
                                   .Attr<int64_t>("k_split")

@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlp.formats import e2m1
 from jaxlp.formats.base import (
@@ -95,8 +96,10 @@ def _static_scalar(value, name: str) -> jax.Array:
     v = jnp.asarray(value, jnp.float32)
     if v.shape != ():
         raise ValueError(f"{FORMAT}: {name} must be a scalar, got shape {v.shape}")
-    if not isinstance(v, jax.core.Tracer) and not (bool(jnp.isfinite(v)) and float(v) > 0):
-        raise ValueError(f"{FORMAT}: {name} must be positive and finite, got {float(v)}")
+    if not isinstance(v, jax.core.Tracer):  # checked on the host: works inside a jit trace too
+        f = float(np.asarray(v))
+        if not (np.isfinite(f) and f > 0):
+            raise ValueError(f"{FORMAT}: {name} must be positive and finite, got {f}")
     return v
 
 

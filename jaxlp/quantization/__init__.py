@@ -11,3 +11,4 @@ from jaxlp.quantization.model import (
 )
 from jaxlp.quantization.recipes import RECIPES, Recipe, get_recipe
 from jaxlp.quantization.saving import is_quantized_checkpoint, load_quantized, save_quantized
+from jaxlp.quantization import nvfp4_dispatch  # noqa: F401, E402 (registers the "nvfp4_cuda" implementation)

@@ -55,11 +55,24 @@ def _decode_exact(q: NVFP4Array, dtype) -> jax.Array:
     return out.reshape(q.data.shape[:-1] + (2 * q.data.shape[-1],)).astype(dtype)
 
 
-def dequantize_dot(x: jax.Array, w: NVFP4Array, act_tensor_scale: jax.Array | None = None) -> jax.Array:
+# Who quantizes W4A4 activations on the large-M path: "xla" (nvfp4.quantize; ~500 HLO ops per
+# layer, which makes a 36-layer W4A4 model take minutes to compile) or "cuda" (the bit-exact CUDA
+# kernel, one custom call; verified on the GPU for M <= 32, see tests/ffi/test_nvfp4_gpu.py).
+LARGE_M_ACT_QUANTIZER = "xla"
+
+
+def dequantize_dot(
+    x: jax.Array, w: NVFP4Array, act_tensor_scale: jax.Array | None = None, *, act_quantizer: str | None = None
+) -> jax.Array:
     """``x [M, K] @ dequant(w).T`` by XLA (the large-M path); W4A4 when ``act_tensor_scale`` is given.
 
     Operands are BF16 (FP16) when ``x`` is, FP32 (HIGHEST precision) otherwise; FP32 accumulation.
+    act_quantizer: ``"xla"`` or ``"cuda"`` (W4A4 only; default :data:`LARGE_M_ACT_QUANTIZER`;
+    ``"cuda"`` needs BF16/FP32 ``x`` and falls back to ``"xla"`` otherwise).
     """
+    act_quantizer = act_quantizer or LARGE_M_ACT_QUANTIZER
+    if act_quantizer not in ("xla", "cuda"):
+        raise ValueError(f"act_quantizer must be 'xla' or 'cuda', got {act_quantizer!r}")
     compute = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
     precision = None if compute != jnp.float32 else jax.lax.Precision.HIGHEST
     scale = w.tensor_scale
@@ -69,7 +82,11 @@ def dequantize_dot(x: jax.Array, w: NVFP4Array, act_tensor_scale: jax.Array | No
         # The floor is quantize's own; it also makes g_x a traced value under jit, which
         # nvfp4.quantize's eager argument check needs when the scale is a captured constant.
         g_x = jnp.maximum(jnp.asarray(act_tensor_scale, jnp.float32), jnp.float32(nvfp4.TENSOR_SCALE_MIN))
-        xe = _decode_exact(nvfp4.quantize(x.astype(jnp.float32), tensor_scale=g_x), compute)
+        if act_quantizer == "cuda" and jnp.dtype(x.dtype) in ffi_nvfp4.ACT_DTYPES:
+            xq = ffi_nvfp4.quantize_activations(x, g_x)
+        else:
+            xq = nvfp4.quantize(x.astype(jnp.float32), tensor_scale=g_x)
+        xe = _decode_exact(xq, compute)
         scale = scale * g_x
     we = _decode_exact(w, compute)
     y = jnp.einsum("mk,nk->mn", xe, we, preferred_element_type=jnp.float32, precision=precision)

@@ -255,3 +255,10 @@ def test_fuzz_error_within_half_step(x, static):
     spacing = np.where(t < 2, 0.5, np.where(t < 4, 1.0, 2.0))
     bound = np.maximum(0.5 * spacing * denom, np.abs(xd) - 6 * denom) * (1 + 1e-6) + 1e-37
     assert np.all(np.abs(out - xd) <= bound)
+
+
+def test_static_tensor_scale_captured_inside_jit():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32)), jnp.float32)
+    eager = nvfp4.quantize(x, tensor_scale=0.01)
+    traced = jax.jit(lambda a: nvfp4.quantize(a, tensor_scale=0.01).data)(x)
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(eager.data))

@@ -1,0 +1,222 @@
+"""Decode time per token of a Qwen3-8B-shaped model (36 layers, random weights) through jaxlp.generate.
+
+Formats: BF16; NVFP4 W4A4 (calibrated on two random token batches) and W4A16, both through
+QuantizedLinear's "auto" implementation (the CUDA GEMV at decode, XLA dequantize-then-dot for
+the prefill); NVFP4 W4A4 with the ReSET sampler when jaxlp.sampling.reset provides it.
+Batch 1 and 8, a short (128-token) and an 8K (8000-token) prompt.
+
+Time per token = difference of two generation lengths divided by their difference in steps,
+after a warm-up call, so that prefill and compilation cancel:
+
+- ``--method length``: two calls with max_new_tokens N1 and N2 (two compiled programs).
+- ``--method stop`` (default, one compiled program per configuration): both calls use
+  max_new_tokens N2; the second stops early on stop tokens picked from the first call's output
+  (each row's token at step N1; rows sample at T = 0.6, top-p 0.95 from a random model, so the
+  tokens are effectively random and a row first meets one of them at about step N1). The loop
+  stops when every row has finished; the step count of that call is the largest per-row token
+  count it reports, so the difference is exact.
+
+Each timing is the median of ``--repeats`` calls. Results: a table on stdout and JSON.
+
+    python scripts/bench_decode.py --out docs/bench_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jaxlp  # noqa: E402
+from jaxlp.models import Transformer, from_hf_config  # noqa: E402
+from jaxlp.quantization import QuantizedLinear, quantize_model, quantized_layers, set_implementation  # noqa: E402
+from jaxlp.quantization import nvfp4_dispatch  # noqa: E402,F401  (registers "nvfp4_cuda")
+from jaxlp.sampling.base import Categorical  # noqa: E402
+
+QWEN3_8B = {  # the public Qwen/Qwen3-8B config.json
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+CONTEXTS = {"short": 128, "8k": 8000}
+
+
+def reset_sampler():
+    """ReSET with the paper's Qwen3-8B preset, or None if the module is not there."""
+    try:
+        from jaxlp.sampling.reset import ReSETConfig, reset_preset
+    except ImportError:
+        return None
+    p = reset_preset("Qwen3-8B")
+    return ReSETConfig(t_low=p.t_low, tau0=p.tau0, top_p=0.95)
+
+
+def build_model(config, seed=0, std=0.02):
+    """Random BF16 weights (normal * std, norms 1) filled leaf by leaf: one small jit per shape
+    instead of one huge initialisation program."""
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed)))
+    graphdef, state = nnx.split(abstract)
+    fill = jax.jit(lambda key, shape, dtype: (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype),
+                   static_argnums=(1, 2))
+    flat = nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state()
+    key = jax.random.key(seed)
+    values = {}
+    for i, (path, var) in enumerate(flat):
+        leaf = var.get_value() if hasattr(var, "get_value") else var.value
+        if "norm" in "/".join(map(str, path)):
+            values[path] = jnp.ones(leaf.shape, leaf.dtype)
+        else:
+            values[path] = fill(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype))
+    new_state = jax.tree_util.tree_map_with_path(
+        lambda p, leaf: values[tuple(_key(k) for k in p)], nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, new_state)
+    model = nnx.merge(graphdef, state)
+    jax.block_until_ready(nnx.state(model))
+    return model
+
+
+def _key(k):
+    return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+
+
+def prompts(batch, length, vocab, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(batch)]
+
+
+def timed(fn, repeats):
+    times = []
+    out = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def per_token(model, batch, ctx, sampler, *, n1, n2, method, repeats):
+    p = prompts(batch, CONTEXTS[ctx], model.config.vocab_size, seed=batch * 31 + len(ctx))
+    common = dict(sampler=sampler, seed=1, kv_cache="bf16")
+    t_c = time.perf_counter()
+    first = jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=(), **common)  # warm-up (compiles)
+    compile_s = time.perf_counter() - t_c
+    t2, full = timed(lambda: jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=(), **common), repeats)
+    steps2 = int(full.num_tokens.max())
+    if method == "length":
+        jaxlp.generate(model, p, max_new_tokens=n1, stop_tokens=(), **common)
+        t1, short = timed(lambda: jaxlp.generate(model, p, max_new_tokens=n1, stop_tokens=(), **common), repeats)
+        steps1 = int(short.num_tokens.max())
+    else:
+        stops = sorted({int(t) for t in first.tokens[:, n1 - 1]})
+        jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=stops, **common)
+        t1, short = timed(lambda: jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=stops, **common), repeats)
+        steps1 = int(short.num_tokens.max())
+    if steps2 - steps1 < n2 // 4:
+        raise RuntimeError(f"generation lengths too close to difference ({steps1} vs {steps2} steps)")
+    return {"ms_per_token": 1e3 * (t2 - t1) / (steps2 - steps1), "steps": [steps1, steps2], "t_s": [t1, t2],
+            "warmup_s": compile_s, "deterministic_prefix": bool((first.tokens == full.tokens).all())}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="docs/bench_decode.json")
+    ap.add_argument("--method", choices=("stop", "length"), default="stop")
+    ap.add_argument("--n1", type=int, default=32)
+    ap.add_argument("--n2", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--runs", default="bf16:1:short,bf16:8:short,bf16:1:8k,w4a4:1:short,w4a16:1:short,w4a4:8:short,"
+                    "w4a16:8:short,w4a4-reset:1:short,w4a16:1:8k,w4a4:1:8k,w4a4-reset:8:short",
+                    help="format:batch:context in this order; every bf16 run first (the model is then quantized "
+                         "in place; W4A4 and W4A16 alternate freely on the same NVFP4 weights)")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip runs that start after this many seconds")
+    ap.add_argument("--tiny", action="store_true", help="a small model of the same family (smoke tests)")
+    args = ap.parse_args(argv)
+
+    start = time.time()
+    cfg_dict = dict(QWEN3_8B, num_hidden_layers=args.layers, max_window_layers=args.layers)
+    if args.tiny:
+        cfg_dict.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, vocab_size=2048)
+    config = from_hf_config(cfg_dict)
+    dev = jax.devices()[0]
+    result = {"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "model": f"Qwen3-8B shape, {args.layers} layers, random weights", "method": args.method,
+              "n1": args.n1, "n2": args.n2, "runs": []}
+    base_sampler = Categorical(temperature=0.6, top_p=0.95)
+    rs = reset_sampler()
+    runs = [r.split(":") for r in args.runs.split(",")]
+
+    model = build_model(config)
+    fmt_now = "bf16"
+    print(f"# model built in {time.time() - start:.1f}s", flush=True)
+    for fmt, batch, ctx in runs:
+        if time.time() - start > args.budget_s:
+            print(f"# budget reached: skipping {fmt}:{batch}:{ctx}", flush=True)
+            result["runs"].append({"format": fmt, "batch": int(batch), "context": ctx, "skipped": "time budget"})
+            continue
+        base = fmt.split("-")[0]
+        if base != fmt_now:
+            t0 = time.time()
+            if fmt_now == "bf16":  # quantize once (W4A4 with calibrated activation scales)
+                if base not in ("w4a4", "w4a16"):
+                    raise SystemExit(f"unknown format {fmt}")
+                ids = np.random.default_rng(5).integers(0, config.vocab_size, (2, 256))
+                quantize_model(model, "w4a4-nvfp4", calibration=ids, calibration_batch_size=1, inplace=True)
+                set_implementation(model, "auto")
+            elif base == "bf16":
+                raise SystemExit(f"--runs must put every bf16 run before the NVFP4 ones; got {fmt} after {fmt_now}")
+            # W4A16 and W4A4 share the NVFP4 weights; W4A16 ignores the calibrated activation scale.
+            for _, layer in quantized_layers(model):
+                layer.activation = "nvfp4" if base == "w4a4" else None
+            fmt_now = base
+            print(f"# switched to {base} in {time.time() - t0:.1f}s", flush=True)
+        sampler = rs if fmt.endswith("-reset") else base_sampler
+        if sampler is None:
+            result["runs"].append({"format": fmt, "batch": int(batch), "context": ctx, "skipped": "no ReSET sampler"})
+            continue
+        rec = {"format": fmt, "batch": int(batch), "context": ctx, "prompt": CONTEXTS[ctx]}
+        try:
+            rec.update(per_token(model, int(batch), ctx, sampler, n1=args.n1, n2=args.n2, method=args.method,
+                                 repeats=args.repeats))
+        except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory at 8K)
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        jaxlp.generation.clear_cache_pool()
+        result["runs"].append(rec)
+        print(json.dumps(rec), flush=True)
+        result["elapsed_s"] = time.time() - start
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+    bf16 = {(r["batch"], r["context"]): r["ms_per_token"] for r in result["runs"]
+            if r["format"] == "bf16" and "ms_per_token" in r}
+    print(f"\n## decode ms/token, {dev.device_kind}, {args.layers} layers ({args.method} differencing)")
+    print(f"{'format':12s} {'batch':>5s} {'ctx':>6s} {'ms/tok':>8s} {'vs bf16':>8s}")
+    for r in result["runs"]:
+        if "ms_per_token" not in r:
+            print(f"{r['format']:12s} {r['batch']:5d} {r['context']:>6s} {r.get('error', r.get('skipped', ''))[:60]}")
+            continue
+        ref = bf16.get((r["batch"], r["context"]))
+        sp = f"{ref / r['ms_per_token']:.2f}x" if ref else "-"
+        print(f"{r['format']:12s} {r['batch']:5d} {r['context']:>6s} {r['ms_per_token']:8.3f} {sp:>8s}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

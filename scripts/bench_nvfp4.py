@@ -1,0 +1,436 @@
+"""Benchmark NVFP4 GEMV/GEMM paths against XLA on the paper's Qwen3 projection shapes.
+
+For each shape [N, K] and M tokens: XLA BF16 dot, XLA dequantize-then-dot (W4A16), the CUDA
+GEMV (W4A16, every launch configuration swept for M <= 32), the dispatched W4A16 time (the
+faster of the two NVFP4 paths), and the same for W4A4 (activation quantization inside the call
+or inside the XLA path). Also: the device's copy bandwidth and BF16 matmul rate measured in the
+same run, the standalone activation quantizer, and the dispatch table built from the winners.
+
+Timing (see :class:`Jobs`): each measured function makes one call per weight buffer inside one
+jit, every call on its own activations and its own weights (B buffers together > 4x the 50 MB
+L2, so weights come from HBM, and XLA can neither merge nor reuse the products). Reported:
+device time per call from a profiler trace (the union of the call's GPU kernel intervals:
+back-to-back execution as under CUDA-graph replay, host overhead excluded), and the wall time
+per call of ``reps`` back-to-back dispatches (host-bound for small layers) as ``*_wall_us``.
+
+    python scripts/bench_nvfp4.py --out docs/bench_nvfp4.json --table jaxlp/ffi/nvfp4_dispatch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxlp.ffi import nvfp4 as ffi_nvfp4  # noqa: E402
+from jaxlp.formats import nvfp4  # noqa: E402
+from jaxlp.quantization import nvfp4_dispatch as dispatch  # noqa: E402
+
+
+def qwen3_shapes() -> list[tuple[str, int, int]]:
+    """(name, N, K) of qkv (fused), o, gate/up (one of the two), down for Qwen3-8B/14B/32B."""
+    configs = {  # hidden, intermediate, heads, kv heads, head_dim (public HF configs)
+        "Qwen3-8B": (4096, 12288, 32, 8, 128),
+        "Qwen3-14B": (5120, 17408, 40, 8, 128),
+        "Qwen3-32B": (5120, 25600, 64, 8, 128),
+    }
+    out = []
+    for name, (h, inter, nh, nkv, d) in configs.items():
+        out += [
+            (f"{name} qkv", (nh + 2 * nkv) * d, h),
+            (f"{name} o", h, nh * d),
+            (f"{name} gate_up", inter, h),
+            (f"{name} down", h, inter),
+        ]
+    return out
+
+
+MS = (1, 2, 4, 8, 16, 32, 64, 128)
+CONFIGS = [ffi_nvfp4.GemvConfig(r, ks) for r, ks in ((1, 8), (2, 8), (1, 4), (2, 4))]
+SWEEP_MS = (1, 8, 16, 32)  # every configuration is timed at these M
+L2_BYTES = 50e6
+
+
+def _name(cfg):
+    return f"R{cfg.rows_per_warp}KS{cfg.k_split}"
+
+
+def nvfp4_bytes(n, k):
+    return n * k // 2 + n * k // 16 + 4
+
+
+def timeit(fn, args, *, calls, reps, trials) -> float:
+    """Wall seconds per call: ``fn(*args)`` performs ``calls`` calls; dispatched ``reps`` times per trial."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / (reps * calls))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes=1 << 30) -> dict:
+    """Device memory bandwidth: an elementwise op over nbytes (read + write) and a full read."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    scale = jax.jit(lambda x: x * 1.0001)
+    total = jax.jit(lambda x: jnp.sum(x))
+    t_copy = timeit(scale, (x,), calls=1, reps=10, trials=5)
+    t_read = timeit(total, (x,), calls=1, reps=10, trials=5)
+    del x
+    return {"copy_TBps": 2 * nbytes / t_copy / 1e12, "read_TBps": nbytes / t_read / 1e12, "bytes": nbytes}
+
+
+def bf16_peak() -> float:
+    a = jnp.ones((8192, 8192), jnp.bfloat16) * 0.01
+    mm = jax.jit(lambda a, b: a @ b)
+    t = timeit(mm, (a, a), calls=1, reps=10, trials=3)
+    return 2 * 8192**3 / t / 1e12
+
+
+class Shape:
+    """Weight buffers of one [N, K] shape (NVFP4 and BF16): one per call, together > 4x L2."""
+
+    def __init__(self, n, k, seed, target_bytes):
+        self.n, self.k = n, k
+        key = jax.random.key(seed)
+        nb = max(4, min(24, math.ceil(target_bytes / nvfp4_bytes(n, k))))
+        bb = max(2, min(24, math.ceil(target_bytes / (2 * n * k))))
+        quant = jax.jit(lambda kk: nvfp4.quantize(jax.random.normal(kk, (n, k), jnp.float32) * 0.02))
+        self.q = [quant(jax.random.fold_in(key, i)) for i in range(nb)]
+        self.w = [jax.random.normal(jax.random.fold_in(key, 100 + i), (n, k), jnp.bfloat16) * 0.02 for i in range(bb)]
+        jax.block_until_ready((self.q, self.w))
+
+    def free(self):
+        del self.q, self.w
+
+
+class Jobs:
+    """Timed functions of one phase: compiled and wall-timed when added, then device-timed together.
+
+    Each job calls ``fn_one(x_i, w_i)`` once per weight buffer, every call with its own activation
+    array and its own weights, so XLA can neither merge the dots (a shared operand) nor reuse a
+    result. Device time: one profiler trace of all jobs (``reps`` executions each, separated by
+    idle gaps); a job's time per call is the union of its GPU kernel intervals (launch gaps and
+    host overhead excluded, overlapping kernels counted once) over ``reps * calls``.
+    """
+
+    GAP_S = 0.03
+
+    def __init__(self, reps: int):
+        self.reps, self.jobs = reps, []
+
+    def add(self, key, fn_one, weights, m, k, dtype=jnp.bfloat16):
+        xs = [jax.random.normal(jax.random.key(1000 + i), (m, k), dtype) for i in range(len(weights))]
+
+        @jax.jit
+        def many(xs, ws):
+            return tuple(fn_one(x, w) for x, w in zip(xs, ws))
+
+        wall = timeit(many, (xs, weights), calls=len(weights), reps=self.reps, trials=1)
+        self.jobs.append(dict(key=key, fn=many, args=(xs, weights), calls=len(weights), wall_s=wall))
+
+    def run(self) -> dict:
+        """``{key: (device_s_per_call or None, wall_s_per_call)}``."""
+        device = [None] * len(self.jobs)
+        try:
+            d = tempfile.mkdtemp(prefix="nvfp4_trace_")
+            jax.profiler.start_trace(d)
+            for job in self.jobs:
+                out = None
+                for _ in range(self.reps):
+                    out = job["fn"](*job["args"])
+                jax.block_until_ready(out)
+                time.sleep(self.GAP_S)
+            jax.profiler.stop_trace()
+            clusters = gpu_clusters(d, gap_ns=self.GAP_S * 0.5e9)
+            shutil.rmtree(d, ignore_errors=True)
+            if len(clusters) == len(self.jobs):
+                device = [busy_ns(c) * 1e-9 / (self.reps * job["calls"]) for c, job in zip(clusters, self.jobs)]
+            else:
+                print(f"# profiler: {len(clusters)} GPU activity clusters for {len(self.jobs)} jobs; wall times only",
+                      flush=True)
+        except Exception as e:  # noqa: BLE001 - fall back to wall times
+            print(f"# profiler failed ({type(e).__name__}: {e}); wall times only", flush=True)
+        out = {job["key"]: (dev, job["wall_s"]) for job, dev in zip(self.jobs, device)}
+        self.jobs = []
+        return out
+
+
+def gpu_clusters(trace_dir, gap_ns) -> list[list[tuple[int, int]]]:
+    """GPU kernel/memcpy intervals of a trace, sorted, split where the GPU idled longer than gap_ns."""
+    from jax.profiler import ProfileData
+
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    lines = []
+    for f in files:
+        for plane in ProfileData.from_file(f).planes:
+            if plane.name.startswith("/device:GPU"):
+                lines += [(line.name, [(int(e.start_ns), int(e.start_ns + e.duration_ns)) for e in line.events])
+                          for line in plane.lines]
+    # Kernel activity sits on the "Stream #..." lines; derived lines (XLA ops/modules) repeat it.
+    streams = [iv for name, iv in lines if "stream" in name.lower()]
+    if not streams:
+        derived = ("xla", "step", "launch", "source", "framework")
+        streams = [iv for name, iv in lines if not any(d in name.lower() for d in derived)]
+    intervals = sorted(iv for line in streams for iv in line)
+    clusters, cur, end = [], [], None
+    for a, b in intervals:
+        if cur and a - end > gap_ns:
+            clusters.append(cur)
+            cur = []
+        cur.append((a, b))
+        end = b if end is None or not cur[:-1] else max(end, b)
+    if cur:
+        clusters.append(cur)
+    return clusters
+
+
+def busy_ns(intervals) -> int:
+    total, cur_a, cur_b = 0, None, None
+    for a, b in sorted(intervals):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="docs/bench_nvfp4.json")
+    ap.add_argument("--table", default=None, help="write the dispatch table here")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--shapes", default="all", help="comma-separated indices into the shape list, or 'all'")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--custom-shapes", default=None, help="'N:K,N:K' instead of the Qwen3 shapes")
+    ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # smoke tests of this script
+    args = ap.parse_args(argv)
+
+    start = time.time()
+    dev = jax.devices()[0]
+    if dev.platform != "gpu" and not args.allow_cpu:
+        sys.exit("bench_nvfp4 needs a GPU")
+    if dev.platform == "gpu":
+        ffi_nvfp4.load()
+    ms = [int(v) for v in args.ms.split(",")]
+    shapes = qwen3_shapes()
+    if args.custom_shapes:
+        shapes = [(f"{nk}", *map(int, nk.split(":"))) for nk in args.custom_shapes.split(",")]
+    elif args.shapes != "all":
+        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+
+    result = {
+        "device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "method": "one call per weight buffer (> 4x L2) per jit, distinct activations; device time = union of "
+                  "GPU kernel intervals per call from a profiler trace; wall = back-to-back dispatches",
+    }
+    bw = copy_bandwidth()
+    result["bandwidth"] = bw
+    result["bf16_matmul_TFLOPs"] = bf16_peak()
+    copy_bps = bw["copy_TBps"] * 1e12
+    print(f"# {dev.device_kind}: copy {bw['copy_TBps']:.2f} TB/s, read {bw['read_TBps']:.2f} TB/s, "
+          f"BF16 matmul {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+
+    # Standalone activation quantization, one launch per call.
+    jobs = Jobs(args.reps)
+    g_act = jnp.float32(0.01)
+    for k in sorted({k for _, _, k in qwen3_shapes()}):
+        for m in (1, 8):
+            jobs.add(f"{m}x{k}", lambda x, _w: ffi_nvfp4.quantize_activations(x, g_act).data, [None] * 16, m, k)
+    aq = {key: {"device_us": _us(t[0]), "wall_us": _us(t[1])} for key, t in jobs.run().items()}
+    result["act_quant"] = aq
+    print("# activation quantization, device us (wall us): " + ", ".join(
+        f"{key}: {v['device_us'] or float('nan'):.2f} ({v['wall_us']:.2f})" for key, v in aq.items()), flush=True)
+
+    rows, table_shapes = [], []
+    for si, (name, n, k) in enumerate(shapes):
+        if time.time() - start > args.budget_s:
+            print(f"# budget reached, skipping {name} and later", flush=True)
+            break
+        t_shape = time.time()
+        sh = Shape(n, k, si, target_bytes=4 * L2_BYTES)
+        g_x = jnp.float32(0.004)
+        checks = []
+        for m in (1, 8):  # correctness spot check on this shape: GEMV vs the exact XLA path
+            x = jax.random.normal(jax.random.key(7), (m, k), jnp.bfloat16)
+            for gx in (None, g_x):
+                y = ffi_nvfp4.nvfp4_gemv(x, sh.q[0], act_tensor_scale=gx)
+                ref = jax.jit(dispatch.dequantize_dot)(x.astype(jnp.float32), sh.q[0], gx)
+                checks.append({"m": m, "mode": "w4a4" if gx is not None else "w4a16",
+                               "rel_err_vs_xla": rel_err(y.astype(jnp.float32), ref)})
+                if checks[-1]["rel_err_vs_xla"] > 4e-3:
+                    print(f"!! {name} M={m} {checks[-1]['mode']} rel err {checks[-1]['rel_err_vs_xla']:.2e}", flush=True)
+
+        # Phase 1: XLA paths and every GEMV launch configuration (W4A16).
+        jobs = Jobs(args.reps)
+        for m in ms:
+            jobs.add(("bf16", m), lambda x, w: x @ w.T, sh.w, m, k)
+            jobs.add(("xla_dq_w4a16", m), lambda x, q: dispatch.dequantize_dot(x, q), sh.q, m, k)
+            if m >= 16:  # below, the XLA W4A4 path (quantize + decode + dot) never wins: not timed
+                jobs.add(("xla_dq_w4a4", m), lambda x, q: dispatch.dequantize_dot(x, q, g_x), sh.q, m, k)
+            if m in SWEEP_MS:
+                for cfg in CONFIGS:
+                    jobs.add(("gemv_w4a16", m, _name(cfg)),
+                             lambda x, q, cfg=cfg: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg), sh.q, m, k)
+        t1 = jobs.run()
+        # Phase 2: W4A16 at the other M <= 32 with the winners of the swept M; W4A4 with each M's
+        # best configuration (the nearest swept M's for those); W4A16 without PDL (ablation);
+        # the memory-stream probe.
+        best = {}
+        for m in ms:
+            if m in SWEEP_MS:
+                sweep = {c: _pick(t1[("gemv_w4a16", m, c)]) for c in map(_name, CONFIGS)}
+                best[m] = min(sweep, key=sweep.get)
+        swept = sorted(best)
+        a4cfg = {}
+        for m in ms:
+            if m <= ffi_nvfp4.MAX_M and m not in best and swept:
+                for c in sorted(set(best.values())):
+                    jobs.add(("gemv_w4a16", m, c), lambda x, q, cfg=_config(c): ffi_nvfp4.nvfp4_gemv(
+                        x, q, config=cfg), sh.q, m, k)
+        for m in ms:
+            if m <= ffi_nvfp4.MAX_M and swept:
+                cfg = _config(best.get(m) or best[min(swept, key=lambda v: abs(math.log(v / m)))])
+                a4cfg[m] = _name(cfg)
+                jobs.add(("gemv_w4a4", m), lambda x, q, cfg=cfg: ffi_nvfp4.nvfp4_gemv(
+                    x, q, act_tensor_scale=g_x, config=cfg), sh.q, m, k)
+                if m in (1, 8):
+                    # The same memory traffic without decode or MMA: the stream's own ceiling.
+                    jobs.add(("gemv_probe", m), lambda x, q, cfg=cfg: ffi_nvfp4.gemv_call(
+                        x, q.data, jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8), q.tensor_scale,
+                        config=cfg, probe=True)[0], sh.q, m, k)
+                    nopdl = ffi_nvfp4.GemvConfig(cfg.rows_per_warp, cfg.k_split, pdl=False)
+                    jobs.add(("gemv_w4a16_nopdl", m), lambda x, q, c=nopdl: ffi_nvfp4.nvfp4_gemv(x, q, config=c),
+                             sh.q, m, k)
+        t2 = jobs.run()
+        timings = {**t1, **t2}
+        for m in ms:
+            if m <= ffi_nvfp4.MAX_M and m not in best and swept:
+                sweep = {key[2]: _pick(t) for key, t in timings.items() if key[:2] == ("gemv_w4a16", m)}
+                best[m] = min(sweep, key=sweep.get)
+
+        entry = {"n": n, "k": k, "name": name, "w4a16": [], "w4a4": []}
+        for m in ms:
+            rec = {"shape": name, "n": n, "k": k, "m": m}
+            for key, t in timings.items():
+                if key[1] != m:
+                    continue
+                label = "_".join([key[0]] + list(key[2:]))
+                rec[f"{label}_us"] = _us(_pick(t))
+                rec[f"{label}_wall_us"] = _us(t[1])
+            rec.setdefault("xla_dq_w4a4_us", math.inf)
+            if m in best:
+                rec["gemv_config"] = best[m]
+                rec["gemv_w4a16_us"] = rec[f"gemv_w4a16_{best[m]}_us"]
+            for mode in ("w4a16", "w4a4"):
+                dq, gv = rec[f"xla_dq_{mode}_us"], rec.get(f"gemv_{mode}_us", math.inf)
+                rec[f"ours_{mode}_us"] = min(dq, gv)
+                rec[f"ours_{mode}_path"] = "gemv" if gv < dq else "xla_dq"
+                choice = "xla"
+                if gv < dq:
+                    cfg = _config(best[m] if mode == "w4a16" else a4cfg[m])
+                    choice = {"rows_per_warp": cfg.rows_per_warp, "k_split": cfg.k_split}
+                entry[mode].append([m, choice])
+            nbytes = nvfp4_bytes(n, k) + 2 * m * k + 2 * m * n
+            rec["nvfp4_bytes"] = nbytes
+            rec["floor_us"] = 1e6 * max(nbytes / copy_bps, 2 * m * n * k / (result["bf16_matmul_TFLOPs"] * 1e12))
+            rec["TBps"] = nbytes / (rec["ours_w4a16_us"] * 1e-6) / 1e12
+            rec["pct_copy"] = 100 * rec["TBps"] / bw["copy_TBps"]
+            rec["speedup_w4a16_vs_bf16"] = rec["bf16_us"] / rec["ours_w4a16_us"]
+            rec["speedup_w4a4_vs_bf16"] = rec["bf16_us"] / rec["ours_w4a4_us"]
+            rows.append(rec)
+            print(f"{name:18s} M={m:4d} bf16 {rec['bf16_us']:8.2f}  dq {rec['xla_dq_w4a16_us']:8.2f}  "
+                  f"ours-a16 {rec['ours_w4a16_us']:8.2f} ({rec['ours_w4a16_path']}, {rec.get('gemv_config', '-')})  "
+                  f"ours-a4 {rec['ours_w4a4_us']:8.2f}  x{rec['speedup_w4a16_vs_bf16']:.2f}  "
+                  f"{rec['TBps']:.2f} TB/s {rec['pct_copy']:.0f}%  floor {rec['floor_us']:.2f}", flush=True)
+        table_shapes.append(entry)
+        result.setdefault("checks", []).append({"shape": name, "checks": checks})
+        sh.free()
+        print(f"# {name}: {time.time() - t_shape:.0f}s", flush=True)
+        result["rows"] = rows
+        result["elapsed_s"] = time.time() - start
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(_finite(result), indent=1))
+        if args.table:
+            table = {
+                "note": f"Measured by scripts/bench_nvfp4.py on {dev.device_kind}, {result['date']}: per shape and "
+                        "mode, [M, choice] pairs; the first M >= the call's M decides (device kernel time).",
+                "device": dev.device_kind, "date": result["date"],
+                "default": dispatch.DEFAULT_RULE, "shapes": table_shapes,
+            }
+            Path(args.table).write_text(json.dumps(table))
+
+    summary(result)
+    return result
+
+
+def _pick(t):
+    """Device time when the profiler gave one, else wall time (seconds)."""
+    dev, wall = t
+    return dev if dev is not None else wall
+
+
+def _us(t):
+    return None if t is None else 1e6 * t
+
+
+def _config(name):
+    return next(c for c in CONFIGS if _name(c) == name)
+
+
+def _finite(obj):
+    """inf (not timed) as None, so that the JSON is standard."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, float) and math.isinf(obj):
+        return None
+    return obj
+
+
+def summary(result):
+    rows = [r for r in result.get("rows", []) if "bf16_us" in r]
+    print(f"\n## {result['device']}  copy {result['bandwidth']['copy_TBps']:.2f} TB/s  ({result['date']})")
+    print(f"{'shape':18s} {'M':>3s} {'bf16':>7s} {'xla-dq':>7s} {'a16':>7s} {'a4':>7s} {'x16':>5s} {'x4':>5s} "
+          f"{'TB/s':>5s} {'%cp':>4s} {'floor':>6s}")
+    for r in rows:
+        if r["m"] not in (1, 8, 32, 128):
+            continue
+        print(f"{r['shape']:18s} {r['m']:3d} {r['bf16_us']:7.2f} {r['xla_dq_w4a16_us']:7.2f} {r['ours_w4a16_us']:7.2f} "
+              f"{r['ours_w4a4_us']:7.2f} {r['speedup_w4a16_vs_bf16']:5.2f} {r['speedup_w4a4_vs_bf16']:5.2f} "
+              f"{r['TBps']:5.2f} {r['pct_copy']:4.0f} {r['floor_us']:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Build-on-first-use and lowering of the NVFP4 custom calls (CPU only: nothing runs a kernel)."""
+
+import ctypes
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlp.ffi import build
+from jaxlp.ffi import nvfp4 as ffi_nvfp4
+from jaxlp.formats import nvfp4
+
+HAVE_NVCC = shutil.which("nvcc") is not None or build.Path("/usr/local/cuda/bin/nvcc").is_file()
+
+
+def test_missing_compiler_error_is_clear(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXLP_NVCC", str(tmp_path / "no-nvcc"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(build.Path, "is_file", lambda self: False)
+    with pytest.raises(build.CudaCompilerNotFound, match="no CUDA compiler"):
+        build.build("nvfp4_gemv")
+
+
+def test_cache_dir_and_hash(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXLP_FFI_CACHE", str(tmp_path / "c"))
+    assert build.cache_dir() == tmp_path / "c"
+    if not HAVE_NVCC:
+        pytest.skip("nvcc not installed")
+    a = build.library_path("nvfp4_gemv")
+    monkeypatch.setenv("JAXLP_CUDA_ARCH", "100")
+    b = build.library_path("nvfp4_gemv")
+    assert a.parent == b.parent == tmp_path / "c" and a != b  # another target, another library
+    monkeypatch.setenv("JAXLP_CUDA_ARCH", "sm90")
+    with pytest.raises(ValueError, match="JAXLP_CUDA_ARCH"):
+        build.library_path("nvfp4_gemv")
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not installed")
+def test_source_compiles_with_local_nvcc():
+    """nvcc builds the library (or finds it cached under the same source hash) and it exports
+    both FFI handlers. Loading needs no GPU: the CUDA runtime is linked statically."""
+    path = build.build("nvfp4_gemv")
+    assert path.is_file() and path.stat().st_size > 100_000
+    lib = ctypes.CDLL(str(path))
+    assert lib.JaxlpNvfp4Gemv and lib.JaxlpNvfp4Quantize
+
+
+def _weight(n, k, seed):
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return nvfp4.quantize(jnp.asarray(w))
+
+
+def test_lowering_emits_custom_call_for_cuda():
+    w = _weight(40, 96, 0)
+    x = jnp.ones((3, 96), jnp.bfloat16)
+    cfg = ffi_nvfp4.GemvConfig(rows_per_warp=2, k_split=4)
+    f = jax.jit(lambda x, w: ffi_nvfp4.nvfp4_gemv(x, w, act_tensor_scale=jnp.float32(0.01), config=cfg))
+    text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{ffi_nvfp4.GEMV_TARGET}" in text
+    assert "mode = 1 : i64" in text and "rows_per_warp = 2 : i64" in text and "k_split = 4 : i64" in text
+    assert "tensor<3x40xbf16>" in text and "tensor<3x256xf16>" in text  # output and padded workspace
+    q = jax.jit(lambda x: ffi_nvfp4.quantize_activations(x, jnp.float32(0.5)).data)
+    text = q.trace(jnp.ones((2, 64), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{ffi_nvfp4.QUANTIZE_TARGET}" in text and "tensor<2x32xui8>" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(m=33), "1..32"),
+        (dict(dtype=jnp.float16), "bfloat16 or float32"),
+        (dict(kx=80), "K = 80"),
+    ],
+)
+def test_gemv_argument_errors(kwargs, match):
+    w = _weight(16, 64, 1)
+    x = jnp.ones((kwargs.get("m", 2), kwargs.get("kx", 64)), kwargs.get("dtype", jnp.bfloat16))
+    with pytest.raises(ValueError, match=match):
+        ffi_nvfp4.nvfp4_gemv(x, w)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="rows_per_warp"):
+        ffi_nvfp4.GemvConfig(rows_per_warp=3)
+    with pytest.raises(ValueError, match="k_split"):
+        ffi_nvfp4.GemvConfig(k_split=16)

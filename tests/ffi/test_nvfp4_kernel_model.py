@@ -1,0 +1,250 @@
+"""A NumPy model of the CUDA GEMV's arithmetic (nvfp4_gemv.cu), checked against float64 references.
+
+The model follows the kernel step by step: the FP16 bit-trick decode of nibbles (i, i+4) of a
+32-bit word (built per byte, placed by PRMT), the E4M3 scale times 2^7 in FP16, the x_eff workspace layout (x0 x4 x1 x5 x2 x6 x3 x7
+per group of 8; W4A16 chunks scaled by 2^(15 - e)), the thread/chunk mapping (thread t of a row
+owns k in [256c + 64t, +64)), and the final scale g_w * 2^7 (* g_x). If the kernel's index math
+or constants were wrong here, these tests fail on the CPU before any GPU run.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from jaxlp.formats import e2m1, nvfp4
+
+MAGS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+CHUNK = 256
+
+
+def e2m1_values(codes):
+    codes = np.asarray(codes)
+    return np.where(codes & 8, -1.0, 1.0) * MAGS[codes & 7]
+
+
+# --- the kernel's building blocks, written as the CUDA code computes them -----------------------
+
+
+def prmt(a: np.ndarray, b, sel: int) -> np.ndarray:
+    """PTX prmt.b32 (default mode): byte k of the result is byte sel[4k:4k+4] of (b:a)."""
+    src = (np.asarray(b, np.uint64) << 32) | a.astype(np.uint64)
+    out = np.zeros(a.shape, np.uint64)
+    for k in range(4):
+        idx = (sel >> (4 * k)) & 0x7
+        out |= ((src >> np.uint64(8 * idx)) & np.uint64(0xFF)) << np.uint64(8 * k)
+    return out.astype(np.uint32)
+
+
+def decode_word(w: np.ndarray) -> list[np.ndarray]:
+    """decode_word: uint32 words -> 4 uint32 holding FP16 {e2m1(n_i), e2m1(n_{i+4})} * 2^-14."""
+    w = w.astype(np.uint32)
+    even = ((w << 4) & 0x80808080) | ((w << 1) & 0x0E0E0E0E)
+    odd = (w & 0x80808080) | ((w >> 3) & 0x0E0E0E0E)
+    return [prmt(even, 0, 0x2404), prmt(odd, 0, 0x2404), prmt(even, 0, 0x3414), prmt(odd, 0, 0x3414)]
+
+
+def decode_pair(w: np.ndarray, i: int) -> np.ndarray:
+    return decode_word(w)[i]
+
+
+def half2(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) FP16 halves of uint32 words."""
+    bits = bits.astype(np.uint32)
+    return (bits & 0xFFFF).astype(np.uint16).view(np.float16), (bits >> 16).astype(np.uint16).view(np.float16)
+
+
+def scale_times_128(scale_bits: np.ndarray) -> np.ndarray:
+    """cvt.rn.f16x2.e4m3x2 then mul.rn.f16x2 by 128: E4M3 * 2^7 in FP16 (exact)."""
+    s16 = scale_bits.view(ml_dtypes.float8_e4m3fn).astype(np.float16)
+    return (s16 * np.float16(128.0)).astype(np.float16)
+
+
+def stage_a16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """stage_a16_kernel: x [M, K] (float32 values) -> x_eff FP16 [M, Kp] (permuted), xs [M, Kp/128]."""
+    m, k = x.shape
+    kp = -(-k // CHUNK) * CHUNK
+    xp = np.zeros((m, kp), np.float32)
+    xp[:, :k] = x
+    chunks = xp.reshape(m, kp // CHUNK, CHUNK)
+    amax = np.abs(chunks).max(-1)
+    _, ex = np.frexp(amax)
+    shift = np.where(amax > 0, np.clip(15 - ex, -100, 100), 0)
+    scaled = (chunks * np.exp2(shift)[..., None].astype(np.float32)).astype(np.float16).reshape(m, kp)
+    return permute8(scaled), np.exp2(-shift).astype(np.float32)
+
+
+def stage_a4(x: np.ndarray, g: float) -> np.ndarray:
+    """stage_a4_kernel's x_eff: e2m1(q) * e4m3(s) in FP16, FP32 ops in the kernel's order."""
+    m, k = x.shape
+    kp = -(-k // CHUNK) * CHUNK
+    f = np.float32
+    g = f(g)
+    blocks = x.astype(f).reshape(m, k // 16, 16)
+    amax = np.abs(blocks).max(-1)
+    s = (amax / (f(6.0) * g)).astype(f)
+    s = np.where(s == 0, f(1.0), s)
+    s = np.clip(s, f(2.0**-9), f(448.0))
+    sf = s.astype(ml_dtypes.float8_e4m3fn).astype(f)
+    denom = (sf * g).astype(f)
+    q = (blocks / denom[..., None]).astype(f)
+    a = np.minimum(np.abs(q), f(6.0))
+    ties = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
+    mag = sum(((a >= t) if inclusive else (a > t)).astype(np.uint8) for t, inclusive in ties)
+    codes = mag | ((q < 0).astype(np.uint8) << 3)
+    xe = np.zeros((m, kp), np.float16)
+    xe[:, :k] = (e2m1_values(codes) * sf[..., None]).astype(np.float16).reshape(m, k)
+    return permute8(xe)
+
+
+def permute8(v: np.ndarray) -> np.ndarray:
+    """Each group of 8 along the last axis stored as x0 x4 x1 x5 x2 x6 x3 x7."""
+    g = v.reshape(*v.shape[:-1], -1, 2, 4)  # [..., group, half (0: x0..3, 1: x4..7), i]
+    return np.swapaxes(g, -1, -2).reshape(v.shape)  # [..., group, i, half]
+
+
+def gemv(data, scale_bits, g_w, x_eff, xs=None, g_x=None) -> np.ndarray:
+    """gemv_kernel in float64 (every product and the FP32 sums are exact or nearly so)."""
+    n, k2 = data.shape
+    k = 2 * k2
+    m, kp = x_eff.shape
+    chunks = kp // CHUNK
+    # Weights padded with zero bytes past K (the kernel predicates those loads to zero).
+    d = np.zeros((n, kp // 2), np.uint8)
+    d[:, :k2] = data
+    s = np.zeros((n, kp // 16), np.uint8)
+    s[:, : k // 16] = scale_bits
+    words = d.view("<u4").reshape(n, chunks, 4, 8)  # [row, chunk, thread t, word j]
+    sc = scale_times_128(s).astype(np.float64).reshape(n, chunks, 4, 4)  # [.., t, block]
+    w_pairs = np.empty((n, chunks, 4, 8, 4, 2))  # [row, c, t, j, i, lo/hi]
+    pairs = decode_word(words)
+    for i in range(4):
+        lo, hi = half2(pairs[i])
+        blk = sc[:, :, :, [0, 0, 1, 1, 2, 2, 3, 3]]  # word j uses block j // 2
+        w_pairs[..., i, 0] = (lo.astype(np.float16) * blk.astype(np.float16)).astype(np.float64)
+        w_pairs[..., i, 1] = (hi.astype(np.float16) * blk.astype(np.float16)).astype(np.float64)
+    # x_eff pair q = 4j + i of thread t at halves 2q, 2q+1 of its 64: the same [c, t, j, i, h] index.
+    xv = x_eff.astype(np.float64).reshape(m, chunks, 4, 8, 4, 2)
+    part = np.einsum("nctjih,mctjih->mnc", w_pairs, xv)  # per-chunk partial sums
+    if xs is not None:
+        part = part * xs.astype(np.float64)[:, None, :]
+    y = part.sum(-1) * float(g_w) * 128.0
+    if g_x is not None:
+        y = y * float(g_x)
+    return y
+
+
+# --- references -----------------------------------------------------------------------------
+
+
+def quantized_weight(rng, n, k, *, zero_blocks=0):
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.02, 2.0, (n, 1)).astype(np.float32)
+    if zero_blocks:
+        rows = rng.integers(0, n, zero_blocks)
+        cols = rng.integers(0, k // 16, zero_blocks)
+        for r, c in zip(rows, cols):
+            w[r, 16 * c : 16 * c + 16] = 0.0
+    q = nvfp4.quantize(jnp.asarray(w))
+    return q, np.asarray(q.data), np.asarray(q.block_scale).view(np.uint8), float(q.tensor_scale)
+
+
+def weight_f64(data, scale_bits, g):
+    codes = np.stack([data & 0xF, data >> 4], -1).reshape(data.shape[0], -1)
+    s = scale_bits.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return e2m1_values(codes) * np.repeat(s, 16, axis=1) * g
+
+
+def rel(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+
+def test_decode_pair_exhaustive():
+    """Every nibble pair at every position i decodes to e2m1 * 2^-14 exactly (both halves)."""
+    a, b = np.meshgrid(np.arange(16, dtype=np.uint32), np.arange(16, dtype=np.uint32), indexing="ij")
+    a, b = a.ravel(), b.ravel()
+    rng = np.random.default_rng(11)
+    for i in range(4):
+        noise = rng.integers(0, 2**32, a.shape, dtype=np.uint64).astype(np.uint32)
+        keep = ~np.uint32((0xF << (4 * i)) | (0xF << (4 * i + 16)))
+        words = (noise & keep) | (a << (4 * i)) | (b << (4 * i + 16))  # other nibbles are random
+        lo, hi = half2(decode_pair(words, i))
+        np.testing.assert_array_equal(lo.astype(np.float64) * 2.0**14, e2m1_values(a))
+        np.testing.assert_array_equal(hi.astype(np.float64) * 2.0**14, e2m1_values(b))
+        # The library's description of the trick agrees.
+        np.testing.assert_array_equal(np.asarray(e2m1.fp16_bits(jnp.asarray(a))), (lo.view(np.uint16)))
+
+
+def test_scaled_weights_are_exact_in_fp16():
+    """e2m1 * 2^-14 (FP16, subnormals included) times e4m3 * 2^7 is exact for every code and scale."""
+    codes = np.arange(16)
+    scales = np.arange(256, dtype=np.uint8)
+    scales = scales[np.isfinite(scales.view(ml_dtypes.float8_e4m3fn).astype(np.float32))]
+    lo, _ = half2(decode_pair(codes.astype(np.uint32), 0))
+    prod = lo[:, None].astype(np.float16) * scale_times_128(scales)[None, :]
+    exact = e2m1_values(codes)[:, None] * scales.view(ml_dtypes.float8_e4m3fn).astype(np.float64)[None, :] * 2.0**-7
+    np.testing.assert_array_equal(prod.astype(np.float64), exact)
+
+
+def test_permutation_matches_decode_pairs():
+    """x_eff pair q = 4j + i holds (x[8j+i], x[8j+i+4]): the k's of the weight pair it meets."""
+    x = np.arange(64, dtype=np.float32)[None]
+    p = permute8(x).reshape(-1, 4, 2)  # [group j, i, half]
+    for j in range(8):
+        for i in range(4):
+            assert tuple(p[j, i]) == (8 * j + i, 8 * j + i + 4)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,seed",
+    [(1, 48, 256, 1), (3, 37, 400, 2), (8, 64, 128, 3), (13, 20, 48, 4), (32, 16, 272, 5)],
+)
+def test_w4a16_model_matches_reference(m, n, k, seed):
+    """N not a multiple of 16, K a multiple of 16 but not of 32 or 128, M across the n-tiles."""
+    rng = np.random.default_rng(seed)
+    q, data, sbits, g = quantized_weight(rng, n, k, zero_blocks=3)
+    x = (rng.standard_normal((m, k)) * 3.0).astype(ml_dtypes.bfloat16).astype(np.float32)
+    x[0, :16] = 0.0  # an all-zero chunk share
+    x_eff, xs = stage_a16(x)
+    got = gemv(data, sbits, g, x_eff, xs=xs)
+    ref = x.astype(np.float64) @ weight_f64(data, sbits, g).T
+    assert rel(got, ref) < 1e-6
+    # The library's own dequantization agrees with the float64 weight reference.
+    np.testing.assert_allclose(np.asarray(q.dequantize(jnp.float32)), weight_f64(data, sbits, g), rtol=1e-6)
+
+
+def test_w4a16_model_wide_dynamic_range():
+    """Per-chunk power-of-two scaling keeps BF16 values from 1e-8 to 1e8 exact in FP16."""
+    rng = np.random.default_rng(21)
+    m, n, k = 2, 32, 512
+    _, data, sbits, g = quantized_weight(rng, n, k)
+    x = (rng.standard_normal((m, k)) * np.exp(rng.uniform(-18, 18, (m, k)))).astype(ml_dtypes.bfloat16)
+    x = x.astype(np.float32)
+    x_eff, xs = stage_a16(x)
+    got = gemv(data, sbits, g, x_eff, xs=xs)
+    ref = x.astype(np.float64) @ weight_f64(data, sbits, g).T
+    assert rel(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("m,n,k,seed", [(1, 40, 208, 6), (8, 33, 384, 7), (17, 16, 64, 8)])
+def test_w4a4_model_matches_fake_quantize(m, n, k, seed):
+    rng = np.random.default_rng(seed)
+    _, data, sbits, g = quantized_weight(rng, n, k, zero_blocks=2)
+    x = rng.standard_normal((m, k)).astype(np.float32) * 2.0
+    amax = float(np.abs(x).max()) * 0.6  # below the true max: some blocks saturate
+    x[-1, :16] = 0.0  # an all-zero block
+    g_x = float(nvfp4.tensor_scale_from_amax(amax))
+    x_eff = stage_a4(x, g_x)
+    # The model's staging equals the library's NVFP4 quantization without the tensor scale.
+    xq = nvfp4.quantize(jnp.asarray(x), tensor_scale=g_x)
+    xdq = np.asarray(xq.dequantize(jnp.float32)).astype(np.float64)
+    kp = x_eff.shape[1]
+    lib_eff = np.zeros((m, kp))
+    lib_eff[:, :k] = xdq / g_x
+    np.testing.assert_allclose(permute8(lib_eff), x_eff.astype(np.float64), rtol=2e-7, atol=0)
+    got = gemv(data, sbits, g, x_eff, g_x=g_x)
+    ref = xdq @ weight_f64(data, sbits, g).T
+    assert rel(got, ref) < 1e-6

@@ -1,0 +1,110 @@
+"""NVFP4 dispatch: the measured table, the XLA large-M path, registration (CPU)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxlp.ffi import nvfp4 as ffi_nvfp4
+from jaxlp.formats import nvfp4
+from jaxlp.quantization import QuantizedLinear, implementations
+from jaxlp.quantization import nvfp4_dispatch as dispatch
+from jaxlp.quantization.activations import fake_quantize
+
+TABLE = {
+    "shapes": [
+        {"n": 4096, "k": 4096, "w4a16": [[8, {"rows_per_warp": 1, "k_split": 8}], [32, {"rows_per_warp": 2, "k_split": 4}],
+                                         [128, "xla"]],
+         "w4a4": [[4, {"rows_per_warp": 1, "k_split": 4}], [128, "xla"]]},
+        {"n": 25600, "k": 5120, "w4a16": [[2, {"rows_per_warp": 2, "k_split": 8}], [128, "xla"]]},
+    ],
+}
+
+
+def test_plan_follows_the_table():
+    p = lambda m, n=4096, k=4096, mode="w4a16": dispatch.plan(m, n, k, mode, TABLE)  # noqa: E731
+    assert p(1) == p(8) == ffi_nvfp4.GemvConfig(1, 8)
+    assert p(9) == p(32) == ffi_nvfp4.GemvConfig(2, 4)  # the next larger benchmarked M decides
+    assert p(33) is None and p(5000) is None
+    assert p(4, mode="w4a4") == ffi_nvfp4.GemvConfig(1, 4) and p(5, mode="w4a4") is None
+    assert p(2, 24000, 6000) == ffi_nvfp4.GemvConfig(2, 8) and p(3, 24000, 6000) is None  # nearest shape
+    assert p(2, 24000, 6000, "w4a4") == ffi_nvfp4.GemvConfig(1, 4)  # nearest shape that has the mode
+    with pytest.raises(ValueError, match="mode"):
+        dispatch.plan(1, 16, 16, "w8a8", TABLE)
+
+
+def test_shipped_table_is_valid():
+    table = dispatch.load_table()
+    for e in table["shapes"]:
+        for mode in ("w4a16", "w4a4"):
+            if mode in e:
+                for m in (1, 2, 4, 8, 16, 32, 64, 128):
+                    cfg = dispatch.plan(m, e["n"], e["k"], mode, table)
+                    assert cfg is None or isinstance(cfg, ffi_nvfp4.GemvConfig)
+    assert dispatch.plan(1, 4096, 4096, "w4a16") is not None or table["shapes"]
+
+
+def _weight(n, k, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.05, 2, (n, 1)).astype(np.float32)
+    return nvfp4.quantize(jnp.asarray(w))
+
+
+@pytest.mark.parametrize("m,n,k,seed", [(1, 24, 48, 1), (64, 40, 272, 2), (130, 17, 128, 3)])
+def test_dequantize_dot_w4a4_is_exact_emulation(m, n, k, seed):
+    q = _weight(n, k, seed)
+    x = jnp.asarray(np.random.default_rng(seed + 50).standard_normal((m, k)) * 3, jnp.float32)
+    amax = jnp.float32(float(np.abs(np.asarray(x)).max()) * 0.5)  # saturating
+    y = np.asarray(jax.jit(dispatch.dequantize_dot)(x, q, dispatch.act_tensor_scale(amax)), np.float64)
+    ref = np.asarray(fake_quantize(x, "nvfp4", amax), np.float64) @ np.asarray(q.dequantize(), np.float64).T
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-6
+    # BF16 operands: the decoded values are exact in BF16, only the output is rounded.
+    yb = np.asarray(dispatch.dequantize_dot(x.astype(jnp.bfloat16), q, dispatch.act_tensor_scale(amax)), np.float64)
+    xb = np.asarray(fake_quantize(x.astype(jnp.bfloat16), "nvfp4", amax), np.float64)
+    refb = (xb @ np.asarray(q.dequantize(), np.float64).T).astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert np.linalg.norm(yb - refb) / np.linalg.norm(refb) < 1e-3
+
+
+def test_dequantize_dot_w4a16_matches_reference():
+    q = _weight(48, 160, 7)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((5, 160)), jnp.bfloat16)
+    y = np.asarray(dispatch.dequantize_dot(x, q).astype(jnp.float32), np.float64)
+    exact = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(q.dequantize(), np.float64).T
+    assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 4e-3  # BF16 output rounding only
+    layer = QuantizedLinear(q)
+    ref = np.asarray(layer.reference(x).astype(jnp.float32), np.float64)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_registered_and_cpu_falls_back_to_reference():
+    assert dispatch.IMPLEMENTATION in implementations()
+    q = _weight(32, 64, 9)
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((3, 64)), jnp.float32)
+    layer = QuantizedLinear(q, implementation="auto")
+    assert not dispatch.supports(layer, x)  # no GPU here
+    np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(layer.reference(x)))
+    forced = np.asarray(dispatch.nvfp4_matmul(layer, x, force="xla"))
+    np.testing.assert_allclose(forced, np.asarray(layer.reference(x)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,expect_call", [(1, True), (200, False)])
+def test_lowering_for_cuda_follows_the_plan(m, expect_call):
+    q = _weight(4096, 256, 11)
+    amax = jnp.float32(3.0)
+    layer = QuantizedLinear(q, activation="nvfp4", act_amax=amax)
+    x = jnp.ones((m, 1, 256), jnp.bfloat16)
+    f = jax.jit(lambda x: dispatch.nvfp4_matmul(layer, x))
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert (f"custom_call @{ffi_nvfp4.GEMV_TARGET}" in text) == expect_call
+    assert f"tensor<{m}x1x4096xbf16>" in text
+
+
+def test_large_m_cuda_activation_quantizer_lowers_to_one_custom_call():
+    q = _weight(64, 256, 12)
+    x = jnp.ones((300, 256), jnp.bfloat16)
+    f = jax.jit(lambda x: dispatch.dequantize_dot(x, q, jnp.float32(0.01), act_quantizer="cuda"))
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"custom_call @{ffi_nvfp4.QUANTIZE_TARGET}") == 1 and "tensor<300x128xui8>" in text
+    with pytest.raises(ValueError, match="act_quantizer"):
+        dispatch.dequantize_dot(x, q, jnp.float32(0.01), act_quantizer="triton")
