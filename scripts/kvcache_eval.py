@@ -117,8 +117,8 @@ def main(argv=None) -> int:
         lines.append(f"| {r['cache']} | {r['ppl']:.3f} | {r['kl']:.5f} | {r['bytes_per_token_per_layer']:.1f} | {ratio} |")
     table = "\n".join(lines)
     out.with_suffix(".md").write_text(
-        f"# KV caches on Gemma 3 270M\n\n{args.tokens} tokens of offline text: {args.prefill} prefilled in full "
-        f"precision, {int(n)} decoded one at a time through each cache (teacher forcing); KL against the same "
+        f"# KV caches on Gemma 3 270M\n\n{args.tokens} tokens of offline text: {args.prefill} prefilled (attended in full "
+        f"precision, then stored in the cache under test), {int(n)} decoded one at a time through each cache (teacher forcing); KL against the same "
         f"model over a BF16 cache. Bytes per token per layer include metadata and full-precision buffers, "
         f"averaged over a 4096-token context. Gemma 3 270M has 1 KV head of dimension 256, and 15 of its 18 "
         f"layers attend a 512-token sliding window.\n\nCommand: `python scripts/kvcache_eval.py --model "
