@@ -7,10 +7,10 @@
     jaxlp.checkpoint.save(path, tree); jaxlp.checkpoint.load(path)
 """
 
-from jaxlp import checkpoint, data, formats, kvcache, models, quantization, sampling
+from jaxlp import checkpoint, data, formats, kvcache, models, quantization, sampling, testbed
 from jaxlp.formats import dequantize, quantize
 from jaxlp.generation import GenerationResult, generate
-from jaxlp.models import from_pretrained
+from jaxlp.models import from_pretrained, save_pretrained
 from jaxlp.quantization import quantize_model
 
 __version__ = "0.1.0"

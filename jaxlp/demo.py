@@ -25,7 +25,7 @@ def char_tokenizer() -> Tokenizer:
         vocab.setdefault(ch, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.add_special_tokens(["<pad>", "<eos>", "<unk>"])
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")  # "." would miss "\n"
     tok.decoder = decoders.Fuse()
     return tok
 
