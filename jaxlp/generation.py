@@ -103,7 +103,8 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
         new["finished"] = c["finished"] | (active & jnp.isin(sample.tokens, stop_ids))
         new["sampler_state"] = sample.state
         if return_stats:
-            new["entropy"] = c["entropy"].at[:, step].set(jnp.where(active, token_entropy(c["logits"]), jnp.nan))
+            entropy = token_entropy(c["logits"]) if sample.entropy is None else sample.entropy
+            new["entropy"] = c["entropy"].at[:, step].set(jnp.where(active, entropy, jnp.nan))
             new["temperature"] = c["temperature"].at[:, step].set(jnp.where(active, sample.temperature, jnp.nan))
         # Feed the token back in at the row's next position (lengths + step).
         # (finished rows keep computing on their sampled token; their output is padding).

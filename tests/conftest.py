@@ -115,9 +115,3 @@ def gemma3_270m_dir():
     cache = Path(os.environ.get("JAXLP_CACHE", Path.home() / ".cache" / "jaxlp"))
     return module.convert(cache / "gemma3-270m")
 
-
-def offline_english_text() -> str:
-    """English prose that ships with CPython (pydoc's topic help), for real-text checks."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))

@@ -156,3 +156,15 @@ def test_repeated_calls_do_not_see_earlier_calls(model, cache):
     jaxlp.generate(model, long, max_new_tokens=8, kv_cache=cache, stop_tokens=())
     again = jaxlp.generate(model, short, max_new_tokens=8, kv_cache=cache, stop_tokens=())
     np.testing.assert_array_equal(again.tokens, fresh.tokens)
+
+
+def test_stats_entropy_from_a_sampler_that_computes_it(model):
+    from jaxlp.sampling import ReSETConfig
+
+    prompt = _prompts(10, [6])
+    sampler = ReSETConfig(t_low=0.1, tau0=1.0, newline_ids=(5,))
+    res = jaxlp.generate(model, prompt, max_new_tokens=4, sampler=sampler, stop_tokens=(), return_stats=True)
+    seq = list(prompt[0])
+    for t in range(4):
+        np.testing.assert_allclose(res.entropy[0, t], float(token_entropy(next_logits(model, seq))), rtol=1e-4)
+        seq.append(int(res.tokens[0, t]))

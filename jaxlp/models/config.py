@@ -156,7 +156,7 @@ _BENIGN_KEYS = {
     "is_decoder", "pruned_heads", "max_window_layers", "use_sliding_window", "attention_bias",
     "mlp_bias", "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
     "rope_local_base_freq", "sliding_window_pattern", "hidden_activation", "use_bidirectional_attention",
-    "quantization_config_removed", "_sliding_window_pattern", "cache_implementation", "embedding_dropout",
+    "cache_implementation", "embedding_dropout", "quantization_config",  # a non-empty one is rejected below
     "resid_pdrop", "torchscript", "use_return_dict", "partial_rotary_factor",
 }
 
@@ -203,8 +203,7 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             "load the high-precision checkpoint and use jaxlp.quantize_model"
         )
     unknown = sorted(
-        k for k in cfg
-        if k not in _BENIGN_KEYS and k != "quantization_config" and not k.startswith("_") and not k.endswith("_token_id")
+        k for k in cfg if k not in _BENIGN_KEYS and not k.startswith("_") and not k.endswith("_token_id")
     )
     if unknown:
         raise UnsupportedConfigError(f"{model_type}: unsupported config key(s) {unknown}")

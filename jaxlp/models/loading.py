@@ -47,13 +47,9 @@ def read_config(path: str | Path) -> ModelConfig:
             gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
         except json.JSONDecodeError as e:
             raise CheckpointFormatError(f"{gen_file}: corrupt JSON ({e})") from None
-        ids = [raw.get("eos_token_id"), gen_eos]
-        merged = []
-        for i in ids:
-            for x in i if isinstance(i, list) else ([] if i is None else [i]):
-                if x not in merged:
-                    merged.append(x)
-        raw = {**raw, "eos_token_id": merged}
+        as_list = lambda i: i if isinstance(i, list) else ([] if i is None else [i])  # noqa: E731
+        merged = as_list(raw.get("eos_token_id")) + as_list(gen_eos)
+        raw = {**raw, "eos_token_id": list(dict.fromkeys(merged))}
     return from_hf_config(raw)
 
 

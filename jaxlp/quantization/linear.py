@@ -68,7 +68,6 @@ class QuantizedLinear(nnx.Module):
         self.act_amax = None if act_amax is None else nnx.Param(jnp.asarray(act_amax, jnp.float32))
         self.activation = activation
         self.out_scale = float(out_scale)
-        self.implementation = implementation
         self.set_mode(mode)
         self.set_implementation(implementation)
 

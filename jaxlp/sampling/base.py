@@ -28,6 +28,7 @@ class SampleOutput(NamedTuple):
     tokens: jax.Array  # int32 [B]
     temperature: jax.Array  # float32 [B], the temperature actually used (0 for argmax)
     state: Any  # the sampler's new state
+    entropy: jax.Array | None = None  # float32 [B] raw-logit entropy, if the sampler computed it
 
 
 def token_entropy(logits: jax.Array) -> jax.Array:

@@ -320,7 +320,7 @@ class EntropyTemperatureSampler(Sampler):
         self._check_state(state, logits.shape[0])
         temperature, state, stats = self.step(state, token_entropy(logits))
         tokens = sample_with_temperature(logits, temperature, key, top_p=self.top_p)
-        return SampleOutput(tokens, stats.temperature, self.record(state, tokens))
+        return SampleOutput(tokens, stats.temperature, self.record(state, tokens), stats.entropy)
 
 
 @register

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxlp
-from conftest import offline_english_text
+from jaxlp.data import offline_text
 from jaxlp.models.tokenizer import load_tokenizer
 
 torch = pytest.importorskip("torch")
@@ -29,7 +29,7 @@ def test_config_is_gemma3_text(checkpoint):
 
 def test_logits_match_across_the_sliding_window(checkpoint):
     path, hf, model = checkpoint
-    ids = load_tokenizer(path).encode(offline_english_text()[:20000]).ids[:600]  # > 512: crosses the window
+    ids = load_tokenizer(path).encode(offline_text()[:20000]).ids[:600]  # > 512: crosses the window
     assert len(ids) == 600 and ids[0] == 2  # <bos>
     with torch.no_grad():
         ref = hf(torch.as_tensor([ids])).logits[0].numpy()
