@@ -214,6 +214,13 @@ def parse_args(argv=None):
     for knob in ("min_terms", "max_terms", "max_digits", "start_digits"):
         ap.add_argument("--" + knob.replace("_", "-"), type=int, default=None, help=f"problem {knob} (default: the spec's)")
     ap.add_argument("--multiply-prob", type=float, default=None, help="chance of a final multiplication")
+    ap.add_argument("--snapshots", default="",
+                    help="comma-separated steps at which the bf16 parameters are kept and evaluated at T = 0.6 "
+                         "in BF16 and NVFP4 W4A4 (--snapshot-problems held-out problems)")
+    ap.add_argument("--snapshot-problems", type=int, default=512)
+    ap.add_argument("--ship-min-accuracy", type=float, default=None,
+                    help="save the first snapshot whose BF16 T = 0.6 accuracy reaches this instead of the final "
+                         "parameters (the last snapshot if none does)")
     ap.add_argument("--order-window", type=int, default=None,
                     help="terms are added in random order within blocks of this many (1: left to right; "
                          ">= max terms: fully random; default 2)")
@@ -232,6 +239,12 @@ def parse_args(argv=None):
             ap.error(f"--steps must be an integer or 'auto', got {args.steps!r}")
         if args.steps < 1:
             ap.error("--steps must be >= 1")
+    try:
+        args.snapshots = sorted({int(x) for x in args.snapshots.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"--snapshots must be comma-separated integers, got {args.snapshots!r}")
+    if args.ship_min_accuracy is not None and not args.snapshots:
+        ap.error("--ship-min-accuracy needs --snapshots")
     return args
 
 
@@ -267,18 +280,39 @@ def train(args) -> TrainResult:
     stream = BatchStream(args.seed, args.batch_size, args.seq_len, spec, args.workers)
     tokens_per_step = args.batch_size * args.seq_len
 
-    def eval_model():
-        return nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))
+    def bf16_params():
+        return jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
 
-    def evaluate(problems, sampler, seed=0):
-        texts = generate_texts(eval_model(), problems, tokenizer, sampler, batch_size=eval_batch,
+    def evaluate(problems, sampler, seed=0, model=None):
+        model = nnx.merge(graphdef, bf16_params()) if model is None else model
+        texts = generate_texts(model, problems, tokenizer, sampler, batch_size=eval_batch,
                                max_new_tokens=max_new, seed=seed)
         return accuracy_report(problems, texts), texts
+
+    snapshot_set = eval_problems(args.seed, args.snapshot_problems, spec) if args.snapshots else []
+    snapshot_params = {}
+
+    def snapshot():
+        """Keep the bf16 parameters; accuracy at T = 0.6 in BF16 and NVFP4 W4A4 (RTN, static scales)."""
+        from jaxlp.quantization import quantize_model
+
+        snapshot_params[step] = bf16_params()
+        bf16 = nnx.merge(graphdef, snapshot_params[step])
+        calibration = packed_batch(args.seed + 1, 0, 8, args.seq_len, spec)[0]
+        w4a4 = quantize_model(bf16, "w4a4-nvfp4", calibration=calibration)
+        sampler = Categorical(temperature=0.6, top_p=0.95)
+        row = dict(step=step)
+        for name, model in (("bf16", bf16), ("w4a4_nvfp4", w4a4)):
+            report, _ = evaluate(snapshot_set, sampler, seed=args.seed, model=model)
+            row[name] = report
+        log["snapshots"].append(row)
+        tqdm.write(f"snapshot {step}: T=0.6 accuracy BF16 {row['bf16']['accuracy']:.4f}, NVFP4 W4A4 "
+                   f"{row['w4a4_nvfp4']['accuracy']:.4f} ({len(snapshot_set)} problems)", file=sys.stderr)
 
     log = {"args": {k: str(v) for k, v in vars(args).items()}, "backend": backend,
            "devices": [str(d) for d in jax.devices()], "num_params": config.num_params,
            "spec": dataclasses.asdict(spec), "compute_dtype": jnp.dtype(compute).name,
-           "tokens_per_step": tokens_per_step, "losses": [], "evals": []}
+           "tokens_per_step": tokens_per_step, "losses": [], "evals": [], "snapshots": []}
     deadline = T_START + args.time_budget
     total = args.steps if args.steps != "auto" else None
     reserve = 0.0  # seconds kept for the final evaluation and saving
@@ -315,6 +349,8 @@ def train(args) -> TrainResult:
                     step_times.append(dt)
             step += 1
             pbar.update(1)
+            if step in args.snapshots:
+                snapshot()
             if step % args.log_every == 0 or step == total:
                 flush_losses()
                 elapsed = time.monotonic() - t_loop
@@ -364,16 +400,23 @@ def train(args) -> TrainResult:
     log["stopped_early"] = stopped_early
     log["train_seconds"] = time.monotonic() - t_loop
 
+    shipped = None
+    if args.ship_min_accuracy is not None and snapshot_params:
+        good = [r["step"] for r in log["snapshots"] if r["bf16"]["accuracy"] >= args.ship_min_accuracy]
+        shipped = good[0] if good else max(snapshot_params)
+        tqdm.write(f"shipping the parameters of step {shipped}", file=sys.stderr)
+    log["shipped_step"] = shipped or step
+    final_model = nnx.merge(graphdef, snapshot_params[shipped] if shipped else bf16_params())
+
     final = {}
     for name, sampler in (("greedy", Greedy()), ("T0.6_top_p0.95", Categorical(temperature=0.6, top_p=0.95))):
-        report, texts = evaluate(final_set[: args.final_eval_problems], sampler, seed=args.seed)
+        report, texts = evaluate(final_set[: args.final_eval_problems], sampler, seed=args.seed, model=final_model)
         final[name] = report
         tqdm.write(f"final {name}: accuracy {report['accuracy']:.4f} on {report['n']} held-out problems, "
                    f"by terms {report['by_terms']}, errors {report['error_kinds']}", file=sys.stderr)
     log["final"] = final
     log["sample"] = final_set[0].question + texts[0]
 
-    final_model = eval_model()
     save_pretrained(final_model, args.out, tokenizer, dtype=jnp.bfloat16,
                     max_shard_bytes=int(args.shard_mb * 1e6), overwrite=True)
     log["total_seconds"] = time.monotonic() - T_START
