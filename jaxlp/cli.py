@@ -215,7 +215,7 @@ def cmd_calibrate_tau0(args) -> int:
 def cmd_demo(args) -> int:
     from jaxlp import demo
 
-    demo.run(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    demo.run(num_problems=args.problems, seed=args.seed, model_dir=args.model)
     return 0
 
 
@@ -269,8 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     c.set_defaults(func=cmd_calibrate_tau0)
 
-    d = sub.add_parser("demo", help="run generation on the built-in model (no downloads)")
-    d.add_argument("--max-new-tokens", type=int, default=48)
+    d = sub.add_parser("demo", help="the embedded reasoner on held-out problems: BF16, NVFP4 W4A4, W4A4 + ReSET")
+    d.add_argument("--problems", type=int, default=8, help="held-out problems to solve")
+    d.add_argument("--model", default=None, help="a reasoner checkpoint (default: the embedded one)")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
     return parser

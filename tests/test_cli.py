@@ -7,7 +7,22 @@ import sys
 import pytest
 
 from jaxlp.cli import main
-from jaxlp.demo import char_tokenizer
+
+
+def char_tokenizer():
+    """Character tokenizer for the random test models: <pad>, <eos>, <unk>, then printable ASCII."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for ch in string.printable:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.add_special_tokens(["<pad>", "<eos>", "<unk>"])
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    tok.decoder = decoders.Fuse()
+    return tok
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +89,15 @@ def test_user_errors_are_one_line(model_dir, tmp_path, capsys, argv, message):
 
 
 def test_console_script_demo_runs():
-    proc = subprocess.run([sys.executable, "-m", "jaxlp.cli", "demo", "--max-new-tokens", "8"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "jaxlp.cli", "demo", "--problems", "2"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert "tok/s" in proc.stdout and "greedy" in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert "tok/s" in proc.stdout and "weight bytes" in proc.stdout
+    rows = [l for l in lines if l.startswith(("BF16", "NVFP4"))]
+    assert len(rows) == 3, proc.stdout
+    bf16_bytes, w4a4_bytes = (int(r.split()[-1].replace(",", "")) for r in rows[:2])
+    assert 0.25 * bf16_bytes < w4a4_bytes < 0.6 * bf16_bytes  # the embedding stays BF16
 
 
 def test_quantize_then_generate_and_info(model_dir, tmp_path, capsys):
