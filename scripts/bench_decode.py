@@ -1,8 +1,11 @@
 """Decode time per token of a Qwen3-8B-shaped model (36 layers, random weights) through jaxlp.generate.
 
 Formats: BF16; NVFP4 W4A4 (calibrated on two random token batches) and W4A16, both through
-QuantizedLinear's "auto" implementation (the CUDA GEMV at decode, XLA dequantize-then-dot for
-the prefill); NVFP4 W4A4 with the ReSET sampler when jaxlp.sampling.reset provides it.
+QuantizedLinear's "auto" implementation (the kernels the measured dispatch table picks per
+shape and M: a CUDA GEMV at decode, the CUDA GEMM or XLA dequantize-then-dot for the prefill);
+NVFP4 W4A4 with the ReSET sampler when jaxlp.sampling.reset provides it. Suffixes: ``-reset``
+(the ReSET sampler), ``-pipe`` (every "regs" GEMV choice of the table replaced by the "pipe"
+kernel: one launch per linear for W4A16).
 Batch 1 and 8, a short (128-token) and an 8K (8000-token) prompt.
 
 Time per token = difference of two generation lengths divided by their difference in steps,
@@ -94,6 +97,28 @@ def _key(k):
     return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
 
 
+def pipe_table(table: dict) -> dict:
+    """The dispatch table with every "regs" GEMV choice replaced by the "pipe" kernel (P2C1 up to
+    M = 4, P2C2 above): a decode-time comparison of one launch per linear (pipe, W4A16) against
+    two (regs: staging + GEMV)."""
+    out = json.loads(json.dumps(table))
+    for e in out["shapes"]:
+        for mode in ("w4a16", "w4a4"):
+            for pair in e.get(mode, []):
+                m, c = pair
+                if c != "xla" and c.get("kernel", "regs") == "regs":
+                    pair[1] = {"kernel": "pipe", "rows_per_warp": 2, "split": 1 if m <= 4 else 2}
+    return out
+
+
+def _fixed(table, original):
+    def load_table(path=None):
+        return table
+    load_table.original = original
+    load_table.cache_clear = lambda: None
+    return load_table
+
+
 def prompts(batch, length, vocab, seed):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, length).tolist() for _ in range(batch)]
@@ -165,6 +190,7 @@ def main(argv=None):
 
     model = build_model(config)
     fmt_now = "bf16"
+    table_now = "table"
     print(f"# model built in {time.time() - start:.1f}s", flush=True)
     for fmt, batch, ctx in runs:
         if time.time() - start > args.budget_s:
@@ -187,7 +213,19 @@ def main(argv=None):
                 layer.activation = "nvfp4" if base == "w4a4" else None
             fmt_now = base
             print(f"# switched to {base} in {time.time() - t0:.1f}s", flush=True)
-        sampler = rs if fmt.endswith("-reset") else base_sampler
+        flags = set(fmt.split("-")[1:])
+        sampler = rs if "reset" in flags else base_sampler
+        want = "pipe" if "pipe" in flags else "table"
+        if base != "bf16" and want != table_now:  # another GEMV for M <= 32: re-trace
+            nvfp4_dispatch.load_table.cache_clear()
+            if want == "pipe":
+                table = pipe_table(nvfp4_dispatch.load_table())
+                nvfp4_dispatch.load_table.cache_clear()
+                nvfp4_dispatch.load_table = _fixed(table, nvfp4_dispatch.load_table)
+            else:
+                nvfp4_dispatch.load_table = getattr(nvfp4_dispatch.load_table, "original", nvfp4_dispatch.load_table)
+            jax.clear_caches()
+            table_now = want
         if sampler is None:
             result["runs"].append({"format": fmt, "batch": int(batch), "context": ctx, "skipped": "no ReSET sampler"})
             continue

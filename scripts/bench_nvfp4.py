@@ -1,10 +1,12 @@
-"""Benchmark NVFP4 GEMV/GEMM paths against XLA on the paper's Qwen3 projection shapes.
+"""Benchmark the NVFP4 matmul kernels against XLA on the paper's Qwen3 projection shapes.
 
-For each shape [N, K] and M tokens: XLA BF16 dot, XLA dequantize-then-dot (W4A16), the CUDA
-GEMV (W4A16, every launch configuration swept for M <= 32), the dispatched W4A16 time (the
-faster of the two NVFP4 paths), and the same for W4A4 (activation quantization inside the call
-or inside the XLA path). Also: the device's copy bandwidth and BF16 matmul rate measured in the
-same run, the standalone activation quantizer, and the dispatch table built from the winners.
+For each shape [N, K] and M tokens: XLA BF16 dot, XLA dequantize-then-dot (W4A16, and W4A4 from
+M = 16), and the CUDA kernels in W4A16: the "regs" and "pipe" GEMVs (every configuration at
+M in SWEEP_MS, each family's winner of the nearest swept M at the other M <= 32) and the "gemm"
+kernel (every configuration, M >= 16); then W4A4 with each family's best W4A16 configuration.
+The dispatched time per mode is the fastest of all of them; the dispatch table records its
+choice per M. Also: the device's copy bandwidth and BF16 matmul rate measured in the same run,
+the standalone activation quantizer, and a correctness spot check of every family per shape.
 
 Timing (see :class:`Jobs`): each measured function makes one call per weight buffer inside one
 jit, every call on its own activations and its own weights (B buffers together > 4x the 50 MB
@@ -14,6 +16,7 @@ back-to-back execution as under CUDA-graph replay, host overhead excluded), and 
 per call of ``reps`` back-to-back dispatches (host-bound for small layers) as ``*_wall_us``.
 
     python scripts/bench_nvfp4.py --out docs/bench_nvfp4.json --table jaxlp/ffi/nvfp4_dispatch.json
+    python scripts/bench_nvfp4.py --shapes 1,2 --table jaxlp/ffi/nvfp4_dispatch.json --merge  # add shapes
 """
 
 from __future__ import annotations
@@ -60,14 +63,22 @@ def qwen3_shapes() -> list[tuple[str, int, int]]:
     return out
 
 
-MS = (1, 2, 4, 8, 16, 32, 64, 128)
-CONFIGS = [ffi_nvfp4.GemvConfig(r, ks) for r, ks in ((1, 8), (2, 8), (1, 4), (2, 4))]
-SWEEP_MS = (1, 8, 16, 32)  # every configuration is timed at these M
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+C = ffi_nvfp4.GemvConfig
+REGS = [C(1, 8), C(2, 8), C(2, 4)]  # the first GEMV (FP16 tensor cores, staging kernel)
+PIPE = [C(1, kernel="pipe"), C(1, kernel="pipe", split=2), C(1, kernel="pipe", split=4),
+        C(2, kernel="pipe"), C(2, kernel="pipe", split=2)]  # the cp.async GEMV (BF16, no staging for W4A16)
+GEMM = [C(kernel="gemm", block_n=64, block_m=64), C(kernel="gemm", block_n=64, block_m=64, split=2),
+        C(kernel="gemm", block_n=64, block_m=64, split=4), C(kernel="gemm", block_n=128, block_m=64, split=2),
+        C(kernel="gemm", block_n=128, block_m=128)]
+FAMILIES = {"regs": REGS, "pipe": PIPE, "gemm": GEMM}
+SWEEP_MS = (1, 8, 16, 32)  # every GEMV configuration is timed at these M
+GEMM_MIN_M = 16
 L2_BYTES = 50e6
 
 
 def _name(cfg):
-    return f"R{cfg.rows_per_warp}KS{cfg.k_split}"
+    return cfg.name
 
 
 def nvfp4_bytes(n, k):
@@ -145,7 +156,11 @@ class Jobs:
         def many(xs, ws):
             return tuple(fn_one(x, w) for x, w in zip(xs, ws))
 
-        wall = timeit(many, (xs, weights), calls=len(weights), reps=self.reps, trials=1)
+        try:
+            wall = timeit(many, (xs, weights), calls=len(weights), reps=self.reps, trials=1)
+        except Exception as e:  # noqa: BLE001 - a failing kernel is reported, the sweep goes on
+            print(f"!! job {key} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            return
         self.jobs.append(dict(key=key, fn=many, args=(xs, weights), calls=len(weights), wall_s=wall))
 
     def run(self) -> dict:
@@ -232,6 +247,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
     ap.add_argument("--custom-shapes", default=None, help="'N:K,N:K' instead of the Qwen3 shapes")
+    ap.add_argument("--kernels", default="regs,pipe,gemm", help="kernel families to time")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the --table file's other shapes (measured on the same device)")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # smoke tests of this script
     args = ap.parse_args(argv)
 
@@ -264,7 +282,7 @@ def main(argv=None):
     # Standalone activation quantization, one launch per call.
     jobs = Jobs(args.reps)
     g_act = jnp.float32(0.01)
-    for k in sorted({k for _, _, k in qwen3_shapes()}):
+    for k in sorted({k for _, _, k in qwen3_shapes()}) if dev.platform == "gpu" else ():
         for m in (1, 8):
             jobs.add(f"{m}x{k}", lambda x, _w: ffi_nvfp4.quantize_activations(x, g_act).data, [None] * 16, m, k)
     aq = {key: {"device_us": _us(t[0]), "wall_us": _us(t[1])} for key, t in jobs.run().items()}
@@ -281,63 +299,71 @@ def main(argv=None):
         sh = Shape(n, k, si, target_bytes=4 * L2_BYTES)
         g_x = jnp.float32(0.004)
         checks = []
-        for m in (1, 8):  # correctness spot check on this shape: GEMV vs the exact XLA path
+        for m, cfgs in ((1, [REGS[0], PIPE[0]]), (8, [REGS[1], PIPE[3]]), (64, [GEMM[0], GEMM[2]])):
+            if m not in ms or dev.platform != "gpu":
+                continue
             x = jax.random.normal(jax.random.key(7), (m, k), jnp.bfloat16)
             for gx in (None, g_x):
-                y = ffi_nvfp4.nvfp4_gemv(x, sh.q[0], act_tensor_scale=gx)
                 ref = jax.jit(dispatch.dequantize_dot)(x.astype(jnp.float32), sh.q[0], gx)
-                checks.append({"m": m, "mode": "w4a4" if gx is not None else "w4a16",
-                               "rel_err_vs_xla": rel_err(y.astype(jnp.float32), ref)})
-                if checks[-1]["rel_err_vs_xla"] > 4e-3:
-                    print(f"!! {name} M={m} {checks[-1]['mode']} rel err {checks[-1]['rel_err_vs_xla']:.2e}", flush=True)
+                for cfg in cfgs:
+                    if cfg.unsupported(m, k, x.dtype, gx is not None):
+                        continue
+                    y = ffi_nvfp4.nvfp4_gemv(x, sh.q[0], act_tensor_scale=gx, config=cfg)
+                    checks.append({"m": m, "mode": "w4a4" if gx is not None else "w4a16", "config": cfg.name,
+                                   "rel_err_vs_xla": rel_err(y.astype(jnp.float32), ref)})
+                    if checks[-1]["rel_err_vs_xla"] > 4e-3:
+                        print(f"!! {name} M={m} {cfg.name} {checks[-1]['mode']} rel err "
+                              f"{checks[-1]['rel_err_vs_xla']:.2e}", flush=True)
 
-        # Phase 1: XLA paths and every GEMV launch configuration (W4A16).
+        # Phase 1: XLA paths and every kernel configuration (W4A16).
         jobs = Jobs(args.reps)
+
+        def families(m):
+            fams = []
+            if m <= ffi_nvfp4.MAX_M:
+                fams += ["regs", "pipe"]
+            if m >= GEMM_MIN_M:
+                fams.append("gemm")
+            return [f for f in fams if f in args.kernels.split(",")]
+
         for m in ms:
             jobs.add(("bf16", m), lambda x, w: x @ w.T, sh.w, m, k)
             jobs.add(("xla_dq_w4a16", m), lambda x, q: dispatch.dequantize_dot(x, q), sh.q, m, k)
             if m >= 16:  # below, the XLA W4A4 path (quantize + decode + dot) never wins: not timed
-                jobs.add(("xla_dq_w4a4", m), lambda x, q: dispatch.dequantize_dot(x, q, g_x), sh.q, m, k)
-            if m in SWEEP_MS:
-                for cfg in CONFIGS:
-                    jobs.add(("gemv_w4a16", m, _name(cfg)),
-                             lambda x, q, cfg=cfg: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg), sh.q, m, k)
+                jobs.add(("xla_dq_w4a4", m), lambda x, q: dispatch.dequantize_dot(x, q, g_x, act_quantizer="cuda"),
+                         sh.q, m, k)
+            for fam in families(m):
+                if fam == "gemm" or m in SWEEP_MS:
+                    for cfg in FAMILIES[fam]:
+                        jobs.add(("w4a16", m, cfg.name),
+                                 lambda x, q, cfg=cfg: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg), sh.q, m, k)
         t1 = jobs.run()
-        # Phase 2: W4A16 at the other M <= 32 with the winners of the swept M; W4A4 with each M's
-        # best configuration (the nearest swept M's for those); W4A16 without PDL (ablation);
-        # the memory-stream probe.
-        best = {}
+        # Phase 2: W4A16 at the other M <= 32 with each family's winner at the nearest swept M;
+        # W4A4 with each family's best W4A16 configuration at that M.
+        swept = [m for m in ms if m in SWEEP_MS]
+
+        def best_of(timings, m, fam):
+            cands = {key[2]: _pick(t) for key, t in timings.items()
+                     if key[:2] == ("w4a16", m) and C.from_name(key[2]).kernel == fam}
+            return min(cands, key=cands.get) if cands else None
+
         for m in ms:
-            if m in SWEEP_MS:
-                sweep = {c: _pick(t1[("gemv_w4a16", m, c)]) for c in map(_name, CONFIGS)}
-                best[m] = min(sweep, key=sweep.get)
-        swept = sorted(best)
-        a4cfg = {}
-        for m in ms:
-            if m <= ffi_nvfp4.MAX_M and m not in best and swept:
-                for c in sorted(set(best.values())):
-                    jobs.add(("gemv_w4a16", m, c), lambda x, q, cfg=_config(c): ffi_nvfp4.nvfp4_gemv(
-                        x, q, config=cfg), sh.q, m, k)
-        for m in ms:
-            if m <= ffi_nvfp4.MAX_M and swept:
-                cfg = _config(best.get(m) or best[min(swept, key=lambda v: abs(math.log(v / m)))])
-                a4cfg[m] = _name(cfg)
-                jobs.add(("gemv_w4a4", m), lambda x, q, cfg=cfg: ffi_nvfp4.nvfp4_gemv(
-                    x, q, act_tensor_scale=g_x, config=cfg), sh.q, m, k)
-                if m in (1, 8):
-                    # The same memory traffic without decode or MMA: the stream's own ceiling.
-                    jobs.add(("gemv_probe", m), lambda x, q, cfg=cfg: ffi_nvfp4.gemv_call(
-                        x, q.data, jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8), q.tensor_scale,
-                        config=cfg, probe=True)[0], sh.q, m, k)
-                    nopdl = ffi_nvfp4.GemvConfig(cfg.rows_per_warp, cfg.k_split, pdl=False)
-                    jobs.add(("gemv_w4a16_nopdl", m), lambda x, q, c=nopdl: ffi_nvfp4.nvfp4_gemv(x, q, config=c),
-                             sh.q, m, k)
+            if m <= ffi_nvfp4.MAX_M and m not in SWEEP_MS and swept:
+                near = min(swept, key=lambda v: abs(math.log(v / m)))
+                for fam in families(m):
+                    c = best_of(t1, near, fam)
+                    if c and fam != "gemm":
+                        jobs.add(("w4a16", m, c), lambda x, q, cfg=C.from_name(c): ffi_nvfp4.nvfp4_gemv(
+                            x, q, config=cfg), sh.q, m, k)
         t2 = jobs.run()
         timings = {**t1, **t2}
         for m in ms:
-            if m <= ffi_nvfp4.MAX_M and m not in best and swept:
-                sweep = {key[2]: _pick(t) for key, t in timings.items() if key[:2] == ("gemv_w4a16", m)}
-                best[m] = min(sweep, key=sweep.get)
+            for fam in families(m):
+                c = best_of(timings, m, fam)
+                if c:
+                    jobs.add(("w4a4", m, c), lambda x, q, cfg=C.from_name(c): ffi_nvfp4.nvfp4_gemv(
+                        x, q, act_tensor_scale=g_x, config=cfg), sh.q, m, k)
+        timings.update(jobs.run())
 
         entry = {"n": n, "k": k, "name": name, "w4a16": [], "w4a4": []}
         for m in ms:
@@ -349,18 +375,21 @@ def main(argv=None):
                 rec[f"{label}_us"] = _us(_pick(t))
                 rec[f"{label}_wall_us"] = _us(t[1])
             rec.setdefault("xla_dq_w4a4_us", math.inf)
-            if m in best:
-                rec["gemv_config"] = best[m]
-                rec["gemv_w4a16_us"] = rec[f"gemv_w4a16_{best[m]}_us"]
             for mode in ("w4a16", "w4a4"):
-                dq, gv = rec[f"xla_dq_{mode}_us"], rec.get(f"gemv_{mode}_us", math.inf)
-                rec[f"ours_{mode}_us"] = min(dq, gv)
-                rec[f"ours_{mode}_path"] = "gemv" if gv < dq else "xla_dq"
-                choice = "xla"
-                if gv < dq:
-                    cfg = _config(best[m] if mode == "w4a16" else a4cfg[m])
-                    choice = {"rows_per_warp": cfg.rows_per_warp, "k_split": cfg.k_split}
-                entry[mode].append([m, choice])
+                kern = {key[2]: _pick(t) for key, t in timings.items() if key[:2] == (mode, m)}
+                for fam in FAMILIES:
+                    fk = {c: v for c, v in kern.items() if C.from_name(c).kernel == fam}
+                    if fk:
+                        c = min(fk, key=fk.get)
+                        rec[f"{fam}_{mode}_us"], rec[f"{fam}_{mode}_config"] = _us(fk[c]), c
+                dq = rec[f"xla_dq_{mode}_us"]
+                best = min(kern, key=kern.get) if kern else None
+                if best is not None and _us(kern[best]) < dq:
+                    rec[f"ours_{mode}_us"], rec[f"ours_{mode}_path"] = _us(kern[best]), best
+                    entry[mode].append([m, dispatch.config_choice(C.from_name(best))])
+                else:
+                    rec[f"ours_{mode}_us"], rec[f"ours_{mode}_path"] = dq, "xla"
+                    entry[mode].append([m, dispatch.XLA])
             nbytes = nvfp4_bytes(n, k) + 2 * m * k + 2 * m * n
             rec["nvfp4_bytes"] = nbytes
             rec["floor_us"] = 1e6 * max(nbytes / copy_bps, 2 * m * n * k / (result["bf16_matmul_TFLOPs"] * 1e12))
@@ -370,8 +399,10 @@ def main(argv=None):
             rec["speedup_w4a4_vs_bf16"] = rec["bf16_us"] / rec["ours_w4a4_us"]
             rows.append(rec)
             print(f"{name:18s} M={m:4d} bf16 {rec['bf16_us']:8.2f}  dq {rec['xla_dq_w4a16_us']:8.2f}  "
-                  f"ours-a16 {rec['ours_w4a16_us']:8.2f} ({rec['ours_w4a16_path']}, {rec.get('gemv_config', '-')})  "
-                  f"ours-a4 {rec['ours_w4a4_us']:8.2f}  x{rec['speedup_w4a16_vs_bf16']:.2f}  "
+                  + "  ".join(f"{f} {rec[f + '_w4a16_us']:7.2f} ({rec[f + '_w4a16_config']})"
+                              for f in FAMILIES if f + "_w4a16_us" in rec)
+                  + f"  ours-a16 {rec['ours_w4a16_us']:8.2f} ({rec['ours_w4a16_path']})  "
+                  f"ours-a4 {rec['ours_w4a4_us']:8.2f} ({rec['ours_w4a4_path']})  x{rec['speedup_w4a16_vs_bf16']:.2f}  "
                   f"{rec['TBps']:.2f} TB/s {rec['pct_copy']:.0f}%  floor {rec['floor_us']:.2f}", flush=True)
         table_shapes.append(entry)
         result.setdefault("checks", []).append({"shape": name, "checks": checks})
@@ -382,11 +413,17 @@ def main(argv=None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(_finite(result), indent=1))
         if args.table:
+            kept = []
+            if args.merge and Path(args.table).is_file():  # earlier shapes of the same device
+                old = json.loads(Path(args.table).read_text())
+                done = {(e["n"], e["k"]) for e in table_shapes}
+                if old.get("device") == dev.device_kind:
+                    kept = [e for e in old.get("shapes", []) if (e["n"], e["k"]) not in done]
             table = {
                 "note": f"Measured by scripts/bench_nvfp4.py on {dev.device_kind}, {result['date']}: per shape and "
                         "mode, [M, choice] pairs; the first M >= the call's M decides (device kernel time).",
                 "device": dev.device_kind, "date": result["date"],
-                "default": dispatch.DEFAULT_RULE, "shapes": table_shapes,
+                "default": dispatch.DEFAULT_RULE, "shapes": kept + table_shapes,
             }
             Path(args.table).write_text(json.dumps(table))
 
@@ -404,10 +441,6 @@ def _us(t):
     return None if t is None else 1e6 * t
 
 
-def _config(name):
-    return next(c for c in CONFIGS if _name(c) == name)
-
-
 def _finite(obj):
     """inf (not timed) as None, so that the JSON is standard."""
     if isinstance(obj, dict):
@@ -422,14 +455,16 @@ def _finite(obj):
 def summary(result):
     rows = [r for r in result.get("rows", []) if "bf16_us" in r]
     print(f"\n## {result['device']}  copy {result['bandwidth']['copy_TBps']:.2f} TB/s  ({result['date']})")
-    print(f"{'shape':18s} {'M':>3s} {'bf16':>7s} {'xla-dq':>7s} {'a16':>7s} {'a4':>7s} {'x16':>5s} {'x4':>5s} "
-          f"{'TB/s':>5s} {'%cp':>4s} {'floor':>6s}")
+    print(f"{'shape':18s} {'M':>3s} {'bf16':>7s} {'xla-dq':>7s} {'regs':>7s} {'pipe':>7s} {'gemm':>7s} {'a16':>7s} "
+          f"{'a4':>7s} {'x16':>5s} {'x4':>5s} {'%cp':>4s} {'floor':>6s} path")
+    f = lambda v: f"{v:7.2f}" if v is not None else "      -"  # noqa: E731
     for r in rows:
-        if r["m"] not in (1, 8, 32, 128):
+        if r["m"] not in (1, 8, 32, 128, 512):
             continue
-        print(f"{r['shape']:18s} {r['m']:3d} {r['bf16_us']:7.2f} {r['xla_dq_w4a16_us']:7.2f} {r['ours_w4a16_us']:7.2f} "
-              f"{r['ours_w4a4_us']:7.2f} {r['speedup_w4a16_vs_bf16']:5.2f} {r['speedup_w4a4_vs_bf16']:5.2f} "
-              f"{r['TBps']:5.2f} {r['pct_copy']:4.0f} {r['floor_us']:6.2f}")
+        print(f"{r['shape']:18s} {r['m']:3d} {f(r['bf16_us'])} {f(r['xla_dq_w4a16_us'])} {f(r.get('regs_w4a16_us'))} "
+              f"{f(r.get('pipe_w4a16_us'))} {f(r.get('gemm_w4a16_us'))} {f(r['ours_w4a16_us'])} {f(r['ours_w4a4_us'])} "
+              f"{r['speedup_w4a16_vs_bf16']:5.2f} {r['speedup_w4a4_vs_bf16']:5.2f} {r['pct_copy']:4.0f} "
+              f"{r['floor_us']:6.2f} {r['ours_w4a16_path']}")
 
 
 if __name__ == "__main__":

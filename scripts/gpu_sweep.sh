@@ -7,7 +7,8 @@
 # Writes under $OUT (default /tmp/jaxlp_sweep): env.txt, build.txt, pytest_gpu.txt,
 # bench_nvfp4.json + nvfp4_dispatch.json + bench_nvfp4.txt, bench_decode.json + bench_decode.txt;
 # prints a short summary last. Budgets (seconds) for the two benchmarks: KERNEL_BUDGET,
-# DECODE_BUDGET; extra arguments: KERNEL_ARGS, DECODE_ARGS. A library built on another machine
+# DECODE_BUDGET; extra arguments: KERNEL_ARGS, DECODE_ARGS; DECODE_XLA_FLAGS: XLA_FLAGS of the
+# decode benchmark alone; MERGE=1: merge the measured shapes into jaxlp/ffi/nvfp4_dispatch.json. A library built on another machine
 # with the same source, nvcc and jaxlib is reused from $JAXLP_FFI_CACHE (default .cache/jaxlp_ffi).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,25 +39,32 @@ fi
 
 if has test; then
   stamp test
-  if ! $PY -m pytest -q -p no:cacheprovider tests/ffi/test_nvfp4_gpu.py -x > "$OUT/pytest_gpu.txt" 2>&1; then
-    tail -40 "$OUT/pytest_gpu.txt"
-    stamp "GPU tests failed: no benchmarks"
-    exit 1
+  # Several pytest workers share the GPU: no preallocation. STRICT=1: no benchmarks after a failure.
+  if ! XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider \
+      -n "${TEST_WORKERS:-4}" tests/ffi/test_nvfp4_gpu.py > "$OUT/pytest_gpu.txt" 2>&1; then
+    grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_gpu.txt" | head -30
+    tail -3 "$OUT/pytest_gpu.txt"
+    if [ "${STRICT:-0}" = 1 ]; then stamp "GPU tests failed: no benchmarks"; exit 1; fi
+    stamp "GPU tests failed (going on: the benchmark's spot checks show which kernels are wrong)"
   fi
   tail -3 "$OUT/pytest_gpu.txt"
 fi
 
 if has kernels; then
   stamp kernels
-  $PY scripts/bench_nvfp4.py --out "$OUT/bench_nvfp4.json" --table "$OUT/nvfp4_dispatch.json" \
+  # MERGE=1: measured shapes replace theirs in the repository's table (same device), which the
+  # decode stage then uses; a copy goes to $OUT. Otherwise the table of this run alone, in $OUT.
+  if [ "${MERGE:-0}" = 1 ]; then TABLE=jaxlp/ffi/nvfp4_dispatch.json; MERGE_ARG=--merge; else TABLE="$OUT/nvfp4_dispatch.json"; MERGE_ARG=; fi
+  $PY scripts/bench_nvfp4.py --out "$OUT/bench_nvfp4.json" --table "$TABLE" $MERGE_ARG \
     --budget-s "${KERNEL_BUDGET:-300}" ${KERNEL_ARGS:-} > "$OUT/bench_nvfp4.txt" 2>&1
+  [ "$TABLE" != "$OUT/nvfp4_dispatch.json" ] && cp "$TABLE" "$OUT/nvfp4_dispatch.json"
   tail -5 "$OUT/bench_nvfp4.txt"
 fi
 
 if has decode; then
   stamp decode
-  $PY scripts/bench_decode.py --out "$OUT/bench_decode.json" --budget-s "${DECODE_BUDGET:-200}" ${DECODE_ARGS:-} \
-    > "$OUT/bench_decode.txt" 2>&1
+  XLA_FLAGS="${DECODE_XLA_FLAGS-${XLA_FLAGS:-}}" $PY scripts/bench_decode.py --out "$OUT/bench_decode.json" \
+    --budget-s "${DECODE_BUDGET:-200}" ${DECODE_ARGS:-} > "$OUT/bench_decode.txt" 2>&1
 fi
 
 stamp summary

@@ -1,8 +1,19 @@
-"""NVFP4 small-M GEMV and activation quantization as XLA FFI custom calls (CUDA, sm_90).
+"""NVFP4 matmul kernels and activation quantization as XLA FFI custom calls (CUDA, sm_90).
 
     y = nvfp4_gemv(x, w)                          # W4A16: x [M, K] bf16/f32, w NVFP4Array [N, K]
     y = nvfp4_gemv(x, w, act_tensor_scale=g_x)    # W4A4: x quantized to NVFP4 inside the call
+    y = nvfp4_gemv(x, w, config=GemvConfig(kernel="gemm"))  # any M: the tensor-core GEMM
     xq = quantize_activations(x, g_x)             # NVFP4Array of x (ModelOpt numerics, bit-exact)
+
+Three kernels (``GemvConfig.kernel``), all exact products with FP32 sums:
+
+- ``"regs"`` (M <= 32): the first GEMV; FP16 tensor cores, activations staged to FP16 by a
+  separate kernel (W4A16: a power of two per 256-element chunk); any K multiple of 16.
+- ``"pipe"`` (M <= 32): the GEMV with a cp.async shared-memory ring per warp, BF16 tensor cores,
+  persistent clusters with split-K; W4A16 reads BF16 ``x`` directly (no staging kernel). Needs
+  ``K % 64 == 0`` and BF16 ``x`` for W4A16.
+- ``"gemm"`` (any M): 128 x ``block_m`` CTA tiles, weights decoded to BF16 in registers, BF16
+  ``mma.sync`` with FP32 accumulation. Needs ``K % 64 == 0`` and BF16 ``x`` for W4A16.
 
 ``y[m, n] = sum_k act(x)[m, k] * dequant(w)[n, k]`` in FP32, returned in ``x.dtype``, for
 ``1 <= M <= 32``. For W4A4, ``act(x)`` is ``nvfp4.quantize(x, tensor_scale=g_x)`` dequantized (the
@@ -32,33 +43,91 @@ from jaxlp.ffi import build
 from jaxlp.formats.nvfp4 import BLOCK_SIZE, NVFP4Array
 
 GEMV_TARGET = "jaxlp_nvfp4_gemv"
+MATMUL_TARGET = "jaxlp_nvfp4_matmul"
 QUANTIZE_TARGET = "jaxlp_nvfp4_quantize"
 LIBRARY = "nvfp4_gemv"
 MAX_M = 32  # tokens per GEMV launch
 CHUNK_K = 256  # k per warp step; the x_eff workspace is K rounded up to this
 ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 MODES = {"w4a16": 0, "w4a4": 1}
+KERNELS = {"regs": 0, "pipe": 1, "gemm": 2}
+BF16_KERNEL_K = 64  # "pipe" and "gemm" need K % 64 == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """Launch parameters of the GEMV kernel.
+    """Launch configuration of the NVFP4 matmul kernels.
 
-    rows_per_warp: 16-row tiles per warp (1 or 2): a CTA computes ``16 * rows_per_warp`` rows.
-    k_split: warps per CTA (2, 4 or 8), each taking a contiguous share of K.
-    pdl: launch the GEMV with programmatic dependent launch, overlapping its weight stream with
-        the activation-staging kernel.
+    kernel: ``"regs"`` (the first GEMV), ``"pipe"`` (the cp.async GEMV) or ``"gemm"`` (large M).
+    rows_per_warp: 16-row tiles per warp (1 or 2): ``"regs"`` and ``"pipe"``.
+    k_split: warps per CTA splitting K (2, 4 or 8): ``"regs"``.
+    split: CTAs of a cluster splitting K (1, 2 or 4): ``"pipe"`` and ``"gemm"``.
+    block_m: tokens per CTA tile (64 or 128): ``"gemm"``.
+    block_n: weight rows per CTA tile (64 or 128): ``"gemm"``.
+    pdl: launch the matmul with programmatic dependent launch after the activation-staging
+        kernel (``"regs"``, and W4A4 of the others), overlapping its weight stream with it.
     """
 
     rows_per_warp: int = 1
     k_split: int = 8
     pdl: bool = True
+    kernel: str = "regs"
+    split: int = 1
+    block_m: int = 128
+    block_n: int = 128
 
     def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {self.kernel!r}")
         if self.rows_per_warp not in (1, 2):
             raise ValueError(f"rows_per_warp must be 1 or 2, got {self.rows_per_warp}")
         if self.k_split not in (2, 4, 8):
             raise ValueError(f"k_split must be 2, 4 or 8, got {self.k_split}")
+        if self.split not in (1, 2, 4):
+            raise ValueError(f"split must be 1, 2 or 4, got {self.split}")
+        if self.block_m not in (64, 128):
+            raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"block_n must be 64 or 128, got {self.block_n}")
+
+    @property
+    def name(self) -> str:
+        """Short label: ``R1KS8`` (regs), ``P1C2`` (pipe: rows, split), ``G128x64S2`` (gemm: rows x tokens, split)."""
+        if self.kernel == "pipe":
+            return f"P{self.rows_per_warp}C{self.split}"
+        if self.kernel == "gemm":
+            return f"G{self.block_n}x{self.block_m}" + (f"S{self.split}" if self.split > 1 else "")
+        return f"R{self.rows_per_warp}KS{self.k_split}"
+
+    @staticmethod
+    def from_name(name: str) -> "GemvConfig":
+        """Inverse of :attr:`name`."""
+        import re
+
+        if m := re.fullmatch(r"R([12])KS([248])", name):
+            return GemvConfig(int(m[1]), int(m[2]))
+        if m := re.fullmatch(r"P([12])C([124])", name):
+            return GemvConfig(int(m[1]), kernel="pipe", split=int(m[2]))
+        if m := re.fullmatch(r"G(64|128)x(64|128)(?:S([24]))?", name):
+            return GemvConfig(kernel="gemm", block_n=int(m[1]), block_m=int(m[2]), split=int(m[3] or 1))
+        raise ValueError(f"not a kernel configuration name: {name!r}")
+
+    def unsupported(self, m: int, k: int, dtype, w4a4: bool) -> str | None:
+        """Why this configuration cannot run ``M`` tokens of ``K`` with ``dtype`` activations, or None."""
+        dtype = jnp.dtype(dtype)
+        if dtype not in ACT_DTYPES:
+            return f"activations must be bfloat16 or float32, got {dtype}"
+        if self.kernel != "gemm" and not 1 <= m <= MAX_M:
+            return f"M = {m} tokens; the {self.kernel} kernel takes 1..{MAX_M}"
+        if self.kernel == "regs":
+            return None if k % BLOCK_SIZE == 0 else f"K = {k} is not a multiple of {BLOCK_SIZE}"
+        if k % BF16_KERNEL_K or k == 0:
+            return f"K = {k} is not a positive multiple of {BF16_KERNEL_K} (the {self.kernel} kernel)"
+        if self.kernel == "gemm" and k < BF16_KERNEL_K * self.split:
+            return f"K = {k} is below {BF16_KERNEL_K} x split ({self.split})"
+        if not w4a4 and dtype != jnp.dtype(jnp.bfloat16):
+            return f"W4A16 through the {self.kernel} kernel takes bfloat16 activations, got {dtype}"
+        return None
 
 
 _lock = threading.Lock()
@@ -72,6 +141,7 @@ def load() -> ctypes.CDLL:
             path = build.build(LIBRARY)
             lib = ctypes.cdll.LoadLibrary(str(path))
             jax.ffi.register_ffi_target(GEMV_TARGET, jax.ffi.pycapsule(lib.JaxlpNvfp4Gemv), platform="CUDA")
+            jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxlpNvfp4Matmul), platform="CUDA")
             jax.ffi.register_ffi_target(QUANTIZE_TARGET, jax.ffi.pycapsule(lib.JaxlpNvfp4Quantize), platform="CUDA")
             _state["lib"] = lib
         return _state["lib"]
@@ -121,6 +191,17 @@ def _check_x(x: jax.Array, k: int, what: str) -> None:
         raise ValueError(f"{what}: x must be bfloat16 or float32, got {x.dtype}")
 
 
+def _act_scale_operand(act_tensor_scale, act_amax) -> tuple[jax.Array | None, int]:
+    """(the W4A4 scale operand or None for W4A16, 1 if it is an amax for the kernel to convert)."""
+    if act_tensor_scale is not None and act_amax is not None:
+        raise ValueError("give act_tensor_scale or act_amax, not both")
+    if act_amax is not None:
+        return jnp.asarray(act_amax, jnp.float32).reshape(()), 1
+    if act_tensor_scale is not None:
+        return jnp.asarray(act_tensor_scale, jnp.float32).reshape(()), 0
+    return None, 0
+
+
 def gemv_call(
     x: jax.Array,
     data: jax.Array,
@@ -130,6 +211,7 @@ def gemv_call(
     *,
     config: GemvConfig = GemvConfig(),
     probe: bool = False,
+    act_amax: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The raw custom call: ``(y [M, N], x_eff f16 [M, Kp], chunk_scales f32 [M, Kp/256])``.
 
@@ -138,6 +220,8 @@ def gemv_call(
     probe: a diagnostic for benchmarks (M <= 8): the same memory traffic with no arithmetic; y is
     meaningless.
     """
+    if config.kernel != "regs":
+        raise ValueError(f"gemv_call runs the regs kernel; use matmul_call for {config.kernel!r}")
     if data.ndim != 2 or data.dtype != jnp.uint8:
         raise ValueError(f"nvfp4_gemv: data must be uint8 [N, K/2], got {data.dtype}{data.shape}")
     n, k = data.shape[0], 2 * data.shape[1]
@@ -152,11 +236,12 @@ def gemv_call(
             f"nvfp4_gemv: block scales must be uint8 [{n}, {k // BLOCK_SIZE}], got "
             f"{block_scale_bits.dtype}{block_scale_bits.shape}"
         )
-    mode = MODES["w4a16"] if act_tensor_scale is None else MODES["w4a4"]
+    xg, xg_amax = _act_scale_operand(act_tensor_scale, act_amax)
+    mode = MODES["w4a4"] if xg is not None else MODES["w4a16"]
     if probe:
         mode = 2
     wg = jnp.asarray(w_tensor_scale, jnp.float32).reshape(())
-    xg = jnp.ones((), jnp.float32) if act_tensor_scale is None else jnp.asarray(act_tensor_scale, jnp.float32).reshape(())
+    xg = jnp.ones((), jnp.float32) if xg is None else xg
     kp = padded_k(k)
     if on_gpu():
         load()
@@ -170,7 +255,58 @@ def gemv_call(
     )
     return call(
         x, data, block_scale_bits, wg, xg,
-        mode=mode, rows_per_warp=config.rows_per_warp, k_split=config.k_split, pdl=int(config.pdl),
+        mode=mode, rows_per_warp=config.rows_per_warp, k_split=config.k_split, pdl=int(config.pdl), xg_amax=xg_amax,
+    )
+
+
+def matmul_call(
+    x: jax.Array,
+    data: jax.Array,
+    block_scale_bits: jax.Array,
+    w_tensor_scale: jax.Array,
+    act_tensor_scale: jax.Array | None = None,
+    *,
+    config: GemvConfig,
+    act_amax: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The raw custom call of the ``"pipe"`` and ``"gemm"`` kernels: ``(y [M, N], x_eff)``.
+
+    ``x_eff`` is the W4A4 activation workspace, BF16 ``[M, K]`` in natural order holding
+    ``e2m1(q) * e4m3(s)`` (without ``g_x``); ``[1, 8]`` and unused for W4A16.
+    """
+    if config.kernel not in ("pipe", "gemm"):
+        raise ValueError(f"matmul_call runs the pipe and gemm kernels, not {config.kernel!r}")
+    if data.ndim != 2 or data.dtype != jnp.uint8:
+        raise ValueError(f"nvfp4 {config.kernel}: data must be uint8 [N, K/2], got {data.dtype}{data.shape}")
+    n, k = data.shape[0], 2 * data.shape[1]
+    _check_x(x, k, f"nvfp4 {config.kernel}")
+    m = x.shape[0]
+    xg, xg_amax = _act_scale_operand(act_tensor_scale, act_amax)
+    w4a4 = xg is not None
+    why = config.unsupported(m, k, x.dtype, w4a4)
+    if why:
+        raise ValueError(f"nvfp4 {config.kernel}: {why}")
+    if block_scale_bits.shape != (n, k // BLOCK_SIZE) or block_scale_bits.dtype != jnp.uint8:
+        raise ValueError(
+            f"nvfp4 {config.kernel}: block scales must be uint8 [{n}, {k // BLOCK_SIZE}], got "
+            f"{block_scale_bits.dtype}{block_scale_bits.shape}"
+        )
+    wg = jnp.asarray(w_tensor_scale, jnp.float32).reshape(())
+    xg = xg if w4a4 else jnp.ones((), jnp.float32)
+    if on_gpu():
+        load()
+    call = jax.ffi.ffi_call(
+        MATMUL_TARGET,
+        (
+            jax.ShapeDtypeStruct((m, n), x.dtype),
+            jax.ShapeDtypeStruct((m, k) if w4a4 else (1, 8), jnp.bfloat16),
+        ),
+    )
+    return call(
+        x, data, block_scale_bits, wg, xg,
+        mode=MODES["w4a4" if w4a4 else "w4a16"], kernel=KERNELS[config.kernel],
+        rows_per_warp=config.rows_per_warp, split=config.split, block_m=config.block_m, block_n=config.block_n,
+        pdl=int(config.pdl), xg_amax=xg_amax,
     )
 
 
@@ -180,18 +316,31 @@ def nvfp4_gemv(
     *,
     act_tensor_scale: jax.Array | None = None,
     config: GemvConfig | None = None,
+    act_amax: jax.Array | None = None,
 ) -> jax.Array:
-    """``x [M, K] @ dequant(w [N, K]).T -> [M, N]`` in ``x.dtype`` (FP32 accumulation), M <= 32.
+    """``x [M, K] @ dequant(w [N, K]).T -> [M, N]`` in ``x.dtype`` (FP32 accumulation).
 
     act_tensor_scale: the static NVFP4 tensor scale ``g_x`` of the activations (W4A4); None
     multiplies the activations as they are (W4A16).
+    act_amax: instead of ``act_tensor_scale``, the calibrated amax it derives from: the kernels
+    compute ``g_x = max(max(amax, 1e-12) / 2688, 2^-117)`` themselves (correctly rounded, as
+    :func:`jaxlp.quantization.nvfp4_dispatch.act_tensor_scale`), so no XLA op runs for it.
+    config: the kernel and its launch parameters (default: the ``"regs"`` GEMV, M <= 32);
+    :meth:`GemvConfig.unsupported` says which shapes and dtypes each kernel takes.
     """
     if not isinstance(w, NVFP4Array) or len(w.shape) != 2:
         raise ValueError(f"nvfp4_gemv: w must be a 2-D NVFP4Array, got {type(w).__name__}")
-    y, _, _ = gemv_call(
-        x, w.data, _scale_bits(w.block_scale), w.tensor_scale, act_tensor_scale, config=config or GemvConfig()
-    )
+    config = config or GemvConfig()
+    if config.kernel == "regs":
+        y, _, _ = gemv_call(x, w.data, _scale_bits(w.block_scale), w.tensor_scale, act_tensor_scale, config=config,
+                            act_amax=act_amax)
+    else:
+        y, _ = matmul_call(x, w.data, _scale_bits(w.block_scale), w.tensor_scale, act_tensor_scale, config=config,
+                           act_amax=act_amax)
     return y
+
+
+nvfp4_matmul = nvfp4_gemv
 
 
 def quantize_activations(x: jax.Array, tensor_scale: jax.Array) -> NVFP4Array:

@@ -1,6 +1,20 @@
-// NVFP4 small-M GEMV for Hopper (sm_90) behind XLA FFI custom calls.
+// NVFP4 matmul kernels for Hopper (sm_90) behind XLA FFI custom calls.
 //
-//   y[m, n] = sum_k act(x)[m, k] * W[n, k]        m < M <= 32
+//   y[m, n] = sum_k act(x)[m, k] * W[n, k]
+//
+// Three kernels (the dispatch table picks one per (M, N, K), see nvfp4_dispatch.py):
+// - gemv_kernel ("regs", M <= 32, any K % 16 == 0): described below; FP16 tensor cores, a staging
+//   kernel per call. Handler JaxlpNvfp4Gemv.
+// - pipe_kernel ("pipe", M <= 32, K % 64 == 0): cp.async ring per warp, persistent clusters with
+//   split-K, BF16 tensor cores; W4A16 reads BF16 x directly (one launch per call). Handler
+//   JaxlpNvfp4Matmul. See its section.
+// - gemm_kernel ("gemm", any M, K % 64 == 0): 64/128 x 64/128 CTA tiles, optional cluster split-K,
+//   BF16 mma.sync with weights decoded in registers. Handler JaxlpNvfp4Matmul. See its section.
+// W4A4 activations are quantized by stage_a4_kernel (bit-exact ModelOpt numerics); the tensor
+// scale g_x comes as a scalar, or as the calibrated amax from which the kernels derive it
+// (act_scale), so that no XLA op runs for it inside a decode loop.
+//
+// The rest of this header describes gemv_kernel:
 //
 // Weights: NVFP4 with ModelOpt layout: data uint8 [N, K/2] (even k in the low nibble),
 // E4M3 block scales uint8 [N, K/16] row-major, FP32 tensor scale g_w (device scalar).
@@ -34,8 +48,12 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -200,6 +218,14 @@ __device__ __forceinline__ void store8_permuted(uint16_t* dst, const float (&v)[
   *reinterpret_cast<uint4*>(dst) = u;
 }
 
+// The static NVFP4 tensor scale of activations from their calibrated amax, as
+// jaxlp.quantization.nvfp4_dispatch.act_tensor_scale computes it: max(amax, 1e-12) / (6 * 448),
+// correctly rounded, at least 2^-117. g_is_amax = 0: *g already is the tensor scale.
+__device__ __forceinline__ float act_scale(const float* g, int g_is_amax) {
+  if (!g_is_amax) return *g;
+  return fmaxf(__fdiv_rn(fmaxf(*g, 1e-12f), 2688.0f), 0x1p-117f);
+}
+
 __device__ __forceinline__ float exp2_int(int e) {  // 2^e for -126 <= e <= 127
   return __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
 }
@@ -260,10 +286,15 @@ __global__ void __launch_bounds__(256) stage_a16_kernel(const TIn* __restrict__ 
 // W4A4 / standalone quantizer: one thread per 16-element block of one token.
 // Writes x_eff (if xeff != nullptr; blocks in [K, Kp) as zeros) and the NVFP4 codes and scales
 // (if codes != nullptr).
-template <typename TIn>
+// XOUT: layout of x_eff: kXeffF16 (FP16, groups of 8 permuted, rows padded to Kp) for gemv_kernel,
+// kXeffBF16 (BF16, natural order, Kp == K) for pipe_kernel and gemm_kernel.
+enum XeffLayout : int { kXeffF16 = 0, kXeffBF16 = 1 };
+
+template <typename TIn, int XOUT = kXeffF16>
 __global__ void __launch_bounds__(256) stage_a4_kernel(const TIn* __restrict__ x, const float* __restrict__ gptr,
                                                        uint16_t* __restrict__ xeff, uint8_t* __restrict__ codes,
-                                                       uint8_t* __restrict__ scales, int M, int K, int Kp) {
+                                                       uint8_t* __restrict__ scales, int M, int K, int Kp,
+                                                       int g_is_amax = 0) {
   pdl_launch_dependents();
   const int blocks = (xeff != nullptr ? Kp : K) / 16;
   const int gid = blockIdx.x * blockDim.x + threadIdx.x;
@@ -276,7 +307,7 @@ __global__ void __launch_bounds__(256) stage_a4_kernel(const TIn* __restrict__ x
     store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k + 8, z);
     return;
   }
-  const float g = *gptr;
+  const float g = act_scale(gptr, g_is_amax);
   float v[16];
   {
     float a[8], b[8];
@@ -300,7 +331,17 @@ __global__ void __launch_bounds__(256) stage_a4_kernel(const TIn* __restrict__ x
   uint32_t code[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) code[i] = e2m1_code(__fdiv_rn(v[i], denom));
-  if (xeff != nullptr) {
+  if (xeff != nullptr && XOUT == kXeffBF16) {
+    uint32_t packed[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {  // e2m1 * e4m3: at most 6 significant bits, exact in BF16
+      const __nv_bfloat162 b = __floats2bfloat162_rn(e2m1_value(code[2 * i]) * sf, e2m1_value(code[2 * i + 1]) * sf);
+      packed[i] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(xeff + static_cast<int64_t>(tok) * Kp + k);
+    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  } else if (xeff != nullptr) {
     float e[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) e[i] = e2m1_value(code[i]) * sf;  // exact
@@ -338,6 +379,7 @@ struct GemvParams {
   int M, N, K, Kp;
   int vec16;  // 1: rows 16-byte aligned (K % 32 == 0), 128-bit loads; 0: 64-bit loads (K % 32 == 16)
   int scale32;  // 1: scale rows 4-byte aligned (K % 64 == 0), one 32-bit load per 4 blocks
+  int xg_amax;  // 1: xg holds the activations' calibrated amax (see act_scale)
 };
 
 // One warp step: thread t of a 16-row tile owns k in [256c + 64t, +64) of rows g and g+8:
@@ -567,7 +609,7 @@ __global__ void __launch_bounds__(256, (kMinBlocks<R, NT>)) gemv_kernel(const Ge
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp * kPerWarp + ((rt * NT + nt) * 4 + i) * 32 + lane] = acc[rt][nt][i];
   __syncthreads();
-  const float gscale = *p.wg * 128.0f * (MODE == kA4 ? *p.xg : 1.0f);
+  const float gscale = *p.wg * 128.0f * (MODE == kA4 ? act_scale(p.xg, p.xg_amax) : 1.0f);
   TOut* y = static_cast<TOut*>(p.y);
   for (int idx = threadIdx.x; idx < kPerWarp; idx += blockDim.x) {
     float s = 0.f;
@@ -577,6 +619,479 @@ __global__ void __launch_bounds__(256, (kMinBlocks<R, NT>)) gemv_kernel(const Ge
     const int row = row_base + rt * 16 + (l >> 2) + ((i & 2) ? 8 : 0);
     const int tok = nt * 8 + 2 * (l & 3) + (i & 1);
     if (row < p.N && tok < p.M) y[static_cast<int64_t>(tok) * p.N + row] = from_float<TOut>(s * gscale);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// BF16 building blocks of pipe_kernel and gemm_kernel
+
+// FP4 nibbles of a 32-bit word -> four BF16x2 pairs {n_i, n_{i+4}}, i = 0..3, each e2m1(n) * 2^-126:
+// the BF16 pattern of nibble n is ((n&8)<<12)|((n&7)<<6) (sign; 2 exponent bits and 1 mantissa bit
+// over exponent bias 127 instead of E2M1's 1; code 1 (0.5) becomes the subnormal 2^-127).
+// Two shifts and two masks per pair.
+__device__ __forceinline__ void decode_word_bf16(uint32_t w, uint32_t (&pair)[4]) {
+  pair[0] = ((w << 12) & 0x80008000u) | ((w << 6) & 0x01C001C0u);
+  pair[1] = ((w << 8) & 0x80008000u) | ((w << 2) & 0x01C001C0u);
+  pair[2] = ((w << 4) & 0x80008000u) | ((w >> 2) & 0x01C001C0u);
+  pair[3] = (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u);
+}
+
+// BF16x2 multiply, round to nearest, subnormal inputs kept (BF16 arithmetic has no .ftz).
+__device__ __forceinline__ uint32_t hmul2_bf16(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Two E4M3 bytes (low byte first) -> BF16x2 {e4m3(b0) * 2^119, e4m3(b1) * 2^119}, exact
+// (448 * 2^119 < 2^128). Times a decoded nibble: e2m1 * e4m3 * 2^-7, in [2^-17, 21], exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_scaled(uint32_t two_bytes) {
+  const uint32_t h = e4m3x2_to_f16x2(two_bytes);
+  const float lo = __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu))) * 0x1p119f;
+  const float hi = __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16))) * 0x1p119f;
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+__device__ __forceinline__ void mma_16816_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Eight BF16 activations in natural order (one 16-byte load) -> the B pairs that meet decode_word_bf16's
+// pairs: b[0] = (x0, x4), b[1] = (x1, x5), b[2] = (x2, x6), b[3] = (x3, x7).
+__device__ __forceinline__ void act_pairs(const uint4& v, uint32_t (&b)[4]) {
+  b[0] = prmt(v.x, v.z, 0x5410u);
+  b[1] = prmt(v.x, v.z, 0x7632u);
+  b[2] = prmt(v.y, v.w, 0x5410u);
+  b[3] = prmt(v.y, v.w, 0x7632u);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// cp.async: 16 bytes (L2 only) or 4 bytes; src_bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_act_nc_v4(const void* p) {  // activations: read-only, kept in L1
+  uint4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync_all() {  // every thread of every CTA of the cluster
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float ld_dsmem_f32(uint32_t local_addr, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_addr), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// pipe_kernel: the small-M GEMV with a cp.async ring, BF16 tensor cores and no staging for W4A16.
+//
+// A cluster of C CTAs (8 warps each) owns tiles of 16*R output rows, persistently: cluster i takes
+// tiles i, i + clusters, ... Its C*8 warps split K by interleaved 256-k chunks (warp w of CTA r takes
+// chunks 8r + w, + 8C, ...), so every tile is streamed by C SMs. Each warp streams its (tile, chunk)
+// items through a private S-stage shared-memory ring filled by cp.async (S-1 items in flight, across
+// tile boundaries: the stream never drains between tiles). Per item a stage holds 16R rows x 128
+// bytes of nibbles (16-byte units XOR-swizzled by row, conflict-free reads) and 16R x 16 scale bytes.
+// Thread (g, t) reads 64 consecutive k of rows g and g+8 of each 16-row tile, decodes them to BF16
+// (decode_word_bf16 times e4m3 * 2^119 -> e2m1 * e4m3 * 2^-7, exact), and feeds them as the A operand
+// of mma.sync m16n8k16 (BF16 x BF16 -> FP32) whose B operand is the activations of 8 tokens: BF16 x as
+// it is (W4A16; the products are exact) or the NVFP4-dequantized x_eff of the staging kernel (W4A4,
+// exact in BF16), read through L1 (prefetched two items ahead). Per tile the warps' partials are
+// reduced in a fixed order through shared memory (C = 1) or distributed shared memory (C > 1; one
+// cluster barrier per tile); no atomics, deterministic. Needs K % 64 == 0.
+
+constexpr int kPipeWarps = 8;
+
+struct PipeParams {
+  const uint8_t* wdata;             // [N, K/2]
+  const uint8_t* wscale;            // [N, K/16]
+  const float* wg;                  // g_w
+  const float* xg;                  // g_x (W4A4) or nullptr
+  const __nv_bfloat16* x;           // [M, K] BF16: x (W4A16) or x_eff (W4A4)
+  void* y;                          // [M, N]
+  int M, N, K, tiles, chunks;
+  int xg_amax;  // 1: xg holds the activations' calibrated amax (see act_scale)
+};
+
+template <int R>
+constexpr int kPipeStages = R == 1 ? 4 : 3;
+template <int R>
+constexpr int kPipeStageBytes = R * 16 * (128 + 16);
+template <int R, int NT>
+constexpr int kPipeRedFloats = R * NT * 4 * 32;  // per warp
+template <int R, int NT>
+constexpr int kPipeSmemBytes = kPipeWarps * kPipeStages<R> * kPipeStageBytes<R> + 2 * kPipeWarps * kPipeRedFloats<R, NT> * 4;
+
+template <int R, int NT, int C, typename TOut>
+__global__ void __launch_bounds__(256) pipe_kernel(const PipeParams p) {
+  constexpr int S = kPipeStages<R>;
+  constexpr int kStage = kPipeStageBytes<R>;
+  constexpr int kData = R * 16 * 128;
+  constexpr int kRed = kPipeRedFloats<R, NT>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  uint8_t* ring = smem + warp * S * kStage;
+  float* red = reinterpret_cast<float*>(smem + kPipeWarps * S * kStage);  // [2][warps][kRed]
+  const int rank = C > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int cluster = blockIdx.x / C, clusters = gridDim.x / C;
+  const int wq = rank * kPipeWarps + warp;  // this warp's index among the cluster's warps
+  constexpr int kWarpsPerTile = C * kPipeWarps;
+  const int nc = wq < p.chunks ? (p.chunks - wq + kWarpsPerTile - 1) / kWarpsPerTile : 0;  // chunks per tile
+  const int64_t row_bytes = p.K / 2, row_scales = p.K / 16;
+
+  // The item stream: (tile index i: tile = cluster + i * clusters, chunk index j: chunk = wq + j * C*8).
+  int it_i = 0, it_j = 0;  // next item to issue
+  auto issue = [&](int slot) {
+    const int tile = cluster + it_i * clusters;
+    const int c = wq + it_j * kWarpsPerTile;
+    uint8_t* st = ring + slot * kStage;
+    const int base = tile * 16 * R;
+#pragma unroll
+    for (int q = 0; q < 4 * R; ++q) {  // 16R rows x 8 units of 16 bytes
+      const int u = lane + 32 * q, row = u >> 3, cu = u & 7;
+      const int r = min(base + row, p.N - 1);  // rows past N: row N-1, never stored
+      const bool ok = c * kChunkK + cu * 32 < p.K;
+      const uint8_t* src = p.wdata + r * row_bytes + (ok ? c * 128 + cu * 16 : 0);
+      cp_async16(smem_addr(st + row * 128 + ((cu ^ (row & 7)) << 4)), src, ok ? 16u : 0u);
+    }
+#pragma unroll
+    for (int q = 0; q < 2 * R; ++q) {  // 16R rows x 4 units of 4 scale bytes
+      const int u = lane + 32 * q, row = u >> 2, cu = u & 3;
+      const int r = min(base + row, p.N - 1);
+      const bool ok = c * kChunkK + cu * 64 < p.K;
+      const uint8_t* src = p.wscale + r * row_scales + (ok ? c * 16 + cu * 4 : 0);
+      cp_async4(smem_addr(st + kData + row * 16 + cu * 4), src, ok ? 4u : 0u);
+    }
+    if (++it_j == nc) {
+      it_j = 0;
+      ++it_i;
+    }
+  };
+  const int my_tiles = cluster < p.tiles ? (p.tiles - cluster + clusters - 1) / clusters : 0;
+  const int items = my_tiles * nc;
+  int issued = 0;
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (issued < items) {
+      issue(s);
+      ++issued;
+    }
+    cp_async_commit();
+  }
+  pdl_wait();  // W4A4: x_eff is written by the staging kernel
+
+  auto prefetch_x = [&](int item) {  // activations of an item into L1
+    if (item >= items || g >= p.M) return;
+    const int c = wq + (item % nc) * kWarpsPerTile;
+    const int k0 = c * kChunkK + 64 * t;
+    if (k0 >= p.K) return;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int tok = nt * 8 + g;
+      if (tok < p.M) {
+        const __nv_bfloat16* src = p.x + static_cast<int64_t>(tok) * p.K + k0;
+        prefetch_l1(src);
+        prefetch_l1(src + 32);
+      }
+    }
+  };
+  prefetch_x(0);
+  prefetch_x(1);
+
+  const float gscale = *p.wg * 128.0f * (p.xg != nullptr ? act_scale(p.xg, p.xg_amax) : 1.0f);
+  TOut* y = static_cast<TOut*>(p.y);
+  int item = 0, slot = 0;
+  for (int ti = 0; ti < my_tiles; ++ti) {
+    const int tile = cluster + ti * clusters;
+    float acc[R][NT][4];
+#pragma unroll
+    for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.f;
+
+    for (int j = 0; j < nc; ++j, ++item) {
+      cp_async_wait<S - 2>();
+      __syncwarp();
+      {  // refill the slot consumed last iteration
+        const int issue_slot = slot == 0 ? S - 1 : slot - 1;
+        if (issued < items) {
+          issue(issue_slot);
+          ++issued;
+        }
+        cp_async_commit();
+      }
+      prefetch_x(item + 2);
+      const uint8_t* st = ring + slot * kStage;
+      slot = slot + 1 == S ? 0 : slot + 1;
+      const int c = wq + j * kWarpsPerTile;
+      const int k0 = c * kChunkK + 64 * t;
+      const bool kval = k0 < p.K;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t b[NT][4][4];  // [token group][word j][pair]
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int tok = nt * 8 + g;
+          const __nv_bfloat16* src = p.x + static_cast<int64_t>(tok) * p.K + k0 + 32 * half;
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const uint4 v = (kval && tok < p.M) ? ld_act_nc_v4(src + 8 * w) : make_uint4(0u, 0u, 0u, 0u);
+            act_pairs(v, b[nt][w]);
+          }
+        }
+#pragma unroll
+        for (int rt = 0; rt < R; ++rt) {
+          uint32_t sc[2][2];  // [row g / g+8][block of the half], broadcast to both halves
+          uint4 wv[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = rt * 16 + g + 8 * h;
+            wv[h] = *reinterpret_cast<const uint4*>(st + row * 128 + (((2 * t + half) ^ g) << 4));
+            const uint32_t s4 = *reinterpret_cast<const uint32_t*>(st + kData + row * 16 + 4 * t);
+            const uint32_t s2 = e4m3x2_to_bf16x2_scaled(half ? s4 >> 16 : s4 & 0xFFFFu);
+            sc[h][0] = prmt(s2, s2, 0x1010u);
+            sc[h][1] = prmt(s2, s2, 0x3232u);
+          }
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            uint32_t r0[4], r1[4];
+            decode_word_bf16(word_of(wv[0], w), r0);
+            decode_word_bf16(word_of(wv[1], w), r1);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              r0[i] = hmul2_bf16(r0[i], sc[0][w >> 1]);
+              r1[i] = hmul2_bf16(r1[i], sc[1][w >> 1]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              mma_16816_bf16(acc[rt][nt], r0[0], r1[0], r0[1], r1[1], b[nt][w][0], b[nt][w][1]);
+              mma_16816_bf16(acc[rt][nt], r0[2], r1[2], r0[3], r1[3], b[nt][w][2], b[nt][w][3]);
+            }
+          }
+        }
+      }
+    }
+
+    // Reduce the tile over the cluster's warps in a fixed order.
+    float* mine = red + ((ti & 1) * kPipeWarps + warp) * kRed;
+#pragma unroll
+    for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mine[((rt * NT + nt) * 4 + i) * 32 + lane] = acc[rt][nt][i];
+    if (C > 1) {
+      cluster_sync_all();
+    } else {
+      __syncthreads();
+    }
+    const float* part = red + (ti & 1) * kPipeWarps * kRed;
+    for (int idx = rank * 256 + threadIdx.x; idx < kRed; idx += C * 256) {
+      float s = 0.f;
+      if (C > 1) {
+        for (int r = 0; r < C; ++r)
+          for (int w = 0; w < kPipeWarps; ++w) s += ld_dsmem_f32(smem_addr(part + w * kRed + idx), r);
+      } else {
+        for (int w = 0; w < kPipeWarps; ++w) s += part[w * kRed + idx];
+      }
+      const int l = idx & 31, i = (idx >> 5) & 3, tl = idx >> 7;
+      const int nt = tl % NT, rt = tl / NT;
+      const int row = tile * 16 * R + rt * 16 + (l >> 2) + ((i & 2) ? 8 : 0);
+      const int tok = nt * 8 + 2 * (l & 3) + (i & 1);
+      if (row < p.N && tok < p.M) y[static_cast<int64_t>(tok) * p.N + row] = from_float<TOut>(s * gscale);
+    }
+  }
+  cp_async_wait<0>();
+  if (C > 1) cluster_sync_all();  // keep this CTA's shared memory alive until the others have read it
+}
+
+// ---------------------------------------------------------------------------------------------
+// gemm_kernel: the large-M path. CTA tile BN (64 or 128) weight rows x BM tokens x all K in 64-k
+// stages, four shared-memory stages filled by cp.async (weights: BN rows x 32 bytes + 4 scale bytes;
+// activations: BM tokens x 128 bytes, 16-byte units XOR-swizzled by token). 8 warps as BN/32 (rows) x
+// 256/BN (tokens), each 32 rows x BM*BN/256 tokens; optionally split-K over a cluster of 2 or 4 CTAs
+// (partials reduced through distributed shared memory, in rank order): thread (g, t) owns k [16t, 16t+16) of the stage (one 16-element block, one
+// scale byte), decodes it to BF16 as pipe_kernel does and runs BF16 mma.sync m16n8k16 with FP32
+// accumulators. CTAs are ordered in groups of 8 token tiles so that concurrent CTAs share weight
+// and activation tiles in L2. Needs K % 64 == 0; x is BF16 (W4A16) or the BF16 x_eff (W4A4).
+
+constexpr int kGemmK = 64, kGemmStages = 4, kGemmGroup = 8;
+
+template <int BN, int BM>
+constexpr int kGemmStageBytes = BN * 32 + BN * 4 + BM * 128;
+template <int BN, int BM>
+constexpr int kGemmSmemBytes = kGemmStages * kGemmStageBytes<BN, BM>;
+
+template <int BN, int BM, int KS, typename TOut>
+__global__ void __launch_bounds__(256, 1) gemm_kernel(const PipeParams p) {
+  constexpr int WR = BN / 32, WC = 8 / WR;  // warps along rows (32 each) and along tokens
+  constexpr int TW = BM / WC;               // tokens per warp
+  constexpr int NT = TW / 8;                // token groups of 8 per warp
+  constexpr int kStage = kGemmStageBytes<BN, BM>;
+  constexpr int kScaleOff = BN * 32, kXOff = kScaleOff + BN * 4;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wr = warp % WR, wc = warp / WR;
+
+  const int tiles_n = (p.N + BN - 1) / BN, tiles_m = (p.M + BM - 1) / BM;
+  const int pid = blockIdx.x / KS, width = kGemmGroup * tiles_n;
+  const int rank = KS > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int first_m = (pid / width) * kGemmGroup;
+  const int gsize = min(tiles_m - first_m, kGemmGroup);
+  const int pid_m = first_m + (pid % width) % gsize, pid_n = (pid % width) / gsize;
+  const int n0 = pid_n * BN, m0 = pid_m * BM;
+  // Split-K: the KS CTAs of a cluster take consecutive shares of the 64-k stages.
+  const int all_ktiles = p.K / kGemmK;
+  const int kt0 = all_ktiles * rank / KS, ktiles = all_ktiles * (rank + 1) / KS - kt0;
+  const int64_t row_bytes = p.K / 2, row_scales = p.K / 16;
+
+  auto issue = [&](int kt_local, int slot) {
+    const int kt = kt0 + kt_local;
+    uint8_t* st = smem + slot * kStage;
+    if (tid < 2 * BN) {  // weights: BN rows x 2 units of 16 bytes
+      const int row = tid >> 1, cu = tid & 1;
+      const int r = min(n0 + row, p.N - 1);
+      cp_async16(smem_addr(st + row * 32 + cu * 16), p.wdata + r * row_bytes + kt * 32 + cu * 16, 16u);
+    }
+    if (tid < BN) {
+      const int r = min(n0 + tid, p.N - 1);
+      cp_async4(smem_addr(st + kScaleOff + tid * 4), p.wscale + r * row_scales + kt * 4, 4u);
+    }
+#pragma unroll
+    for (int q = 0; q < BM / 32; ++q) {  // activations: BM tokens x 8 units of 16 bytes
+      const int u = tid + 256 * q, row = u >> 3, cu = u & 7;
+      const bool ok = m0 + row < p.M;
+      const __nv_bfloat16* src = p.x + static_cast<int64_t>(ok ? m0 + row : 0) * p.K + kt * kGemmK + cu * 8;
+      cp_async16(smem_addr(st + kXOff + row * 128 + ((cu ^ (row & 7)) << 4)), src, ok ? 16u : 0u);
+    }
+  };
+
+  pdl_wait();  // W4A4: x_eff is written by the staging kernel (the prologue below reads it)
+#pragma unroll
+  for (int s = 0; s < kGemmStages - 1; ++s) {
+    if (s < ktiles) issue(s, s);
+    cp_async_commit();
+  }
+
+  float acc[2][NT][4];
+#pragma unroll
+  for (int rt = 0; rt < 2; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.f;
+
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<kGemmStages - 2>();
+    __syncthreads();
+    if (kt + kGemmStages - 1 < ktiles) issue(kt + kGemmStages - 1, (kt + kGemmStages - 1) % kGemmStages);
+    cp_async_commit();
+    const uint8_t* st = smem + (kt % kGemmStages) * kStage;
+    uint2 wv[2][2];
+    uint32_t sc[2][2];
+#pragma unroll
+    for (int rt = 0; rt < 2; ++rt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = wr * 32 + rt * 16 + g + 8 * h;
+        wv[rt][h] = *reinterpret_cast<const uint2*>(st + row * 32 + 8 * t);
+        const uint32_t sb = st[kScaleOff + row * 4 + t];
+        sc[rt][h] = e4m3x2_to_bf16x2_scaled(sb | (sb << 8));
+      }
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {  // word w: k [16t + 8w, +8)
+      uint32_t a[2][2][4];
+#pragma unroll
+      for (int rt = 0; rt < 2; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          decode_word_bf16(w ? wv[rt][h].y : wv[rt][h].x, a[rt][h]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[rt][h][i] = hmul2_bf16(a[rt][h][i], sc[rt][h]);
+        }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int tok = wc * TW + nt * 8 + g;  // tok & 7 == g
+        const uint4 v = *reinterpret_cast<const uint4*>(st + kXOff + tok * 128 + (((2 * t + w) ^ g) << 4));
+        uint32_t b[4];
+        act_pairs(v, b);
+#pragma unroll
+        for (int rt = 0; rt < 2; ++rt) {
+          mma_16816_bf16(acc[rt][nt], a[rt][0][0], a[rt][1][0], a[rt][0][1], a[rt][1][1], b[0], b[1]);
+          mma_16816_bf16(acc[rt][nt], a[rt][0][2], a[rt][1][2], a[rt][0][3], a[rt][1][3], b[2], b[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  const float gscale = *p.wg * 128.0f * (p.xg != nullptr ? act_scale(p.xg, p.xg_amax) : 1.0f);
+  TOut* y = static_cast<TOut*>(p.y);
+  auto store = [&](int e, float v) {  // element e = (rt * NT + nt) * 4 + i of this thread
+    const int i = e & 3, nt = (e >> 2) % NT, rt = (e >> 2) / NT;
+    const int row = n0 + wr * 32 + rt * 16 + g + ((i & 2) ? 8 : 0);
+    const int tok = m0 + wc * TW + nt * 8 + 2 * t + (i & 1);
+    if (row < p.N && tok < p.M) y[static_cast<int64_t>(tok) * p.N + row] = from_float<TOut>(v * gscale);
+  };
+  if constexpr (KS == 1) {
+#pragma unroll
+    for (int rt = 0; rt < 2; ++rt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) store((rt * NT + nt) * 4 + i, acc[rt][nt][i]);
+  } else {
+    // Partials through distributed shared memory: red[e][tid]; CTA r sums elements
+    // [r*E/KS, (r+1)*E/KS) over the cluster in rank order (deterministic).
+    constexpr int E = 2 * NT * 4;
+    static_assert(E * 256 * 4 <= kGemmSmemBytes<BN, BM>, "partials must fit the pipeline's shared memory");
+    float* red = reinterpret_cast<float*>(smem);
+    __syncthreads();  // every warp is done with the pipeline stages
+#pragma unroll
+    for (int rt = 0; rt < 2; ++rt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[((rt * NT + nt) * 4 + i) * 256 + tid] = acc[rt][nt][i];
+    cluster_sync_all();
+    for (int e = rank * E / KS; e < (rank + 1) * E / KS; ++e) {
+      float v = 0.f;
+      for (int q = 0; q < KS; ++q) v += ld_dsmem_f32(smem_addr(red + e * 256 + tid), q);
+      store(e, v);
+    }
+    cluster_sync_all();  // keep this CTA's shared memory alive until the others have read it
   }
 }
 
@@ -632,7 +1147,7 @@ cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg,
   } else {
     const int n = p.M * (p.Kp / 16);
     stage_a4_kernel<T><<<(n + threads - 1) / threads, threads, 0, stream>>>(
-        x, xg, const_cast<uint16_t*>(p.xeff), nullptr, nullptr, p.M, p.K, p.Kp);
+        x, xg, const_cast<uint16_t*>(p.xeff), nullptr, nullptr, p.M, p.K, p.Kp, p.xg_amax);
   }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
@@ -647,7 +1162,7 @@ cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg,
 ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> wdata, ffi::Buffer<ffi::U8> wscale,
                     ffi::Buffer<ffi::F32> wg, ffi::Buffer<ffi::F32> xg, ffi::Result<ffi::AnyBuffer> y,
                     ffi::Result<ffi::Buffer<ffi::F16>> xeff, ffi::Result<ffi::Buffer<ffi::F32>> xs, int64_t mode,
-                    int64_t rows_per_warp, int64_t k_split, int64_t pdl) {
+                    int64_t rows_per_warp, int64_t k_split, int64_t pdl, int64_t xg_amax) {
   const auto xd = x.dimensions();
   const auto wd = wdata.dimensions();
   const auto sd = wscale.dimensions();
@@ -688,6 +1203,7 @@ ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> 
   const uintptr_t wptr = reinterpret_cast<uintptr_t>(p.wdata);
   p.vec16 = (K % 32 == 0) && (wptr % 16 == 0);
   p.scale32 = (K % 64 == 0) && (reinterpret_cast<uintptr_t>(p.wscale) % 4 == 0);
+  p.xg_amax = xg_amax != 0;
   if (!p.vec16 && wptr % 8 != 0) return bad("weight data must be 8-byte aligned");
   if (reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 != 0 || reinterpret_cast<uintptr_t>(p.xeff) % 16 != 0)
     return bad("activation buffers must be 16-byte aligned");
@@ -747,6 +1263,251 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Host side of pipe_kernel and gemm_kernel
+
+// Largest useful grid (resident CTAs, a multiple of the cluster size) of a kernel on the current
+// device; also raises its dynamic shared-memory limit. Cached per (kernel, device).
+inline cudaError_t resident_ctas(const void* kernel, int smem, int cluster, int* out) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int>, int> cache;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const auto key = std::make_tuple(kernel, dev, cluster);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(key);
+    if (it != cache.end()) {
+      *out = it->second;
+      return cudaSuccess;
+    }
+  }
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  int n = 0;
+  if (cluster == 1) {
+    int per_sm = 0, sms = 0;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, smem);
+    if (e != cudaSuccess) return e;
+    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return e;
+    n = per_sm * sms;
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(cluster * 64);
+    cfg.blockDim = dim3(256);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+    if (e != cudaSuccess) return e;
+    n = clusters * cluster;
+  }
+  if (n < cluster) return cudaErrorInvalidConfiguration;
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = n;
+  *out = n;
+  return cudaSuccess;
+}
+
+template <int R, int NT, int C, typename T>
+cudaError_t launch_pipe(cudaStream_t stream, PipeParams p, bool pdl) {
+  const void* kernel = reinterpret_cast<const void*>(pipe_kernel<R, NT, C, T>);
+  constexpr int smem = kPipeSmemBytes<R, NT>;
+  int max_ctas = 0;
+  cudaError_t e = resident_ctas(kernel, smem, C, &max_ctas);
+  if (e != cudaSuccess) return e;
+  p.tiles = (p.N + 16 * R - 1) / (16 * R);
+  p.chunks = (p.K + kChunkK - 1) / kChunkK;
+  const int clusters = std::max(1, std::min(p.tiles, max_ctas / C));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(clusters * C);
+  cfg.blockDim = dim3(256);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int na = 0;
+  if (C > 1) {
+    attr[na].id = cudaLaunchAttributeClusterDimension;
+    attr[na].val.clusterDim.x = C;
+    attr[na].val.clusterDim.y = 1;
+    attr[na].val.clusterDim.z = 1;
+    ++na;
+  }
+  if (pdl) {
+    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[na].val.programmaticStreamSerializationAllowed = 1;
+    ++na;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = na;
+  return cudaLaunchKernelEx(&cfg, pipe_kernel<R, NT, C, T>, p);
+}
+
+template <int R, int C, typename T>
+cudaError_t launch_pipe_nt(cudaStream_t stream, const PipeParams& p, bool pdl) {
+  const int nt = (p.M + 7) / 8;
+  if (nt == 1) return launch_pipe<R, 1, C, T>(stream, p, pdl);
+  if (nt == 2) return launch_pipe<R, 2, C, T>(stream, p, pdl);
+  return launch_pipe<R, 4, C, T>(stream, p, pdl);
+}
+
+template <typename T>
+cudaError_t launch_pipe_cfg(cudaStream_t stream, const PipeParams& p, int rows, int split, bool pdl) {
+  if (rows == 1) {
+    if (split == 1) return launch_pipe_nt<1, 1, T>(stream, p, pdl);
+    if (split == 2) return launch_pipe_nt<1, 2, T>(stream, p, pdl);
+    return launch_pipe_nt<1, 4, T>(stream, p, pdl);
+  }
+  if (split == 1) return launch_pipe_nt<2, 1, T>(stream, p, pdl);
+  if (split == 2) return launch_pipe_nt<2, 2, T>(stream, p, pdl);
+  return launch_pipe_nt<2, 4, T>(stream, p, pdl);
+}
+
+template <int BN, int BM, int KS, typename T>
+cudaError_t launch_gemm(cudaStream_t stream, const PipeParams& p, bool pdl) {
+  const void* kernel = reinterpret_cast<const void*>(gemm_kernel<BN, BM, KS, T>);
+  constexpr int smem = kGemmSmemBytes<BN, BM>;
+  int unused = 0;
+  cudaError_t e = resident_ctas(kernel, smem, KS, &unused);  // raises the shared-memory limit
+  if (e != cudaSuccess) return e;
+  if (p.K / kGemmK < KS) return cudaErrorInvalidValue;
+  const int64_t tiles = int64_t((p.N + BN - 1) / BN) * ((p.M + BM - 1) / BM) * KS;
+  if (tiles > (int64_t(1) << 31) - 1) return cudaErrorInvalidConfiguration;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(tiles));
+  cfg.blockDim = dim3(256);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int na = 0;
+  if (KS > 1) {
+    attr[na].id = cudaLaunchAttributeClusterDimension;
+    attr[na].val.clusterDim.x = KS;
+    attr[na].val.clusterDim.y = 1;
+    attr[na].val.clusterDim.z = 1;
+    ++na;
+  }
+  if (pdl) {
+    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[na].val.programmaticStreamSerializationAllowed = 1;
+    ++na;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = na;
+  return cudaLaunchKernelEx(&cfg, gemm_kernel<BN, BM, KS, T>, p);
+}
+
+template <int BN, int BM, typename T>
+cudaError_t launch_gemm_split(cudaStream_t stream, const PipeParams& p, int split, bool pdl) {
+  if (split == 1) return launch_gemm<BN, BM, 1, T>(stream, p, pdl);
+  if (split == 2) return launch_gemm<BN, BM, 2, T>(stream, p, pdl);
+  return launch_gemm<BN, BM, 4, T>(stream, p, pdl);
+}
+
+enum MatmulKernel : int { kPipe = 1, kGemm = 2 };
+
+// One call of the BF16-tensor-core kernels: W4A4 first quantizes x into the BF16 x_eff workspace
+// (stage_a4_kernel), then pipe_kernel (small M) or gemm_kernel (large M) reads it; W4A16 reads x.
+template <typename T>
+cudaError_t run_matmul(cudaStream_t stream, int mode, int kernel, const T* x, const float* xg, uint16_t* xeff,
+                       PipeParams p, int rows, int split, int block_m, int block_n, bool pdl) {
+  bool after_stage = false;
+  if (mode == kA4) {
+    const int threads = 256;
+    const int64_t n = int64_t(p.M) * (p.K / 16);
+    stage_a4_kernel<T, kXeffBF16><<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, stream>>>(
+        x, xg, xeff, nullptr, nullptr, p.M, p.K, p.K, p.xg_amax);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    p.x = reinterpret_cast<const __nv_bfloat16*>(xeff);
+    p.xg = xg;
+    after_stage = pdl;
+  } else {
+    p.x = reinterpret_cast<const __nv_bfloat16*>(x);
+    p.xg = nullptr;
+  }
+  if (kernel == kPipe) return launch_pipe_cfg<T>(stream, p, rows, split, after_stage);
+  if (block_n == 64)
+    return block_m == 64 ? launch_gemm_split<64, 64, T>(stream, p, split, after_stage)
+                         : launch_gemm_split<64, 128, T>(stream, p, split, after_stage);
+  return block_m == 64 ? launch_gemm_split<128, 64, T>(stream, p, split, after_stage)
+                       : launch_gemm_split<128, 128, T>(stream, p, split, after_stage);
+}
+
+ffi::Error MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> wdata, ffi::Buffer<ffi::U8> wscale,
+                      ffi::Buffer<ffi::F32> wg, ffi::Buffer<ffi::F32> xg, ffi::Result<ffi::AnyBuffer> y,
+                      ffi::Result<ffi::Buffer<ffi::BF16>> xeff, int64_t mode, int64_t kernel, int64_t rows_per_warp,
+                      int64_t split, int64_t block_m, int64_t block_n, int64_t pdl, int64_t xg_amax) {
+  const auto xd = x.dimensions();
+  const auto wd = wdata.dimensions();
+  const auto sd = wscale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2) return bad("x, data and scales must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  if (kernel != kPipe && kernel != kGemm) return bad("kernel must be 1 (pipe) or 2 (gemm)");
+  if (M < 1 || (kernel == kPipe && M > kMaxM)) return bad("M (tokens) out of range: " + std::to_string(M));
+  if (K < 64 || K % 64) return bad("K must be a positive multiple of 64, got " + std::to_string(K));
+  if (N < 1) return bad("N must be positive");
+  if (K > (int64_t(1) << 30) || N > (int64_t(1) << 30) || M > (int64_t(1) << 30) || M * K > (int64_t(1) << 40))
+    return bad("M, N and K must be below 2^30");
+  if (wd[1] != K / 2) return bad("weight data must be [N, K/2]");
+  if (sd[0] != N || sd[1] != K / 16) return bad("block scales must be [N, K/16]");
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != M || yd[1] != N) return bad("output must be [M, N]");
+  if (mode != kA16 && mode != kA4) return bad("mode must be 0 (W4A16) or 1 (W4A4)");
+  const auto ed = xeff->dimensions();
+  if (mode == kA4 && (ed.size() != 2 || ed[0] != M || ed[1] != K)) return bad("x_eff workspace must be [M, K]");
+  if (rows_per_warp != 1 && rows_per_warp != 2) return bad("rows_per_warp must be 1 or 2");
+  if (split != 1 && split != 2 && split != 4) return bad("split must be 1, 2 or 4");
+  if (block_m != 64 && block_m != 128) return bad("block_m must be 64 or 128");
+  if (block_n != 64 && block_n != 128) return bad("block_n must be 64 or 128");
+  if (kernel == kGemm && K / 64 < split) return bad("split-K needs at least 64 * split values of K");
+  if (x.element_type() != y->element_type()) return bad("output dtype must match the activation dtype");
+  if (mode == kA16 && x.element_type() != ffi::DataType::BF16) return bad("W4A16 takes bfloat16 activations");
+  if (wg.element_count() != 1 || xg.element_count() != 1) return bad("tensor scales must be scalars");
+  PipeParams p = {};
+  p.wdata = wdata.typed_data();
+  p.wscale = wscale.typed_data();
+  p.wg = wg.typed_data();
+  p.y = y->untyped_data();
+  p.M = static_cast<int>(M);
+  p.N = static_cast<int>(N);
+  p.K = static_cast<int>(K);
+  p.xg_amax = xg_amax != 0;
+  if (reinterpret_cast<uintptr_t>(p.wdata) % 16 || reinterpret_cast<uintptr_t>(p.wscale) % 4 ||
+      reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 || reinterpret_cast<uintptr_t>(xeff->untyped_data()) % 16)
+    return bad("buffers must be 16-byte aligned (scales 4-byte)");
+  uint16_t* ws = reinterpret_cast<uint16_t*>(xeff->untyped_data());
+  cudaError_t e;
+  switch (x.element_type()) {
+    case ffi::DataType::BF16:
+      e = run_matmul<__nv_bfloat16>(stream, static_cast<int>(mode), static_cast<int>(kernel),
+                                    reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()), xg.typed_data(), ws, p,
+                                    static_cast<int>(rows_per_warp), static_cast<int>(split),
+                                    static_cast<int>(block_m), static_cast<int>(block_n), pdl != 0);
+      break;
+    case ffi::DataType::F32:
+      e = run_matmul<float>(stream, static_cast<int>(mode), static_cast<int>(kernel),
+                            reinterpret_cast<const float*>(x.untyped_data()), xg.typed_data(), ws, p,
+                            static_cast<int>(rows_per_warp), static_cast<int>(split), static_cast<int>(block_m),
+                            static_cast<int>(block_n), pdl != 0);
+      break;
+    default:
+      return bad("activations must be bfloat16 or float32");
+  }
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(e, "matmul launch");
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxlp_nvfp4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Gemv, jaxlp_nvfp4::GemvImpl,
@@ -763,7 +1524,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Gemv, jaxlp_nvfp4::GemvImpl,
                                   .Attr<int64_t>("mode")
                                   .Attr<int64_t>("rows_per_warp")
                                   .Attr<int64_t>("k_split")
-                                  .Attr<int64_t>("pdl"),
+                                  .Attr<int64_t>("pdl")
+                                  .Attr<int64_t>("xg_amax"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Quantize, jaxlp_nvfp4::QuantizeImpl,
@@ -773,4 +1535,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Quantize, jaxlp_nvfp4::QuantizeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // g_x
                                   .Ret<ffi::Buffer<ffi::U8>>()   // codes [M, K/2]
                                   .Ret<ffi::Buffer<ffi::U8>>(),  // scales (E4M3 bits) [M, K/16]
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Matmul, jaxlp_nvfp4::MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()           // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // weight codes [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // weight block scales (E4M3 bits) [N, K/16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // g_w
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // g_x (ignored for W4A16)
+                                  .Ret<ffi::AnyBuffer>()           // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::BF16>>()   // x_eff workspace [M, K] (W4A4), else [1, 8]
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("kernel")
+                                  .Attr<int64_t>("rows_per_warp")
+                                  .Attr<int64_t>("split")
+                                  .Attr<int64_t>("block_m")
+                                  .Attr<int64_t>("block_n")
+                                  .Attr<int64_t>("pdl")
+                                  .Attr<int64_t>("xg_amax"),
                               {ffi::Traits::kCmdBufferCompatible});

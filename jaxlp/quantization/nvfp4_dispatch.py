@@ -1,22 +1,27 @@
-"""NVFP4 matmul dispatch: the CUDA GEMV for small M, XLA dequantize-then-dot for large M.
+"""NVFP4 matmul dispatch: CUDA kernels where the measured table says they win, else XLA.
 
 Importing this module registers ``"nvfp4_cuda"`` with :class:`QuantizedLinear`, so
 ``QuantizedLinear(..., implementation="nvfp4_cuda")`` (or ``"auto"``, or
 ``set_implementation(model, "auto")``) runs NVFP4 layers (W4A16 and W4A4) through it on a GPU.
 Other formats, other activation quantizers and CPU runs keep the pure-JAX reference.
 
-For an input of ``M`` tokens (all leading axes flattened) and a weight ``[N, K]``:
+For an input of ``M`` tokens (all leading axes flattened) and a weight ``[N, K]`` the table
+picks one of (see :mod:`jaxlp.ffi.nvfp4`):
 
-- ``M <= 32`` and the measured table says the GEMV wins: :func:`jaxlp.ffi.nvfp4.nvfp4_gemv`
-  with the table's launch configuration (W4A4 quantizes the activations inside the call).
-- otherwise :func:`dequantize_dot`: weights decoded to ``e2m1 * e4m3`` (exact in BF16 / FP16),
+- a GEMV kernel (``"regs"`` or ``"pipe"``, ``M <= 32``) with its launch configuration;
+- the tensor-core GEMM (``"gemm"``, any ``M``);
+- ``"xla"``: :func:`dequantize_dot`: weights decoded to ``e2m1 * e4m3`` (exact in BF16 / FP16),
   activations as they are (W4A16) or quantized to NVFP4 and decoded the same way (W4A4), one
   XLA dot with FP32 accumulation on the tensor cores, times ``g_w`` (and ``g_x``). For NVFP4
   every product is exact, so W4A4 is emulated exactly up to summation order.
 
+A kernel that cannot take the call (``K % 64 != 0`` or FP32 W4A16 activations for ``"pipe"`` and
+``"gemm"``) falls back to ``"regs"`` (``M <= 32``) or XLA.
+
 The table (``jaxlp/ffi/nvfp4_dispatch.json``) holds, per benchmarked ``(N, K)`` and activation
 mode, the winner at each benchmarked M (``scripts/bench_nvfp4.py`` writes it). For an M
-between benchmarked values the next larger one decides; a shape not in the table uses the
+between benchmarked values the next larger one decides; above the largest, the GEMM if it won
+there (its cost grows with M like the dot's), else XLA; a shape not in the table uses the
 nearest benchmarked shape (by ``|log N - log N'| + |log K - log K'|``).
 """
 
@@ -55,10 +60,11 @@ def _decode_exact(q: NVFP4Array, dtype) -> jax.Array:
     return out.reshape(q.data.shape[:-1] + (2 * q.data.shape[-1],)).astype(dtype)
 
 
-# Who quantizes W4A4 activations on the large-M path: "xla" (nvfp4.quantize; ~500 HLO ops per
-# layer, which makes a 36-layer W4A4 model take minutes to compile) or "cuda" (the bit-exact CUDA
-# kernel, one custom call; verified on the GPU for M <= 32, see tests/ffi/test_nvfp4_gpu.py).
-LARGE_M_ACT_QUANTIZER = "xla"
+# Who quantizes W4A4 activations on the XLA path: "xla" (nvfp4.quantize; ~500 HLO ops per layer,
+# which makes a 36-layer W4A4 model take minutes to compile) or "cuda" (the bit-exact CUDA kernel,
+# one custom call; bit-exact with nvfp4.quantize on the GPU for M up to 2048, see
+# tests/ffi/test_nvfp4_gpu.py). The default "cuda" applies when JAX runs on a GPU; elsewhere "xla".
+LARGE_M_ACT_QUANTIZER = "cuda"
 
 
 def dequantize_dot(
@@ -67,10 +73,11 @@ def dequantize_dot(
     """``x [M, K] @ dequant(w).T`` by XLA (the large-M path); W4A4 when ``act_tensor_scale`` is given.
 
     Operands are BF16 (FP16) when ``x`` is, FP32 (HIGHEST precision) otherwise; FP32 accumulation.
-    act_quantizer: ``"xla"`` or ``"cuda"`` (W4A4 only; default :data:`LARGE_M_ACT_QUANTIZER`;
-    ``"cuda"`` needs BF16/FP32 ``x`` and falls back to ``"xla"`` otherwise).
+    act_quantizer: ``"xla"`` or ``"cuda"`` (W4A4 only; default :data:`LARGE_M_ACT_QUANTIZER` on a
+    GPU, ``"xla"`` elsewhere; ``"cuda"`` needs BF16/FP32 ``x`` and falls back to ``"xla"`` otherwise).
     """
-    act_quantizer = act_quantizer or LARGE_M_ACT_QUANTIZER
+    if act_quantizer is None:
+        act_quantizer = LARGE_M_ACT_QUANTIZER if ffi_nvfp4.on_gpu() else "xla"
     if act_quantizer not in ("xla", "cuda"):
         raise ValueError(f"act_quantizer must be 'xla' or 'cuda', got {act_quantizer!r}")
     compute = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
@@ -121,26 +128,53 @@ def _nearest(entries: list[dict], n: int, k: int) -> dict | None:
 DEFAULT_RULE = [[16, {"rows_per_warp": 1, "k_split": 8}], [128, XLA]]
 
 
-def plan(m: int, n: int, k: int, mode: str, table: dict | None = None) -> ffi_nvfp4.GemvConfig | None:
-    """The GEMV launch configuration for ``M`` tokens of an ``[N, K]`` weight, or None for XLA.
+def _choice_config(choice) -> ffi_nvfp4.GemvConfig | None:
+    if choice == XLA:
+        return None
+    return ffi_nvfp4.GemvConfig(
+        rows_per_warp=int(choice.get("rows_per_warp", 1)),
+        k_split=int(choice.get("k_split", 8)),
+        kernel=choice.get("kernel", "regs"),
+        split=int(choice.get("split", 1)),
+        block_m=int(choice.get("block_m", 128)),
+        block_n=int(choice.get("block_n", 128)),
+    )
 
-    mode: ``"w4a16"`` or ``"w4a4"``.
+
+def config_choice(cfg: ffi_nvfp4.GemvConfig | None):
+    """The table's JSON form of a configuration (None: ``"xla"``)."""
+    if cfg is None:
+        return XLA
+    if cfg.kernel == "pipe":
+        return {"kernel": "pipe", "rows_per_warp": cfg.rows_per_warp, "split": cfg.split}
+    if cfg.kernel == "gemm":
+        return {"kernel": "gemm", "block_m": cfg.block_m, "block_n": cfg.block_n, "split": cfg.split}
+    return {"rows_per_warp": cfg.rows_per_warp, "k_split": cfg.k_split}
+
+
+def plan(m: int, n: int, k: int, mode: str, table: dict | None = None) -> ffi_nvfp4.GemvConfig | None:
+    """The kernel configuration for ``M`` tokens of an ``[N, K]`` weight, or None for XLA.
+
+    mode: ``"w4a16"`` or ``"w4a4"``. The table's choice as it is: :func:`nvfp4_matmul` checks
+    whether the kernel takes the call's K and dtype.
     """
     if mode not in ffi_nvfp4.MODES:
         raise ValueError(f"mode must be one of {tuple(ffi_nvfp4.MODES)}, got {mode!r}")
-    if m > ffi_nvfp4.MAX_M:
-        return None
     table = load_table() if table is None else table
     entry = _nearest([e for e in table["shapes"] if mode in e], n, k)
-    rule = entry[mode] if entry else table.get("default", DEFAULT_RULE)
+    rule = sorted(entry[mode] if entry else table.get("default", DEFAULT_RULE), key=lambda r: r[0])
     choice = XLA
-    for bound, c in sorted(rule, key=lambda r: r[0]):
+    for bound, c in rule:
         if m <= bound:
             choice = c
             break
-    if choice == XLA:
+    else:
+        if rule and rule[-1][1] != XLA and rule[-1][1].get("kernel") == "gemm":
+            choice = rule[-1][1]
+    cfg = _choice_config(choice)
+    if cfg is not None and cfg.kernel != "gemm" and m > ffi_nvfp4.MAX_M:
         return None
-    return ffi_nvfp4.GemvConfig(rows_per_warp=int(choice["rows_per_warp"]), k_split=int(choice["k_split"]))
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,28 +184,29 @@ def plan(m: int, n: int, k: int, mode: str, table: dict | None = None) -> ffi_nv
 def nvfp4_matmul(layer, x: jax.Array, *, config: ffi_nvfp4.GemvConfig | None = None, force: str | None = None):
     """The product of a QuantizedLinear with NVFP4 weights (``out_scale`` applied, no bias).
 
-    force: ``"gemv"`` or ``"xla"`` to bypass the table (benchmarks); config overrides its launch
-    configuration.
+    force: ``"gemv"`` or ``"xla"`` to bypass the table (benchmarks); config overrides the table's
+    choice. A kernel that cannot take the call falls back to the ``"regs"`` GEMV, else to XLA.
     """
     w = layer.weight.get_value()
     n, k = w.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    g_x = None
-    if layer.activation == "nvfp4":
-        g_x = act_tensor_scale(layer.act_amax[...])
-    mode = "w4a16" if g_x is None else "w4a4"
+    w4a4 = layer.activation == "nvfp4"
+    mode = "w4a4" if w4a4 else "w4a16"
     if force == "xla":
         cfg = None
     elif force == "gemv" or config is not None:
         cfg = config or ffi_nvfp4.GemvConfig()
     else:
         cfg = plan(m, n, k, mode)
-    if cfg is not None and x2.dtype in ffi_nvfp4.ACT_DTYPES and m <= ffi_nvfp4.MAX_M:
-        y = ffi_nvfp4.nvfp4_gemv(x2, w, act_tensor_scale=g_x, config=cfg)
+    if cfg is not None and cfg.unsupported(m, k, x2.dtype, w4a4):
+        fallback = ffi_nvfp4.GemvConfig()  # the regs GEMV takes any K % 16 == 0 and FP32
+        cfg = None if fallback.unsupported(m, k, x2.dtype, w4a4) else fallback
+    if cfg is not None:  # W4A4: the kernels derive g_x from the amax (no XLA op per call)
+        y = ffi_nvfp4.nvfp4_gemv(x2, w, act_amax=layer.act_amax[...] if w4a4 else None, config=cfg)
     else:
-        y = dequantize_dot(x2, w, g_x)
+        y = dequantize_dot(x2, w, act_tensor_scale(layer.act_amax[...]) if w4a4 else None)
     if layer.out_scale != 1.0:
         y = (y.astype(jnp.float32) * layer.out_scale).astype(x.dtype)
     return y.reshape(*lead, n)

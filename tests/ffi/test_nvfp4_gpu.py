@@ -1,4 +1,5 @@
-"""The NVFP4 CUDA kernels on a GPU against float64 references (skipped without a CUDA GPU)."""
+"""The NVFP4 CUDA kernels (regs and pipe GEMVs, the GEMM, the quantizer) on a GPU against float64
+references (skipped without a CUDA GPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -152,3 +153,149 @@ def test_large_m_cuda_activation_quantizer_matches_xla(m, k):
     y_cuda = jax.jit(lambda x: dispatch.dequantize_dot(x, q, g, act_quantizer="cuda"))(x)
     y_xla = jax.jit(lambda x: dispatch.dequantize_dot(x, q, g, act_quantizer="xla"))(x)
     np.testing.assert_array_equal(np.asarray(y_cuda.astype(jnp.float32)), np.asarray(y_xla.astype(jnp.float32)))
+
+
+# --- the BF16 tensor-core kernels: "pipe" (small M) and "gemm" (any M) -----------------------
+
+PIPE_CONFIGS = [
+    ffi_nvfp4.GemvConfig(1, kernel="pipe"),
+    ffi_nvfp4.GemvConfig(2, kernel="pipe", split=2),
+    ffi_nvfp4.GemvConfig(1, kernel="pipe", split=4, pdl=False),
+]
+GEMM_CONFIGS = [
+    ffi_nvfp4.GemvConfig(kernel="gemm", block_n=64, block_m=64),
+    ffi_nvfp4.GemvConfig(kernel="gemm", block_n=128, block_m=64, split=2),
+    ffi_nvfp4.GemvConfig(kernel="gemm", block_n=64, block_m=128, split=4),
+    ffi_nvfp4.GemvConfig(kernel="gemm", block_n=128, block_m=128, pdl=False),
+]
+
+PIPE_SHAPES = [  # K a multiple of 64 but not always of the 256-k chunk; N not a multiple of 16 / 32
+    (1, 1000, 4096),
+    (2, 37, 64),
+    (5, 4096, 1088),
+    (8, 520, 2048),
+    (9, 333, 320),
+    (16, 96, 256),
+    (17, 2048, 512),
+    (32, 130, 1024),
+]
+GEMM_SHAPES = [(1, 64, 256), (16, 300, 1024), (33, 130, 4096), (64, 1000, 1088), (130, 257, 512), (300, 4096, 320)]
+
+
+def _matmul(x, q, g_x, cfg):
+    return jax.jit(lambda x, q, g: ffi_nvfp4.matmul_call(
+        x, q.data, jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8), q.tensor_scale, g, config=cfg))(x, q, g_x)
+
+
+def _check_a16(y, x, wref):
+    ref = np.asarray(x.astype(jnp.float32), np.float64) @ wref.T
+    y = np.asarray(y.astype(jnp.float32))
+    assert np.isfinite(y).all()
+    assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
+    assert rel(y, ref) < 4e-3
+
+
+def _check_a4(y, xeff, x, g_x, amax, wref):
+    xq = nvfp4.quantize(x.astype(jnp.float32), tensor_scale=g_x)
+    codes_scales = weight_f64(np.asarray(xq.data), np.asarray(xq.block_scale).view(np.uint8), 1.0)
+    np.testing.assert_array_equal(np.asarray(xeff.astype(jnp.float32), np.float64), codes_scales)  # exact staging
+    ref = np.asarray(fake_quantize(x, "nvfp4", jnp.float32(amax)), np.float64) @ wref.T
+    y = np.asarray(y.astype(jnp.float32))
+    if x.dtype == jnp.float32:
+        assert rel(y, ref) < 1e-5
+    else:
+        assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
+
+
+@pytest.mark.parametrize("m,n,k", PIPE_SHAPES)
+def test_pipe_w4a16(m, n, k):
+    rng = np.random.default_rng(6000 + m * 7 + k)
+    q, wref = weight(rng, n, k)
+    for cfg in PIPE_CONFIGS:
+        x = acts(rng, m, k, jnp.bfloat16)
+        y, _ = _matmul(x, q, None, cfg)
+        assert y.dtype == jnp.bfloat16 and y.shape == (m, n)
+        _check_a16(y, x, wref)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,n,k", PIPE_SHAPES[::2] + PIPE_SHAPES[1::4])
+def test_pipe_w4a4(m, n, k, dtype):
+    rng = np.random.default_rng(7000 + m * 7 + k)
+    q, wref = weight(rng, n, k)
+    for cfg in PIPE_CONFIGS[:2]:
+        x = acts(rng, m, k, dtype)
+        amax = float(np.abs(np.asarray(x, np.float32)).max()) * 0.5  # saturation
+        g_x = dispatch.act_tensor_scale(amax)
+        y, xeff = _matmul(x, q, g_x, cfg)
+        assert y.dtype == dtype and xeff.shape == (m, k)
+        _check_a4(y, xeff, x, g_x, amax, wref)
+
+
+@pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
+def test_gemm_w4a16_and_w4a4(m, n, k):
+    rng = np.random.default_rng(8000 + m * 7 + k)
+    q, wref = weight(rng, n, k)
+    for cfg in GEMM_CONFIGS:
+        if cfg.unsupported(m, k, jnp.bfloat16, False):
+            continue
+        x = acts(rng, m, k, jnp.bfloat16)
+        y, _ = _matmul(x, q, None, cfg)
+        assert y.shape == (m, n)
+        _check_a16(y, x, wref)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            x = acts(rng, m, k, dtype)
+            amax = float(np.abs(np.asarray(x, np.float32)).max()) * 0.7
+            g_x = dispatch.act_tensor_scale(amax)
+            y, xeff = _matmul(x, q, g_x, cfg)
+            _check_a4(y, xeff, x, g_x, amax, wref)
+
+
+def test_every_code_and_scale_extremes():
+    """Random bytes (every E2M1 code pair) under E4M3 scales from the smallest subnormal 2^-9 to
+    448, through all three kernels: the BF16 decode's subnormal (code 1) and the scale range."""
+    rng = np.random.default_rng(9000)
+    n, k = 160, 1024
+    finite = np.arange(0x7F, dtype=np.uint8)  # non-negative E4M3, 0x7F is NaN
+    sbits = rng.choice(np.concatenate([finite, np.array([1, 2, 0x7E, 0x7E, 0x08], np.uint8)]), (n, k // 16))
+    data = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    g = 0.37
+    q = nvfp4.NVFP4Array(
+        data=jnp.asarray(data),
+        block_scale=jax.lax.bitcast_convert_type(jnp.asarray(sbits), jnp.float8_e4m3fn),
+        tensor_scale=jnp.float32(g),
+        shape=(n, k),
+    )
+    wref = weight_f64(data, sbits, np.float32(g))
+    for m, cfgs in ((3, [ffi_nvfp4.GemvConfig()] + PIPE_CONFIGS), (70, GEMM_CONFIGS)):
+        for cfg in cfgs:
+            x = acts(rng, m, k, jnp.bfloat16)
+            y = jax.jit(lambda x, q: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg))(x, q)
+            _check_a16(y, x, wref)
+
+
+def test_dispatch_falls_back_for_unsupported_calls():
+    """A table choice of pipe / gemm with K % 64 != 0 or FP32 W4A16 runs the regs GEMV or XLA, correctly."""
+    rng = np.random.default_rng(9100)
+    for m, k, dtype in ((4, 1040, jnp.bfloat16), (4, 1024, jnp.float32), (40, 1040, jnp.bfloat16)):
+        q, wref = weight(rng, 96, k)
+        layer = QuantizedLinear(q, implementation="nvfp4_cuda")
+        x = acts(rng, m, k, dtype)
+        for cfg in PIPE_CONFIGS[:1] + GEMM_CONFIGS[:1]:
+            y = jax.jit(lambda x: dispatch.nvfp4_matmul(layer, x, config=cfg))(x)
+            ref = np.asarray(x.astype(jnp.float32), np.float64) @ wref.T
+            assert rel(np.asarray(y.astype(jnp.float32)), ref) < 4e-3
+
+
+@pytest.mark.parametrize("amax", [3.7, 1e-15, 123456.0])
+def test_amax_operand_matches_tensor_scale(amax):
+    """W4A4 with the calibrated amax as the kernel operand (g_x computed on the GPU) is
+    bit-identical to W4A4 with g_x computed by XLA, for all three kernels."""
+    rng = np.random.default_rng(9200)
+    q, _ = weight(rng, 200, 1024)
+    g_x = dispatch.act_tensor_scale(amax)
+    for m, cfg in ((3, ffi_nvfp4.GemvConfig()), (5, PIPE_CONFIGS[1]), (40, GEMM_CONFIGS[1])):
+        x = acts(rng, m, 1024, jnp.bfloat16)
+        a = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_tensor_scale=g_x, config=cfg))(x)
+        b = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_amax=jnp.float32(amax), config=cfg))(x)
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))

@@ -248,3 +248,168 @@ def test_w4a4_model_matches_fake_quantize(m, n, k, seed):
     got = gemv(data, sbits, g, x_eff, g_x=g_x)
     ref = xdq @ weight_f64(data, sbits, g).T
     assert rel(got, ref) < 1e-6
+
+
+# --- the BF16 kernels (pipe_kernel, gemm_kernel) ---------------------------------------------
+
+
+def decode_word_bf16(w: np.ndarray) -> list[np.ndarray]:
+    """decode_word_bf16: uint32 words -> 4 uint32 holding BF16 {e2m1(n_i), e2m1(n_{i+4})} * 2^-126."""
+    w = w.astype(np.uint32)
+    m1, m2 = np.uint32(0x80008000), np.uint32(0x01C001C0)
+    return [
+        ((w << 12) & m1) | ((w << 6) & m2),
+        ((w << 8) & m1) | ((w << 2) & m2),
+        ((w << 4) & m1) | ((w >> 2) & m2),
+        (w & m1) | ((w >> 6) & m2),
+    ]
+
+
+def bf16_halves(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    bits = bits.astype(np.uint32)
+    lo = (bits & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16)
+    hi = (bits >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+    return lo, hi
+
+
+def scale_bf16_2_119(scale_bits: np.ndarray) -> np.ndarray:
+    """e4m3x2_to_bf16x2_scaled: E4M3 -> FP16 -> FP32 times 2^119 -> BF16 (round to nearest)."""
+    s = scale_bits.view(ml_dtypes.float8_e4m3fn).astype(np.float16).astype(np.float32) * np.float32(2.0**119)
+    return s.astype(ml_dtypes.bfloat16)
+
+
+def act_pairs(words: np.ndarray) -> list[np.ndarray]:
+    """act_pairs: 4 uint32 of natural-order BF16 (x0x1, x2x3, x4x5, x6x7) -> (x0,x4) (x1,x5) (x2,x6) (x3,x7)."""
+    x, y, z, w = (words[..., i] for i in range(4))
+    return [prmt(x, z, 0x5410), prmt(x, z, 0x7632), prmt(y, w, 0x5410), prmt(y, w, 0x7632)]
+
+
+def test_decode_bf16_exhaustive():
+    """Every nibble pair at every position decodes to e2m1 * 2^-126 exactly (BF16, code 1 subnormal)."""
+    a, b = np.meshgrid(np.arange(16, dtype=np.uint32), np.arange(16, dtype=np.uint32), indexing="ij")
+    a, b = a.ravel(), b.ravel()
+    rng = np.random.default_rng(12)
+    for i in range(4):
+        noise = rng.integers(0, 2**32, a.shape, dtype=np.uint64).astype(np.uint32)
+        keep = ~np.uint32((0xF << (4 * i)) | (0xF << (4 * i + 16)))
+        words = (noise & keep) | (a << (4 * i)) | (b << (4 * i + 16))
+        lo, hi = bf16_halves(decode_word_bf16(words)[i])
+        np.testing.assert_array_equal(lo.astype(np.float64) * 2.0**126, e2m1_values(a))
+        np.testing.assert_array_equal(hi.astype(np.float64) * 2.0**126, e2m1_values(b))
+        assert lo.view(np.uint16)[a == 1][0] == 0x0040  # 0.5 * 2^-126: the subnormal 2^-127
+
+
+def test_scaled_weights_are_exact_in_bf16():
+    """e2m1 * 2^-126 (BF16) times e4m3 * 2^119 (BF16, no overflow) is e2m1 * e4m3 * 2^-7, exact and normal."""
+    codes = np.arange(16, dtype=np.uint32)
+    scales = np.arange(256, dtype=np.uint8)
+    scales = scales[np.isfinite(scales.view(ml_dtypes.float8_e4m3fn).astype(np.float32))]
+    s = scale_bf16_2_119(scales)
+    assert np.isfinite(s.astype(np.float32)).all()
+    np.testing.assert_array_equal(s.astype(np.float64), scales.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0**119)
+    lo, _ = bf16_halves(decode_word_bf16(codes)[0])
+    prod = (lo.astype(np.float32)[:, None] * s.astype(np.float32)[None, :]).astype(ml_dtypes.bfloat16)
+    exact = e2m1_values(codes)[:, None] * scales.view(ml_dtypes.float8_e4m3fn).astype(np.float64)[None, :] * 2.0**-7
+    np.testing.assert_array_equal(prod.astype(np.float64), exact)
+    nonzero = np.abs(exact) > 0
+    assert np.abs(exact[nonzero]).min() >= 2.0**-17  # far above BF16's smallest normal
+
+
+def test_act_pairs_meet_decode_pairs():
+    """Natural-order activations permuted by PRMT pair (x[i], x[i+4]) like the weight nibbles."""
+    x = np.arange(1, 9, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    words = x.view(np.uint16).astype(np.uint32)
+    words = (words[0::2] | (words[1::2] << 16))[None]  # [1, 4]
+    for i, p in enumerate(act_pairs(words)):
+        lo, hi = bf16_halves(p)
+        assert (float(lo[0]), float(hi[0])) == (float(x[i]), float(x[i + 4]))
+
+
+def _swizzle_reads(rows, units_per_row, write, read):
+    """Shared-memory layout check: every (row, unit) written to a distinct 16-byte slot, and each
+    reader finds the unit it wants."""
+    slots = {}
+    for row in range(rows):
+        for cu in range(units_per_row):
+            a = write(row, cu)
+            assert a not in slots
+            slots[a] = (row, cu)
+    return slots
+
+
+def test_pipe_ring_layout_and_banks():
+    """pipe_kernel: cp.async writes unit cu of row r at r*128 + ((cu ^ (r & 7)) << 4); thread (g, t)
+    of half h reads unit 2t + h of rows g (+8) without bank conflicts (8 lanes per 16-byte phase)."""
+    for r_tiles in (1, 2):
+        rows = 16 * r_tiles
+        slots = _swizzle_reads(rows, 8, lambda r, cu: r * 128 + ((cu ^ (r & 7)) << 4), None)
+        # the writer's lanes cover every unit once
+        covered = {((lane + 32 * q) >> 3, (lane + 32 * q) & 7) for q in range(4 * r_tiles) for lane in range(32)}
+        assert covered == {(r, c) for r in range(rows) for c in range(8)}
+        for rt in range(r_tiles):
+            for h in range(2):
+                for half in range(2):
+                    addrs = []
+                    for lane in range(32):
+                        g, t = lane >> 2, lane & 3
+                        row = rt * 16 + g + 8 * h
+                        a = row * 128 + ((((2 * t + half) ^ g)) << 4)
+                        assert slots[a] == (row, 2 * t + half)
+                        addrs.append(a)
+                    for phase in range(4):  # 128-bit loads: 8 lanes per phase, 8 distinct 16-byte bank groups
+                        banks = {(a % 128) // 16 for a in addrs[8 * phase : 8 * phase + 8]}
+                        assert len(banks) == 8
+
+
+def test_gemm_activation_tile_layout_and_banks():
+    """gemm_kernel: token row r, unit cu at r*128 + ((cu ^ (r & 7)) << 4); thread (g, t), word w of
+    token group nt reads unit 2t + w of token 8*nt + g, conflict-free."""
+    bm = 128
+    slots = _swizzle_reads(bm, 8, lambda r, cu: r * 128 + ((cu ^ (r & 7)) << 4), None)
+    covered = {((tid + 256 * q) >> 3, (tid + 256 * q) & 7) for q in range(bm // 32) for tid in range(256)}
+    assert covered == {(r, c) for r in range(bm) for c in range(8)}
+    for wc in range(2):
+        for nt in range(bm // 16):
+            for w in range(2):
+                addrs = []
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    tok = wc * (bm // 2) + nt * 8 + g
+                    a = tok * 128 + (((2 * t + w) ^ g) << 4)
+                    assert slots[a] == (tok, 2 * t + w)
+                    addrs.append(a)
+                for phase in range(4):
+                    assert len({(a % 128) // 16 for a in addrs[8 * phase : 8 * phase + 8]}) == 8
+
+
+def gemm_bf16(data, scale_bits, g_w, x_bf16, *, stage_k=64) -> np.ndarray:
+    """gemm_kernel in float64: thread t owns block t of each 64-k stage, word w = k [16t + 8w, +8),
+    weight pairs (n_i, n_{i+4}) against act_pairs of the same 8 activations."""
+    n, k2 = data.shape
+    k = 2 * k2
+    m = x_bf16.shape[0]
+    stages = k // stage_k
+    words = data.view("<u4").reshape(n, stages, 4, 2)  # [row, stage, t, w]
+    sc = scale_bf16_2_119(scale_bits).astype(np.float64).reshape(n, stages, 4)  # one block per t
+    wp = np.empty((n, stages, 4, 2, 4, 2))
+    for i, p in enumerate(decode_word_bf16(words)):
+        lo, hi = bf16_halves(p)
+        wp[..., i, 0] = (lo.astype(np.float32) * sc[..., None].astype(np.float32)).astype(ml_dtypes.bfloat16)
+        wp[..., i, 1] = (hi.astype(np.float32) * sc[..., None].astype(np.float32)).astype(ml_dtypes.bfloat16)
+    xw = x_bf16.view(np.uint16).astype(np.uint32).reshape(m, stages, 4, 2, 4, 2)
+    xw = xw[..., 0] | (xw[..., 1] << 16)  # [m, stage, t, w, word]
+    xp = np.empty((m, stages, 4, 2, 4, 2))
+    for i, p in enumerate(act_pairs(xw)):
+        lo, hi = bf16_halves(p)
+        xp[..., i, 0], xp[..., i, 1] = lo.astype(np.float64), hi.astype(np.float64)
+    return np.einsum("nstwih,mstwih->mn", wp, xp) * float(g_w) * 128.0
+
+
+@pytest.mark.parametrize("m,n,k,seed", [(1, 40, 64, 31), (5, 33, 320, 32), (19, 16, 1088, 33)])
+def test_gemm_bf16_model_matches_reference(m, n, k, seed):
+    rng = np.random.default_rng(seed)
+    _, data, sbits, g = quantized_weight(rng, n, k, zero_blocks=3)
+    x = (rng.standard_normal((m, k)) * 3.0).astype(ml_dtypes.bfloat16)
+    got = gemm_bf16(data, sbits, g, x)
+    ref = x.astype(np.float64) @ weight_f64(data, sbits, g).T
+    assert rel(got, ref) < 1e-6
