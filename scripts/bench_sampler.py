@@ -1,11 +1,25 @@
 """Cost of one sampling step: ReSET and its baselines next to plain top-p and greedy.
 
-Times ``sampler.sample(state, logits, key)`` under jit (state carried, logits fresh random
-per call from a small rotating pool) at vocabularies 151,936 (Qwen3) and 262,144 (Gemma 3)
-and batch 1, 8 and 32. Next to them, in the same run, one decode step of a Qwen3-8B-shaped
-model (36 layers, random BF16 weights, a 1024-position BF16 cache, greedy feedback; skipped
-with ``--no-decode`` or when the device has < 24 GB). Prints a table (median microseconds per
-step, and the sampler's share of a decode step) and writes JSON.
+Times ``sampler.sample(state, logits, key)`` under jit in a ``fori_loop`` (state carried,
+logits from a rotating pool of 4 arrays per call) at vocabularies 151,936 (Qwen3) and
+262,144 (Gemma 3) and batch 1, 8 and 32, on two kinds of logits:
+
+- ``random``: N(0, 1) * 4 (entropy ~2-7 nats: ReSET picks T = 1, and the 0.95 nucleus then
+  holds ~1,200-2,500 tokens),
+- ``peaked``: a few to a few hundred plausible tokens over a N(0, 2) floor (entropy ~1-4.6
+  nats).
+
+Rows, in priority order (``--budget-s`` stops early and lists what it skipped):
+the samplers (``impl=new``), the loop alone (``loop overhead``: slicing the logits and
+summing tokens, part of every other row), the components of the new path (entropy + max
+pass, max pass, ``nucleus_cut``, Gumbel-max over the vocabulary), the previous
+implementation (``impl=old``: top-k 256 candidates or a full sort, two-pass entropy) for a
+same-device before/after, the other stage 3 of ``nucleus_cut`` (``NUCLEUS_FINAL``) and ReSET
+without the lax.cond fallback (``NUCLEUS_EXACT_FALLBACK = False``), and one decode step of a
+Qwen3-8B-shaped model (36 layers, random BF16 weights, a 1024-position BF16 cache, greedy
+feedback; skipped with ``--no-decode`` or when the device has < 24 GB; ``--decode-us`` gives
+known times instead). Prints a table (median microseconds per step, and the sampler's share of a
+decode step) and writes JSON.
 
     python scripts/bench_sampler.py --out docs/bench_sampler.json
 """
@@ -21,41 +35,148 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxlp.sampling.base as base
 from jaxlp.sampling import Categorical, FixedThreshold, Greedy, ReSETConfig
+
+IDS = dict(double_newline_ids=(271, 382), newline_ids=(198,))
 
 
 def samplers():
-    ids = dict(double_newline_ids=(271, 382), newline_ids=(198,))
     return {
         "greedy": Greedy(),
         "top-p 0.95 (T 0.6)": Categorical(temperature=0.6, top_p=0.95),
-        "fixed threshold": FixedThreshold(t_low=0.1, tau0=0.55, **ids),
-        "ReSET": ReSETConfig(t_low=0.1, tau0=0.55, **ids),
+        "ReSET": ReSETConfig(t_low=0.1, tau0=0.55, **IDS),
+        "fixed threshold": FixedThreshold(t_low=0.1, tau0=0.55, **IDS),
     }
 
 
-def time_step(sampler, batch: int, vocab: int, iters: int) -> float:
-    keys = jax.random.split(jax.random.key(0), 4)
-    pool = [jax.random.normal(k, (batch, vocab), jnp.float32) * 4 for k in keys]
+# ----------------------------------------------------------------------------------------------
+# The previous implementation (before this change), kept here for a same-device comparison.
 
+
+def _old_entropy(logits):
+    logits = logits.astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    p = jnp.exp(logp)
+    return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+
+
+def _old_top_p_threshold(logits, top_p):
+    p = jnp.asarray(top_p, jnp.float32)[..., None]
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+    def threshold(sorted_logits):
+        probs = jnp.exp(sorted_logits - lse)
+        drop = (jnp.cumsum(probs, axis=-1) - probs) >= p
+        drop = drop.at[..., 0].set(False)
+        return jnp.min(jnp.where(drop, jnp.inf, sorted_logits), axis=-1, keepdims=True)
+
+    k = min(256, logits.shape[-1])
+    candidates = jax.lax.top_k(logits, k)[0]
+    covered = jnp.all(jnp.sum(jnp.exp(candidates - lse), axis=-1, keepdims=True) >= p)
+    return jax.lax.cond(covered, lambda: threshold(candidates), lambda: threshold(-jnp.sort(-logits, axis=-1)))
+
+
+def _old_sample(logits, temperature, key, top_p):
+    logits = logits.astype(jnp.float32)
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:-1])
+    greedy = temperature <= base.GREEDY_TEMPERATURE
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[..., None]
+    filtered = jnp.where(scaled < _old_top_p_threshold(scaled, top_p), -jnp.inf, scaled)
+    row_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(filtered.shape[0]))
+    sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(row_keys, filtered)
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+
+
+def old_top_p(state, logits, key):
+    return state, _old_sample(logits, 0.6, key, 0.95)
+
+
+def old_reset(cfg):
+    def sample(state, logits, key):
+        temperature, state, _ = cfg.step(state, _old_entropy(logits))
+        tokens = _old_sample(logits, temperature, key, cfg.top_p)
+        return cfg.record(state, tokens), tokens
+
+    return sample
+
+
+# ----------------------------------------------------------------------------------------------
+# Components of the new path
+
+
+def component(name):
+    def loop_overhead(state, logits, key):
+        return state, (logits[:, 0] > 0).astype(jnp.int32)
+
+    def entropy_max(state, logits, key):
+        h, m = base.entropy_and_max(logits)
+        return state, (h > m).astype(jnp.int32)
+
+    def max_only(state, logits, key):
+        return state, (jnp.max(logits, axis=-1) > 0).astype(jnp.int32)
+
+    def nucleus(state, logits, key):
+        y = logits * jnp.float32(1 / 0.6)
+        cut = base.nucleus_cut(y, jnp.max(y, axis=-1), 0.95)
+        return state, (cut > 0).astype(jnp.int32)
+
+    def gumbel_argmax(state, logits, key):
+        return state, base.sample_with_temperature(logits, jnp.ones(logits.shape[0]), key)
+
+    return dict(loop_overhead=loop_overhead, entropy_max=entropy_max, max_only=max_only,
+                nucleus_cut=nucleus, gumbel_argmax=gumbel_argmax)[name]
+
+
+def as_fn(sampler):
+    def fn(state, logits, key):
+        out = sampler.sample(state, logits, key)
+        return out.state, out.tokens
+
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------
+# Logits and timing
+
+
+def logits_pool(kind: str, batch: int, vocab: int):
+    keys = jax.random.split(jax.random.key(0), 4)
+    if kind == "random":
+        return jnp.stack([jax.random.normal(k, (batch, vocab), jnp.float32) * 4 for k in keys])
+    # peaked: a N(0, 2) floor and n "plausible" tokens spread over `spread` logits above it
+    pool = []
+    for i, (n, spread, lift) in enumerate([(3, 2.0, 16.0), (20, 4.0, 12.0), (100, 6.0, 10.0), (400, 8.0, 8.0)]):
+        k1, k2, k3 = jax.random.split(keys[i], 3)
+        floor = jax.random.normal(k1, (batch, vocab), jnp.float32) * 2
+        idx = jax.random.randint(k2, (batch, n), 0, vocab)
+        top = lift + spread * jax.random.uniform(k3, (batch, n), jnp.float32) ** 2
+        pool.append(floor.at[jnp.arange(batch)[:, None], idx].set(top))
+    return jnp.stack(pool)
+
+
+def time_fn(fn, init_state, pool, iters: int) -> float:
     @jax.jit
-    def steps(state, logits_pool, key):
+    def steps(state, pool, key):
         def body(i, carry):
             state, acc = carry
-            out = sampler.sample(state, logits_pool[i % len(pool)], jax.random.fold_in(key, i))
-            return out.state, acc + out.tokens.sum()
+            state, tokens = fn(state, pool[i % pool.shape[0]], jax.random.fold_in(key, i))
+            return state, acc + tokens.sum()
 
         return jax.lax.fori_loop(0, iters, body, (state, jnp.int32(0)))
 
-    stacked = jnp.stack(pool)
-    state = sampler.init(batch)
-    jax.block_until_ready(steps(state, stacked, jax.random.key(1)))  # compile + warm up
+    jax.block_until_ready(steps(init_state, pool, jax.random.key(1)))  # compile + warm up
     times = []
     for r in range(5):
         start = time.perf_counter()
-        jax.block_until_ready(steps(state, stacked, jax.random.key(r)))
+        jax.block_until_ready(steps(init_state, pool, jax.random.key(r)))
         times.append((time.perf_counter() - start) / iters)
     return float(np.median(times)) * 1e6
+
+
+def entropy_stats(pool) -> dict:
+    h = np.asarray(base.entropy_and_max(pool.reshape(-1, pool.shape[-1]))[0])
+    return dict(entropy_min=float(h.min()), entropy_median=float(np.median(h)), entropy_max=float(h.max()))
 
 
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
@@ -63,11 +184,9 @@ QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, interme
                 max_position_embeddings=40960, eos_token_ids=(151645,), rms_norm_eps=1e-6)
 
 
-def time_decode_step(batch: int, context: int = 1024, iters: int = 20) -> float:
-    """Microseconds per decode step (forward of one token per row + logits) of a Qwen3-8B shape."""
+def qwen3_8b():
     from flax import nnx
 
-    from jaxlp import kvcache
     from jaxlp.models import ModelConfig, Transformer
 
     config = ModelConfig(**QWEN3_8B)
@@ -78,7 +197,13 @@ def time_decode_step(batch: int, context: int = 1024, iters: int = 20) -> float:
     leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(state))
     leaves = [fill(jax.random.key(i), tuple(x.shape)) for i, x in enumerate(leaves)]
     nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, leaves))
-    model = nnx.merge(graphdef, state)
+    return config, nnx.merge(graphdef, state)
+
+
+def time_decode_step(config, model, batch: int, context: int = 1024, iters: int = 20) -> float:
+    """Microseconds per decode step (forward of one token per row + logits) of a Qwen3-8B shape."""
+    from jaxlp import kvcache
+
     cache = kvcache.get("bf16").init(config, batch, context + iters + 1)
 
     @jax.jit
@@ -101,37 +226,138 @@ def time_decode_step(batch: int, context: int = 1024, iters: int = 20) -> float:
     return float(np.median(times)) * 1e6
 
 
+def plan(batches, vocabs):
+    """Priority-ordered jobs: (name, impl, logits kind, vocab, batch, fn, init state, options),
+    options being attributes of jaxlp.sampling.base set while the job is traced."""
+    jobs = []
+    v0 = vocabs[0]
+    s = samplers()
+
+    def new(name, kind, vocab, batch, **options):
+        impl = "new" + "".join(f" {k.removeprefix('NUCLEUS_').lower()}={v}" for k, v in options.items())
+        jobs.append((name, impl, kind, vocab, batch, as_fn(s[name]), s[name].init(batch), options))
+
+    def comp(name, kind, batch):
+        jobs.append((name, "component", kind, v0, batch, component(name), (), {}))
+
+    def old(name, kind, vocab, batch):
+        fn = old_top_p if name.startswith("top-p") else old_reset(s["ReSET"])
+        jobs.append((name, "old", kind, vocab, batch, fn, s["ReSET"].init(batch) if name == "ReSET" else (), {}))
+
+    other = "refine" if base.NUCLEUS_FINAL == "compact" else "compact"  # the non-default stage 3
+
+    def variants_and_before():
+        for batch in (batches[0], batches[-1]):
+            new("ReSET", "random", v0, batch, NUCLEUS_FINAL=other)
+            new("ReSET", "random", v0, batch, NUCLEUS_EXACT_FALLBACK=False)
+            new("top-p 0.95 (T 0.6)", "random", v0, batch, NUCLEUS_FINAL=other)
+            old("top-p 0.95 (T 0.6)", "random", v0, batch)
+            old("ReSET", "random", v0, batch)
+
+    ordered = list(dict.fromkeys([batches[0], batches[-1]] + batches[1:-1]))
+    for batch in ordered:
+        if batch == ordered[min(2, len(ordered) - 1)] and len(ordered) > 2:
+            variants_and_before()
+        for kind in ("random", "peaked"):
+            for name in ("greedy", "top-p 0.95 (T 0.6)", "ReSET"):
+                new(name, kind, v0, batch)
+            comp("loop_overhead", kind, batch)
+        if batch == batches[0]:
+            for kind in ("random", "peaked"):
+                for c in ("entropy_max", "max_only", "nucleus_cut", "gumbel_argmax"):
+                    comp(c, kind, batch)
+    if len(ordered) <= 2:
+        variants_and_before()
+    for vocab in vocabs[1:]:
+        for batch in ordered:
+            for name in ("greedy", "top-p 0.95 (T 0.6)", "ReSET"):
+                new(name, "random", vocab, batch)
+    for kind in ("random", "peaked"):
+        for c in ("entropy_max", "max_only", "nucleus_cut", "gumbel_argmax"):
+            comp(c, kind, batches[-1])
+    for batch in batches[1:-1]:
+        old("top-p 0.95 (T 0.6)", "random", v0, batch)
+        old("ReSET", "random", v0, batch)
+    for batch in batches:
+        old("ReSET", "peaked", v0, batch)
+        old("top-p 0.95 (T 0.6)", "peaked", v0, batch)
+        new("fixed threshold", "random", v0, batch)
+    for vocab in vocabs[1:]:
+        for batch in batches:
+            old("ReSET", "random", vocab, batch)
+    return jobs
+
+
+def dump(out, rows, decode, decode_source, stats, skipped, start):
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                decode_context=1024, nucleus_final=base.NUCLEUS_FINAL, nucleus_splits=base.NUCLEUS_SPLITS,
+                nucleus_capacity=base.NUCLEUS_CAPACITY, nucleus_exact_fallback=base.NUCLEUS_EXACT_FALLBACK,
+                seconds=round(time.perf_counter() - start, 1))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(dict(meta=meta, rows=rows, qwen3_8b_decode_us=decode,
+                                         qwen3_8b_decode_source=decode_source, logits_entropy_nats=stats,
+                                         skipped=skipped), indent=1))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="docs/bench_sampler.json")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--vocabs", default="151936,262144")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this many seconds")
     parser.add_argument("--no-decode", action="store_true", help="skip the Qwen3-8B decode step")
+    parser.add_argument("--decode-us", default="", help="known decode step times, e.g. '1:5400,8:6000' "
+                        "(used for the shares where not measured in this run)")
     args = parser.parse_args(argv)
-    decode = {}
-    stats = jax.devices()[0].memory_stats() or {}
-    if not args.no_decode and stats.get("bytes_limit", 0) >= 24e9:
-        for batch in map(int, args.batches.split(",")):
-            decode[batch] = time_decode_step(batch)
+    start = time.perf_counter()
+    batches = [int(b) for b in args.batches.split(",")]
+    vocabs = [int(v) for v in args.vocabs.split(",")]
+    rows, skipped, pools, stats = [], [], {}, {}
+    for name, impl, kind, vocab, batch, fn, init, options in plan(batches, vocabs):
+        label = f"{name} [{impl}] {kind} vocab {vocab} batch {batch}"
+        if time.perf_counter() - start > args.budget_s:
+            skipped.append(label)
+            continue
+        if (kind, batch, vocab) not in pools:
+            pools[(kind, batch, vocab)] = logits_pool(kind, batch, vocab)
+            stats[f"{kind} {vocab} {batch}"] = entropy_stats(pools[(kind, batch, vocab)])
+        saved = {k: getattr(base, k) for k in options}
+        try:
+            for k, v in options.items():
+                setattr(base, k, v)
+            us = time_fn(fn, init, pools[(kind, batch, vocab)], args.iters)
+        finally:
+            for k, v in saved.items():
+                setattr(base, k, v)
+        rows.append(dict(sampler=name, impl=impl, logits=kind, vocab=vocab, batch=batch, us_per_step=us))
+        dump(args.out, rows, {}, {}, stats, skipped, start)  # partial results survive a timeout
+        print(f"{label:<70}: {us:9.1f} us/step  ({time.perf_counter() - start:.0f} s)", flush=True)
+    pools.clear()
+    decode, decode_source = {}, {}
+    for item in filter(None, args.decode_us.split(",")):
+        batch, us = item.split(":")
+        decode[int(batch)], decode_source[int(batch)] = float(us), "given (--decode-us)"
+    mem = jax.devices()[0].memory_stats() or {}
+    if not args.no_decode and mem.get("bytes_limit", 0) >= 24e9 and time.perf_counter() - start < args.budget_s:
+        config, model = qwen3_8b()
+        for batch in batches:
+            if time.perf_counter() - start > args.budget_s:
+                skipped.append(f"Qwen3-8B decode step batch {batch}")
+                continue
+            decode[batch] = time_decode_step(config, model, batch)
+            decode_source[batch] = "measured"
             print(f"Qwen3-8B decode step batch {batch:>3}: {decode[batch]:9.1f} us/step", flush=True)
-    rows = []
-    for vocab in map(int, args.vocabs.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            for name, sampler in samplers().items():
-                us = time_step(sampler, batch, vocab, args.iters)
-                rows.append(dict(sampler=name, vocab=vocab, batch=batch, us_per_step=us))
-                print(f"{name:<22} vocab {vocab:>7} batch {batch:>3}: {us:9.1f} us/step", flush=True)
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, iters=args.iters,
-                date=time.strftime("%Y-%m-%d"), decode_context=1024)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows, qwen3_8b_decode_us=decode), indent=1))
-    print(f"\n{'sampler':<22} {'vocab':>7} {'batch':>5} {'us/step':>9} {'% of 8B step':>13}")
+    dump(args.out, rows, decode, decode_source, stats, skipped, start)
+    print(f"\n{'sampler':<30} {'impl':<22} {'logits':<7} {'vocab':>7} {'batch':>5} {'us/step':>9} {'% 8B step':>9}")
     for r in rows:
         share = f"{100 * r['us_per_step'] / decode[r['batch']]:.1f}" if r["batch"] in decode else "-"
-        print(f"{r['sampler']:<22} {r['vocab']:>7} {r['batch']:>5} {r['us_per_step']:>9.1f} {share:>13}")
+        print(f"{r['sampler']:<30} {r['impl']:<22} {r['logits']:<7} {r['vocab']:>7} {r['batch']:>5} "
+              f"{r['us_per_step']:>9.1f} {share:>9}")
     for batch, us in decode.items():
-        print(f"{'Qwen3-8B decode step':<22} {'':>7} {batch:>5} {us:>9.1f}")
+        print(f"{'Qwen3-8B decode step':<30} {decode_source[batch]:<22} {'':<7} {'':>7} {batch:>5} {us:>9.1f}")
+    if skipped:
+        print(f"skipped {len(skipped)} rows (over --budget-s), first: " + "; ".join(skipped[:3]))
     return 0
 
 

@@ -11,17 +11,26 @@ decode loop of :func:`jaxlp.generate`:
 
 ``logits`` are the raw model logits of the position being decoded; the sampler owns every
 transformation (temperature, filtering). A temperature <= ``GREEDY_TEMPERATURE`` means argmax.
+
+Cost on a GPU: at batch 1 a step is latency-bound (on an H200 each XLA pass over a 151,936
+vocabulary row costs ~10-15 us whatever it computes), and a full sort of the row is the most
+expensive step. The top-p path therefore sorts nothing in the common case (see
+:func:`nucleus_cut`), and ReSET gets its entropy and the row max from one pass
+(:func:`entropy_and_max`). Measurements: docs/bench_sampler.json.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 GREEDY_TEMPERATURE = 1e-6
+ENTROPY_CHUNK = 1024  # first-stage length of the entropy reduction
 
 
 class SampleOutput(NamedTuple):
@@ -31,12 +40,256 @@ class SampleOutput(NamedTuple):
     entropy: jax.Array | None = None  # float32 [B] raw-logit entropy, if the sampler computed it
 
 
+def _entropy_combine(a, b):
+    """Merge two partial (max m, sum s of exp(x - m), sum t of exp(x - m) (x - m)) triples."""
+    m1, s1, t1 = a
+    m2, s2, t2 = b
+    m = jnp.maximum(m1, m2)
+    d1 = jnp.where(m1 == m, 0.0, m1 - m)  # 0 also when both are -inf
+    d2 = jnp.where(m2 == m, 0.0, m2 - m)
+    a1, a2 = jnp.exp(d1), jnp.exp(d2)
+    s = s1 * a1 + s2 * a2
+    t = jnp.where(a1 > 0, a1 * (t1 + d1 * s1), 0.0) + jnp.where(a2 > 0, a2 * (t2 + d2 * s2), 0.0)
+    return m, s, t
+
+
+def entropy_and_max(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(Shannon entropy in nats of softmax(logits), max logit) over the last axis, float32.
+
+    One pass (an online-softmax reduction): with ``m`` the running max, ``s = sum exp(x - m)``
+    and ``t = sum exp(x - m) (x - m)``, ``H = log(s) - t / s``.
+    """
+    x = jnp.asarray(logits).astype(jnp.float32)
+    v = x.shape[-1]
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
+    # Two stages (chunks of ENTROPY_CHUNK, then across chunks): short sequential sums keep
+    # float32 rounding small on CPU and give the GPU many blocks at batch 1.
+    chunks = -(-v // ENTROPY_CHUNK)
+    if chunks > 1:
+        pad = [(0, 0)] * (x.ndim - 1) + [(0, chunks * ENTROPY_CHUNK - v)]
+        x = jnp.pad(x, pad, constant_values=-jnp.inf).reshape(*x.shape[:-1], chunks, ENTROPY_CHUNK)
+    partial = jax.lax.reduce((x, jnp.ones_like(x), jnp.zeros_like(x)), init, _entropy_combine, (x.ndim - 1,))
+    if chunks > 1:
+        partial = jax.lax.reduce(partial, init, _entropy_combine, (x.ndim - 2,))
+    m, s, t = partial
+    return jnp.log(s) - t / s, m
+
+
 def token_entropy(logits: jax.Array) -> jax.Array:
     """Shannon entropy in nats of softmax(logits) over the last axis, computed in float32."""
-    logits = logits.astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    p = jnp.exp(logp)
-    return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    return entropy_and_max(logits)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Top-p without sorting the vocabulary
+
+# Stage 1 cut points, as offsets below the row max in units of scaled logits (log-probability
+# differences): fine near the max, coarser further down; the last one (inf) keeps everything.
+NUCLEUS_OFFSETS = np.concatenate([
+    [0.0],
+    np.arange(1, 17) * 0.0625,  # 0.0625 .. 1
+    1.0 + np.arange(1, 29) * 0.25,  # 1.25 .. 8
+    8.0 + np.arange(1, 9) * 0.5,  # 8.5 .. 12
+    [13.0, 14.0, 16.0, 18.0, 20.0, 24.0, 28.0, 32.0, 40.0, 56.0],
+    [np.inf],
+]).astype(np.float32)
+NUCLEUS_SPLITS = 64  # stages 2 (and 3): the bracket is cut into this many equal parts
+# Stage 3, one of: "compact" (the tokens of the stage-2 bracket, at most NUCLEUS_CAPACITY, are
+# gathered and the cut is found among them by pairwise comparison) or "refine" (a third pass
+# splits the bracket again and also finds the smallest and largest token of each part: a part
+# holding a single distinct value gives the cut). On an H200 (docs/bench_sampler.json) "refine"
+# leaves ~20% of high-entropy rows at T = 1 unresolved (two tokens within ~1e-4 of the cut), so
+# the full-sort fallback runs in most batch-32 steps; "compact" almost never needs it.
+NUCLEUS_FINAL = "compact"
+NUCLEUS_CAPACITY = 1024  # "compact": most tokens the stage-2 bracket may hold
+PREFIX_BLOCK = 256  # "compact": block length of the matmul prefix count (exact in bf16 up to 256)
+# Rows stage 3 leaves unresolved (in practice: several distinct values within ~1e-4 of the
+# cut, or for "compact" a nearly flat row with > NUCLEUS_CAPACITY tokens within ~0.01 of it)
+# are redone exactly by a full sort under lax.cond. False keeps the whole final bracket
+# instead (a superset of the nucleus) and has no lax.cond. The cond costs a device-to-host
+# sync every step: ReSET at batch 1 on an H200 took 121 us with it and 75 us without ("refine").
+NUCLEUS_EXACT_FALLBACK = True
+
+
+def _mass_above(y, e, keep, cuts):
+    """For each cut ``cuts[b, j]``: (sum of ``e`` over kept y >= cut, their count) [B, J]."""
+    above = (y[:, :, None] >= cuts[:, None, :]) & keep[:, :, None]
+    mass = jnp.sum(jnp.where(above, e[:, :, None], 0.0), axis=1)
+    count = jnp.sum(above, axis=1, dtype=jnp.int32)
+    return mass, count
+
+
+def _extremes(y, keep, cuts):
+    """For each cut: (smallest kept y >= cut, largest kept y < cut) [B, J] (+-inf if none)."""
+    above = y[:, :, None] >= cuts[:, None, :]
+    kept = keep[:, :, None]
+    smallest = jnp.min(jnp.where(above & kept, y[:, :, None], jnp.inf), axis=1)
+    largest = jnp.max(jnp.where(~above & kept, y[:, :, None], -jnp.inf), axis=1)
+    return smallest, largest
+
+
+def _split(lo, hi, splits):
+    """[B, splits + 1] cut points from ``hi`` down to ``lo``, non-increasing (lo + w * f with
+    f decreasing), first exactly ``hi`` and last exactly ``lo``."""
+    fractions = jnp.arange(splits, -1, -1, dtype=jnp.float32) / splits  # 1 .. 0
+    cuts = lo[:, None] + (hi - lo)[:, None] * fractions[None, :]
+    return jnp.minimum(cuts, hi[:, None]).at[:, 0].set(hi)
+
+
+def _select(mass, target):
+    """First cut index >= 1 whose mass reaches ``target`` (the last if none); index 0 is the
+    bracket's upper end."""
+    reach = (mass >= target[:, None]).at[:, 0].set(False)
+    return _first(reach)
+
+
+def _first(cond):
+    """Index of the first True along the last axis (the last index if none)."""
+    cond = cond.at[..., -1].set(True)
+    return jnp.argmax(cond, axis=-1)
+
+
+def _pick(a, idx):
+    return jnp.take_along_axis(a, idx[:, None], axis=1)[:, 0]
+
+
+def prefix_count(mask: jax.Array, block: int | None = None) -> jax.Array:
+    """Inclusive running count of True along the last axis of ``mask [B, V]``, int32.
+
+    Two small matmuls (0/1 and block totals <= 256 are exact in bf16, sums exact in float32)
+    instead of a scan: block-local prefix by an upper-triangular [L, L], block offsets by a
+    strictly upper-triangular [A, A].
+    """
+    b, v = mask.shape
+    block = min(PREFIX_BLOCK if block is None else block, v)
+    nblocks = -(-v // block)
+    m = jnp.pad(mask, ((0, 0), (0, nblocks * block - v))).reshape(b, nblocks, block).astype(jnp.bfloat16)
+    upper = jnp.asarray(np.triu(np.ones((block, block))), jnp.bfloat16)
+    inner = jnp.einsum("bai,ik->bak", m, upper, preferred_element_type=jnp.float32)
+    totals = inner[:, :, -1].astype(jnp.bfloat16)
+    strict = jnp.asarray(np.triu(np.ones((nblocks, nblocks)), 1), jnp.bfloat16)
+    offsets = jnp.einsum("ba,ac->bc", totals, strict, preferred_element_type=jnp.float32)
+    return (offsets[:, :, None] + inner).reshape(b, nblocks * block)[:, :v].astype(jnp.int32)
+
+
+def compact(values: jax.Array, mask: jax.Array, size: int, fill, block: int | None = None) -> jax.Array:
+    """``values [B, V]`` where ``mask``, moved to the front in index order: [B, size], ``fill``
+    after them; entries beyond ``size`` are dropped."""
+    b, v = values.shape
+    slot = jnp.where(mask, prefix_count(mask, block) - 1, size + jnp.arange(v, dtype=jnp.int32))
+    out = jnp.full((b, size), fill, values.dtype)
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, v))
+    return out.at[rows, slot].set(values, mode="drop", unique_indices=True)
+
+
+def _sort_cut(y, e, keep, target):
+    """Exact cut by a full sort of each row (the fallback)."""
+    order = jnp.argsort(-jnp.where(keep, y, -jnp.inf), axis=-1)
+    ys = jnp.take_along_axis(jnp.where(keep, y, -jnp.inf), order, axis=-1)
+    es = jnp.take_along_axis(e, order, axis=-1)
+    before = jnp.cumsum(es, axis=-1) - es
+    kept = (before < target[:, None]).at[:, 0].set(True)
+    return jnp.min(jnp.where(kept, ys, jnp.inf), axis=-1)
+
+
+def nucleus_cut(y: jax.Array, row_max: jax.Array, top_p, keep: jax.Array | None = None) -> jax.Array:
+    """Smallest scaled logit kept by top-p: the nucleus of row b is ``keep & (y >= cut[b])``.
+
+    ``y [B, V]`` scaled logits, ``row_max [B]`` their max, ``top_p`` scalar or [B], ``keep``
+    an optional pre-filter (min-p): top-p then acts on softmax(y) restricted to ``keep``.
+    Definition (as transformers, and as a full sort would do it): with probabilities
+    ``exp(y - max) / S`` sorted in decreasing order, a token is kept iff the mass of the tokens
+    strictly more likely than it is < p; so the token that crosses p is kept, and every token
+    tied with the smallest kept logit. ``p >= 1`` keeps every token.
+
+    No sort of the vocabulary: (1) one fused pass computes the mass of the tokens above 64 cut
+    points ``max - NUCLEUS_OFFSETS``; the cut lies in the bracket [lo, hi) between the first
+    cut point whose mass reaches p S and the one before it; every token >= hi is kept (if the
+    max alone reaches p S, the cut is the max). (2) A second pass splits the bracket into
+    NUCLEUS_SPLITS equal parts the same way. (3) See NUCLEUS_FINAL. Rows stage 3 leaves
+    unresolved are redone by a full sort (see NUCLEUS_EXACT_FALLBACK).
+    """
+    if keep is None:
+        keep = jnp.ones(y.shape, bool)
+    if NUCLEUS_FINAL not in ("refine", "compact"):
+        raise ValueError(f"NUCLEUS_FINAL must be 'refine' or 'compact', got {NUCLEUS_FINAL!r}")
+    return _nucleus_cut(y, row_max, top_p, keep, final=NUCLEUS_FINAL, capacity=NUCLEUS_CAPACITY,
+                        splits=NUCLEUS_SPLITS, block=PREFIX_BLOCK, exact_fallback=NUCLEUS_EXACT_FALLBACK)
+
+
+@functools.partial(jax.jit, static_argnames=("final", "capacity", "splits", "block", "exact_fallback"))
+def _nucleus_cut(y, row_max, top_p, keep, *, final, capacity, splits, block, exact_fallback):
+    y = y.astype(jnp.float32)
+    b, v = y.shape
+    f32 = jnp.float32
+    inf = jnp.asarray(jnp.inf, f32)
+    p = jnp.broadcast_to(jnp.asarray(top_p, f32), (b,))
+    m = jnp.where(jnp.isfinite(row_max), row_max, 0.0).astype(f32)
+    # Materialized once: each pass compares every token with ~64 cut points, and a fused
+    # exp would be recomputed for each of them.
+    e = jax.lax.optimization_barrier(jnp.where(keep, jnp.exp(y - m[:, None]), 0.0))
+
+    # (1) coarse cut points below the max.
+    cuts = m[:, None] - jnp.asarray(NUCLEUS_OFFSETS)[None, :]
+    mass, _ = _mass_above(y, e, keep, cuts)
+    target = p * mass[:, -1]  # p times the total mass
+    j = _first(mass >= target[:, None])
+    lo = _pick(cuts, j)
+    hi = _pick(cuts, jnp.maximum(j - 1, 0))
+    at_max = j == 0  # the max (and its ties) already hold p
+    unbounded = jnp.isinf(lo)  # p so close to 1 that the tail below max - 56 decides: keep all
+
+    # (2) split [lo, hi) into equal parts; a part's upper end is the previous cut point.
+    lo_s = jnp.where(at_max | unbounded, m - 1.0, lo)
+    hi_s = jnp.where(at_max | unbounded, m, hi)
+    sub = _split(lo_s, hi_s, splits)
+    mass2, count2 = _mass_above(y, e, keep, sub)
+    k = _select(mass2, target)
+    lo2, hi2 = _pick(sub, k), _pick(sub, k - 1)
+    above2 = _pick(mass2, k - 1)  # mass of the tokens >= hi2, all kept
+    in_bracket = _pick(count2, k) - _pick(count2, k - 1)
+
+    if final == "refine":
+        # (3) split again; a part holding one distinct value (ties included) gives the cut.
+        sub3 = _split(lo2, hi2, splits)
+        mass3, _ = _mass_above(y, e, keep, sub3)
+        smallest, largest = _extremes(y, keep, sub3)
+        k3 = _select(mass3, target)
+        low3 = _pick(smallest, k3)  # smallest token >= lo3
+        high3 = _pick(largest, k3 - 1)  # largest token < hi3
+        resolved = low3 == high3
+        cut, fallback_cut = low3, _pick(sub3, k3)
+    else:
+        # (3) exact cut among the bracket's tokens: kept iff above2 + mass of larger ones < target.
+        capacity = min(capacity, v)
+        bracket = keep & (y >= lo2[:, None]) & (y < hi2[:, None])
+        cand = compact(y, bracket, capacity, -jnp.inf, block)
+        cand_e = jnp.exp(cand - m[:, None])  # 0 for the -inf fill
+        larger = cand[:, None, :] > cand[:, :, None]  # [b, i, j]: cand_j > cand_i
+        before = above2[:, None] + jnp.sum(jnp.where(larger, cand_e[:, None, :], 0.0), axis=-1)
+        kept = (before < target[:, None]) & (cand > -jnp.inf)
+        cut = jnp.minimum(jnp.min(jnp.where(kept, cand, inf), axis=-1), hi2)
+        resolved = (in_bracket <= capacity) | (capacity >= v)
+        fallback_cut = lo2
+
+    unresolved = ~resolved & ~at_max & ~unbounded
+    if exact_fallback:
+        cut = jax.lax.cond(
+            jnp.any(unresolved),
+            lambda: jnp.where(unresolved, _sort_cut(y, e, keep, target), cut),
+            lambda: cut,
+        )
+    else:
+        cut = jnp.where(unresolved, fallback_cut, cut)
+    cut = jnp.where(at_max, lo, jnp.where(unbounded, -inf, cut))
+    return jnp.where(p >= 1.0, -inf, cut)
+
+
+def min_p_keep(y: jax.Array, row_max: jax.Array, min_p) -> jax.Array:
+    """min-p mask: keep tokens with probability >= min_p * max probability."""
+    log_min_p = jnp.log(jnp.asarray(min_p, jnp.float32))
+    log_min_p = jnp.broadcast_to(log_min_p, y.shape[:-1])
+    return (y - row_max[..., None]) >= log_min_p[..., None]
 
 
 def filter_logits(
@@ -49,49 +302,33 @@ def filter_logits(
     """Mask (to -inf) the tokens that top-k / top-p / min-p exclude; rows along the last axis.
 
     top-p keeps the smallest set of most likely tokens whose probability mass reaches ``p``
-    (the token that crosses ``p`` is kept, as in transformers). min-p keeps tokens with
-    probability >= ``min_p * max_prob``. The most likely token is always kept.
+    (the token that crosses ``p`` is kept, as in transformers; ``p >= 1`` keeps all). min-p
+    keeps tokens with probability >= ``min_p * max_prob``. The most likely token is always
+    kept. Applied in the order top-k, min-p, top-p, each on what the previous one kept.
     """
     neg_inf = jnp.asarray(-jnp.inf, logits.dtype)
     if top_k is not None:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, neg_inf, logits)
+    if min_p is None and top_p is None:
+        return logits
+    shape = logits.shape
+    y = logits.reshape(-1, shape[-1]).astype(jnp.float32)
+    row_max = jnp.max(y, axis=-1)
+    keep = y > -jnp.inf
     if min_p is not None:
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        threshold = jnp.max(logp, axis=-1, keepdims=True) + jnp.log(jnp.asarray(min_p, jnp.float32))[..., None]
-        logits = jnp.where(logp < threshold, neg_inf, logits)
+        min_p = jnp.broadcast_to(jnp.asarray(min_p, jnp.float32), shape[:-1]).reshape(-1)
+        keep &= min_p_keep(y, row_max, min_p)
     if top_p is not None:
-        logits = jnp.where(logits < _top_p_threshold(logits, top_p), neg_inf, logits)
-    return logits
+        top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), shape[:-1]).reshape(-1)
+        keep &= y >= nucleus_cut(y, row_max, top_p, keep)[:, None]
+    return jnp.where(keep.reshape(shape), logits, neg_inf)
 
 
-TOP_P_CANDIDATES = 256
-
-
-def _top_p_threshold(logits: jax.Array, top_p) -> jax.Array:
-    """Smallest logit kept by top-p (``[..., 1]``); ties with it are kept too.
-
-    Fast path: when the ``TOP_P_CANDIDATES`` largest logits of every row already hold mass
-    ``>= p``, the nucleus lies among them and ``lax.top_k`` replaces the full sort (the
-    common case for the peaked distributions of decoding); otherwise a full sort.
-    Probabilities are ``exp(logit - logsumexp(row))`` in both paths.
-    """
-    p = jnp.asarray(top_p, jnp.float32)[..., None]
-    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-
-    def threshold(sorted_logits):
-        probs = jnp.exp(sorted_logits - lse)
-        drop = (jnp.cumsum(probs, axis=-1) - probs) >= p
-        drop = drop.at[..., 0].set(False)
-        return jnp.min(jnp.where(drop, jnp.inf, sorted_logits), axis=-1, keepdims=True)
-
-    k = min(TOP_P_CANDIDATES, logits.shape[-1])
-    candidates = jax.lax.top_k(logits, k)[0]
-    covered = jnp.all(jnp.sum(jnp.exp(candidates - lse), axis=-1, keepdims=True) >= p)
-    if k == logits.shape[-1]:
-        return threshold(candidates)
-    return jax.lax.cond(covered, lambda: threshold(candidates),
-                        lambda: threshold(-jnp.sort(-logits, axis=-1)))
+def _row_keys(key: jax.Array, rows: int) -> jax.Array:
+    # One key per row (folded with the row index) so that a row's draw does not depend on
+    # the batch size or on the other rows.
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(rows))
 
 
 def sample_with_temperature(
@@ -102,21 +339,42 @@ def sample_with_temperature(
     top_k: int | None = None,
     top_p: jax.Array | float | None = None,
     min_p: jax.Array | float | None = None,
+    row_max: jax.Array | None = None,
 ) -> jax.Array:
-    """Divide ``logits [B, V]`` by a per-row ``temperature [B]``, filter, sample one token per row.
+    """Scale ``logits [B, V]`` by a per-row ``1 / temperature [B]``, filter, sample one token per row.
 
     Rows whose temperature is <= GREEDY_TEMPERATURE take the argmax of the raw logits.
+    ``row_max [B]``, the max of ``logits`` per row, may be passed when already known (it
+    saves a pass). Scaling multiplies by the reciprocal, so the max of the scaled row is
+    ``row_max / T`` exactly. Sampling is Gumbel-max over the kept tokens.
     """
     logits = logits.astype(jnp.float32)
-    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:-1])
+    if logits.ndim != 2:
+        raise ValueError(f"logits must have shape [B, V], got {logits.shape}")
+    b, v = logits.shape
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
     greedy = temperature <= GREEDY_TEMPERATURE
-    scaled = logits / jnp.where(greedy, 1.0, temperature)[..., None]
-    filtered = filter_logits(scaled, top_k=top_k, top_p=top_p, min_p=min_p)
-    # One key per row (folded with the row index) so that a row's draw does not depend on
-    # the batch size or on the other rows.
-    row_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(filtered.shape[0]))
-    sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(row_keys, filtered)
-    return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    row_keys = _row_keys(key, b)
+    if top_k is not None:  # top-k needs lax.top_k: the plain path
+        scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+        filtered = filter_logits(scaled, top_k=top_k, top_p=top_p, min_p=min_p)
+        sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(row_keys, filtered)
+        return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    inv_t = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature))
+    y = logits * inv_t[:, None]
+    if row_max is None:
+        row_max = jnp.max(logits, axis=-1)
+    y_max = row_max.astype(jnp.float32) * inv_t
+    keep = None
+    if min_p is not None:
+        keep = min_p_keep(y, y_max, jnp.broadcast_to(jnp.asarray(min_p, jnp.float32), (b,)))
+    if top_p is not None:
+        cut = nucleus_cut(y, y_max, top_p, keep)
+        keep = (y >= cut[:, None]) if keep is None else keep & (y >= cut[:, None])
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(row_keys)
+    noisy = y + gumbel if keep is None else jnp.where(keep, y + gumbel, -jnp.inf)
+    scores = jnp.where(greedy[:, None], logits, noisy)
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
 
 
 class Sampler:

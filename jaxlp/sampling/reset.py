@@ -47,6 +47,7 @@ from jaxlp.sampling.base import (
     GREEDY_TEMPERATURE,
     SampleOutput,
     Sampler,
+    entropy_and_max,
     register,
     sample_with_temperature,
     static_field,
@@ -318,8 +319,10 @@ class EntropyTemperatureSampler(Sampler):
         if logits.ndim != 2:
             raise ValueError(f"logits must have shape [B, V], got {logits.shape}")
         self._check_state(state, logits.shape[0])
-        temperature, state, stats = self.step(state, token_entropy(logits))
-        tokens = sample_with_temperature(logits, temperature, key, top_p=self.top_p)
+        # One pass gives H and the row max; the max is reused by the top-p stage.
+        entropy, row_max = entropy_and_max(logits)
+        temperature, state, stats = self.step(state, entropy)
+        tokens = sample_with_temperature(logits, temperature, key, top_p=self.top_p, row_max=row_max)
         return SampleOutput(tokens, stats.temperature, self.record(state, tokens), stats.entropy)
 
 
