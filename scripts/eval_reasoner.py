@@ -910,11 +910,11 @@ def write_outputs(prefix: Path, meta: dict, reports: dict, rows, skipped: list, 
     """PREFIX.json (after every program), PREFIX.md and PREFIX.png (at the end)."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     data = dict(meta=meta, configs=list(reports.values()), skipped=skipped)
-    prefix.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    prefix.with_name(prefix.name + ".json").write_text(json.dumps(data, indent=1))
     if final:
-        prefix.with_suffix(".md").write_text(render_markdown(meta, reports, rows, skipped, args))
+        prefix.with_name(prefix.name + ".md").write_text(render_markdown(meta, reports, rows, skipped, args))
         try:
-            plot(reports, prefix.with_suffix(".png"), args)
+            plot(reports, prefix.with_name(prefix.name + ".png"), args)
         except ImportError as e:  # no matplotlib: the tables are still written
             print(f"eval_reasoner: no plot ({e})", file=sys.stderr)
 
@@ -1033,7 +1033,7 @@ def main(argv=None) -> int:
     meta["wall_s"] = time.monotonic() - T_START
     write_outputs(args.out, meta, reports, rows, skipped, args, final=True)
     jaxlp.generation.clear_cache_pool()
-    print(args.out.with_suffix(".md").read_text())
+    print(args.out.with_name(args.out.name + ".md").read_text())
     print(f"total wall time {meta['wall_s']:.1f} s ({len(reports)} configs, {len(skipped)} programs not run)")
     return 0 if not skipped else 1
 
