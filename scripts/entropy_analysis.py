@@ -640,6 +640,11 @@ def plot(report: dict, raw: dict, path: Path, title: str, min_count: int = 10) -
               ylabel="KL(reference || quantized), nats", title="(h) KL by entropy bin")
     for a in ax[5:]:
         a.legend(fontsize=7)
+    for a in ax:  # a log axis without positive data (tiny or degenerate inputs) cannot be drawn
+        if a.get_xscale() == "log" and not np.isfinite(a.dataLim.minposx):
+            a.set_xscale("linear")
+        if a.get_yscale() == "log" and not np.isfinite(a.dataLim.minposy):
+            a.set_yscale("linear")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
