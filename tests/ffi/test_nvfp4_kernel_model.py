@@ -159,18 +159,28 @@ def rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+def all_nibble_pairs() -> tuple[np.ndarray, np.ndarray]:
+    """The 256 pairs (a, b) of 4-bit codes, as two uint32 arrays."""
+    a, b = np.meshgrid(np.arange(16, dtype=np.uint32), np.arange(16, dtype=np.uint32), indexing="ij")
+    return a.ravel(), b.ravel()
+
+
+def nibble_words(rng, a: np.ndarray, b: np.ndarray, i: int) -> np.ndarray:
+    """uint32 words with nibble ``i`` = a and nibble ``i + 4`` = b; the other nibbles random."""
+    noise = rng.integers(0, 2**32, a.shape, dtype=np.uint64).astype(np.uint32)
+    keep = ~np.uint32((0xF << (4 * i)) | (0xF << (4 * i + 16)))
+    return (noise & keep) | (a << (4 * i)) | (b << (4 * i + 16))
+
+
 # --- tests ----------------------------------------------------------------------------------
 
 
 def test_decode_pair_exhaustive():
     """Every nibble pair at every position i decodes to e2m1 * 2^-14 exactly (both halves)."""
-    a, b = np.meshgrid(np.arange(16, dtype=np.uint32), np.arange(16, dtype=np.uint32), indexing="ij")
-    a, b = a.ravel(), b.ravel()
+    a, b = all_nibble_pairs()
     rng = np.random.default_rng(11)
     for i in range(4):
-        noise = rng.integers(0, 2**32, a.shape, dtype=np.uint64).astype(np.uint32)
-        keep = ~np.uint32((0xF << (4 * i)) | (0xF << (4 * i + 16)))
-        words = (noise & keep) | (a << (4 * i)) | (b << (4 * i + 16))  # other nibbles are random
+        words = nibble_words(rng, a, b, i)
         lo, hi = half2(decode_pair(words, i))
         np.testing.assert_array_equal(lo.astype(np.float64) * 2.0**14, e2m1_values(a))
         np.testing.assert_array_equal(hi.astype(np.float64) * 2.0**14, e2m1_values(b))
@@ -286,13 +296,10 @@ def act_pairs(words: np.ndarray) -> list[np.ndarray]:
 
 def test_decode_bf16_exhaustive():
     """Every nibble pair at every position decodes to e2m1 * 2^-126 exactly (BF16, code 1 subnormal)."""
-    a, b = np.meshgrid(np.arange(16, dtype=np.uint32), np.arange(16, dtype=np.uint32), indexing="ij")
-    a, b = a.ravel(), b.ravel()
+    a, b = all_nibble_pairs()
     rng = np.random.default_rng(12)
     for i in range(4):
-        noise = rng.integers(0, 2**32, a.shape, dtype=np.uint64).astype(np.uint32)
-        keep = ~np.uint32((0xF << (4 * i)) | (0xF << (4 * i + 16)))
-        words = (noise & keep) | (a << (4 * i)) | (b << (4 * i + 16))
+        words = nibble_words(rng, a, b, i)
         lo, hi = bf16_halves(decode_word_bf16(words)[i])
         np.testing.assert_array_equal(lo.astype(np.float64) * 2.0**126, e2m1_values(a))
         np.testing.assert_array_equal(hi.astype(np.float64) * 2.0**126, e2m1_values(b))
