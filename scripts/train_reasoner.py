@@ -290,6 +290,7 @@ def train(args) -> TrainResult:
         return accuracy_report(problems, texts), texts
 
     snapshot_set = eval_problems(args.seed, args.snapshot_problems, spec) if args.snapshots else []
+    snapshot_calibration = packed_batch(args.seed + 1, 0, 8, args.seq_len, spec)[0] if args.snapshots else None
     snapshot_params = {}
 
     def snapshot():
@@ -298,8 +299,7 @@ def train(args) -> TrainResult:
 
         snapshot_params[step] = bf16_params()
         bf16 = nnx.merge(graphdef, snapshot_params[step])
-        calibration = packed_batch(args.seed + 1, 0, 8, args.seq_len, spec)[0]
-        w4a4 = quantize_model(bf16, "w4a4-nvfp4", calibration=calibration)
+        w4a4 = quantize_model(bf16, "w4a4-nvfp4", calibration=snapshot_calibration)
         sampler = Categorical(temperature=0.6, top_p=0.95)
         row = dict(step=step)
         for name, model in (("bf16", bf16), ("w4a4_nvfp4", w4a4)):
