@@ -186,12 +186,11 @@ def cmd_quantize(args) -> int:
 
 def cmd_calibrate_tau0(args) -> int:
     import jax.numpy as jnp
-    import numpy as np
 
     import jaxlp
     from jaxlp.data import token_windows
     from jaxlp.models.tokenizer import load_tokenizer
-    from jaxlp.sampling import base_decoding, calibrate_tau0
+    from jaxlp.sampling import tau0_from_generation
 
     console = _console()
     with console.status(f"loading {args.model}"):
@@ -203,10 +202,7 @@ def cmd_calibrate_tau0(args) -> int:
     else:
         prompts = token_windows(tokenizer, args.num_prompts, args.prompt_length).tolist()
     with console.status(f"generating {args.max_new_tokens} tokens for {len(prompts)} calibration prompts"):
-        result = jaxlp.generate(model, prompts, max_new_tokens=args.max_new_tokens, sampler=base_decoding(),
-                                seed=args.seed, return_stats=True)
-    entropies = result.entropy[np.isfinite(result.entropy)]
-    tau0 = calibrate_tau0(entropies)
+        tau0, entropies = tau0_from_generation(model, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"tau0 = {tau0:.4f}  (80th percentile of {entropies.size} raw-logit token entropies, "
           f"generated at T=0.6, top-p 0.95)")
     return 0

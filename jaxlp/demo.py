@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 REASONER_DIR = Path(__file__).parent / "assets" / "reasoner"
 RESET_T_LOW = 0.1  # the paper's setting for Qwen3-8B/32B
 
@@ -58,16 +56,15 @@ def base_as_reset(tokenizer, temperature: float = 0.6):
 
 def calibrate_reasoner_tau0(model, tokenizer, *, num_prompts: int = 8, seed: int = 0) -> float:
     """tau0 from generations at T = 0.6, top-p 0.95 on training-split problems (raw-logit entropies)."""
-    import jaxlp
-    from jaxlp.sampling import calibrate_tau0
+    from jaxlp.sampling import tau0_from_generation
     from jaxlp.testbed import ProblemSpec, train_problems
 
     spec = ProblemSpec()
     stream = train_problems(seed + 1000, spec)
     prompts = [tokenizer.encode(next(stream).question).ids for _ in range(num_prompts)]
-    result = jaxlp.generate(model, prompts, max_new_tokens=spec.max_solution_chars() + 2,
-                            sampler=base_as_reset(tokenizer), seed=seed, return_stats=True)
-    return calibrate_tau0(result.entropy[np.isfinite(result.entropy)])
+    tau0, _ = tau0_from_generation(model, prompts, max_new_tokens=spec.max_solution_chars() + 2,
+                                   sampler=base_as_reset(tokenizer), seed=seed)
+    return tau0
 
 
 def run(num_problems: int = 8, seed: int = 0, model_dir: str | Path | None = None, quiet: bool = False) -> list[DemoRow]:

@@ -502,3 +502,23 @@ def test_calibrate_tau0():
             calibrate_tau0(bad)
     with pytest.raises(ValueError, match="percentile"):
         calibrate_tau0([1.0], percentile=120)
+
+
+def test_tau0_from_generation_matches_generate_then_calibrate():
+    from flax import nnx
+
+    import jaxlp
+    from jaxlp.models import ModelConfig, Transformer
+    from jaxlp.sampling import base_decoding, tau0_from_generation
+
+    config = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, tie_word_embeddings=True,
+                         max_position_embeddings=64, eos_token_ids=(1,))
+    model = Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(41))
+    prompts = [[5, 6, 7], [8, 9]]
+    tau0, entropies = tau0_from_generation(model, prompts, max_new_tokens=12, seed=3, percentile=70)
+    result = jaxlp.generate(model, prompts, max_new_tokens=12, sampler=base_decoding(), seed=3, return_stats=True)
+    expected = result.entropy[np.isfinite(result.entropy)]
+    np.testing.assert_array_equal(entropies, expected)
+    assert entropies.size == int(result.num_tokens.sum()) > 0
+    assert tau0 == calibrate_tau0(expected, percentile=70)
