@@ -1,9 +1,11 @@
 """Benchmark the NVFP4 matmul kernels against XLA on the paper's Qwen3 projection shapes.
 
 For each shape [N, K] and M tokens: XLA BF16 dot, XLA dequantize-then-dot (W4A16, and W4A4 from
-M = 16), and the CUDA kernels in W4A16: the "regs" and "pipe" GEMVs (every configuration at
-M in SWEEP_MS, each family's winner of the nearest swept M at the other M <= 32) and the "gemm"
-kernel (every configuration, M >= 16); then W4A4 with each family's best W4A16 configuration.
+M = 16), and the CUDA kernels in W4A16: the "regs", "pipe" and "pipe16" GEMVs (every
+configuration at M in SWEEP_MS, each family's winner of the nearest swept M at the other M <= 32)
+and the "gemm" kernel (every configuration, M >= 16); then W4A4 with each family's best W4A16
+configuration. With --probe, also the loads-only diagnostics of "regs" and "pipe16" at M = 1 (the
+same weight traffic without decode or MMA: the memory structure's own ceiling).
 The dispatched time per mode is the fastest of all of them; the dispatch table records its
 choice per M. Also: the device's copy bandwidth and BF16 matmul rate measured in the same run,
 the standalone activation quantizer, and a correctness spot check of every family per shape.
@@ -68,10 +70,13 @@ C = ffi_nvfp4.GemvConfig
 REGS = [C(1, 8), C(2, 8), C(2, 4)]  # the first GEMV (FP16 tensor cores, staging kernel)
 PIPE = [C(1, kernel="pipe"), C(1, kernel="pipe", split=2), C(1, kernel="pipe", split=4),
         C(2, kernel="pipe"), C(2, kernel="pipe", split=2)]  # the cp.async GEMV (BF16, no staging for W4A16)
+PIPE16 = [C(1, kernel="pipe16"), C(1, kernel="pipe16", split=2), C(2, kernel="pipe16"),
+          C(2, kernel="pipe16", split=2)]  # pipe's ring with regs' FP16 decode (staging kernel)
+PROBES = {"regs": [C(1, 8), C(2, 4)], "pipe16": [C(1, kernel="pipe16"), C(2, kernel="pipe16")]}
 GEMM = [C(kernel="gemm", block_n=64, block_m=64), C(kernel="gemm", block_n=64, block_m=64, split=2),
         C(kernel="gemm", block_n=64, block_m=64, split=4), C(kernel="gemm", block_n=128, block_m=64, split=2),
         C(kernel="gemm", block_n=128, block_m=128)]
-FAMILIES = {"regs": REGS, "pipe": PIPE, "gemm": GEMM}
+FAMILIES = {"regs": REGS, "pipe": PIPE, "pipe16": PIPE16, "gemm": GEMM}
 SWEEP_MS = (1, 8, 16, 32)  # every GEMV configuration is timed at these M
 GEMM_MIN_M = 16
 L2_BYTES = 50e6
@@ -247,7 +252,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
     ap.add_argument("--custom-shapes", default=None, help="'N:K,N:K' instead of the Qwen3 shapes")
-    ap.add_argument("--kernels", default="regs,pipe,gemm", help="kernel families to time")
+    ap.add_argument("--kernels", default="regs,pipe,pipe16,gemm", help="kernel families to time")
+    ap.add_argument("--probe", action="store_true", help="also time the loads-only probes at M = 1")
     ap.add_argument("--merge", action="store_true",
                     help="keep the --table file's other shapes (measured on the same device)")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # smoke tests of this script
@@ -299,7 +305,8 @@ def main(argv=None):
         sh = Shape(n, k, si, target_bytes=4 * L2_BYTES)
         g_x = jnp.float32(0.004)
         checks = []
-        for m, cfgs in ((1, [REGS[0], PIPE[0]]), (8, [REGS[1], PIPE[3]]), (64, [GEMM[0], GEMM[2]])):
+        for m, cfgs in ((1, [REGS[0], PIPE[0], PIPE16[0]]), (8, [REGS[1], PIPE[3], PIPE16[3]]),
+                        (64, [GEMM[0], GEMM[2]])):
             if m not in ms or dev.platform != "gpu":
                 continue
             x = jax.random.normal(jax.random.key(7), (m, k), jnp.bfloat16)
@@ -321,7 +328,7 @@ def main(argv=None):
         def families(m):
             fams = []
             if m <= ffi_nvfp4.MAX_M:
-                fams += ["regs", "pipe"]
+                fams += ["regs", "pipe", "pipe16"]
             if m >= GEMM_MIN_M:
                 fams.append("gemm")
             return [f for f in fams if f in args.kernels.split(",")]
@@ -337,6 +344,13 @@ def main(argv=None):
                     for cfg in FAMILIES[fam]:
                         jobs.add(("w4a16", m, cfg.name),
                                  lambda x, q, cfg=cfg: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg), sh.q, m, k)
+            if args.probe and m == 1:
+                for fam in [f for f in PROBES if f in args.kernels.split(",")]:
+                    for cfg in PROBES[fam]:
+                        if not cfg.unsupported(m, k, jnp.bfloat16, False):
+                            jobs.add(("probe", m, cfg.name), lambda x, q, cfg=cfg: ffi_nvfp4.gemv_call(
+                                x, q.data, jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8), q.tensor_scale,
+                                config=cfg, probe=True)[0], sh.q, m, k)
         t1 = jobs.run()
         # Phase 2: W4A16 at the other M <= 32 with each family's winner at the nearest swept M;
         # W4A4 with each family's best W4A16 configuration at that M.
@@ -375,6 +389,12 @@ def main(argv=None):
                 rec[f"{label}_us"] = _us(_pick(t))
                 rec[f"{label}_wall_us"] = _us(t[1])
             rec.setdefault("xla_dq_w4a4_us", math.inf)
+            probes = {key[2]: _pick(t) for key, t in timings.items() if key[:2] == ("probe", m)}
+            for fam in PROBES:
+                fp = {c: v for c, v in probes.items() if C.from_name(c).kernel == fam}
+                if fp:
+                    c = min(fp, key=fp.get)
+                    rec[f"probe_{fam}_us"], rec[f"probe_{fam}_config"] = _us(fp[c]), c
             for mode in ("w4a16", "w4a4"):
                 kern = {key[2]: _pick(t) for key, t in timings.items() if key[:2] == (mode, m)}
                 for fam in FAMILIES:
@@ -413,22 +433,28 @@ def main(argv=None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(_finite(result), indent=1))
         if args.table:
-            kept = []
-            if args.merge and Path(args.table).is_file():  # earlier shapes of the same device
-                old = json.loads(Path(args.table).read_text())
-                done = {(e["n"], e["k"]) for e in table_shapes}
-                if old.get("device") == dev.device_kind:
-                    kept = [e for e in old.get("shapes", []) if (e["n"], e["k"]) not in done]
-            table = {
-                "note": f"Measured by scripts/bench_nvfp4.py on {dev.device_kind}, {result['date']}: per shape and "
-                        "mode, [M, choice] pairs; the first M >= the call's M decides (device kernel time).",
-                "device": dev.device_kind, "date": result["date"],
-                "default": dispatch.DEFAULT_RULE, "shapes": kept + table_shapes,
-            }
-            Path(args.table).write_text(json.dumps(table))
+            write_table(args.table, dev.device_kind, result["date"], table_shapes, args.merge)
 
     summary(result)
     return result
+
+
+def write_table(path, device_kind, date, shapes, merge):
+    """Write the dispatch table: this device's entry holds ``shapes``; with ``merge``, also the
+    file's other shapes of this device and every other device's entry (see nvfp4_dispatch)."""
+    table = {"note": "", "default": dispatch.DEFAULT_RULE, "devices": {}}
+    kept = []
+    if merge and Path(path).is_file():
+        table = dispatch.split_by_device(json.loads(Path(path).read_text()))
+        done = {(e["n"], e["k"]) for e in shapes}
+        old = table["devices"].get(device_kind, {})
+        kept = [e for e in old.get("shapes", []) if (e["n"], e["k"]) not in done]
+    table["note"] = ("Measured by scripts/bench_nvfp4.py, per GPU model (device_kind): per shape and mode, "
+                     "[M, choice] pairs; the first M >= the call's M decides (device kernel time). A GPU not "
+                     "listed uses 'fallback'.")
+    table["devices"][device_kind] = {"date": date, "shapes": kept + shapes}
+    table.setdefault("fallback", device_kind)
+    Path(path).write_text(json.dumps(table))
 
 
 def _pick(t):
@@ -455,16 +481,18 @@ def _finite(obj):
 def summary(result):
     rows = [r for r in result.get("rows", []) if "bf16_us" in r]
     print(f"\n## {result['device']}  copy {result['bandwidth']['copy_TBps']:.2f} TB/s  ({result['date']})")
-    print(f"{'shape':18s} {'M':>3s} {'bf16':>7s} {'xla-dq':>7s} {'regs':>7s} {'pipe':>7s} {'gemm':>7s} {'a16':>7s} "
-          f"{'a4':>7s} {'x16':>5s} {'x4':>5s} {'%cp':>4s} {'floor':>6s} path")
-    f = lambda v: f"{v:7.2f}" if v is not None else "      -"  # noqa: E731
+    print(f"{'shape':18s} {'M':>3s} {'bf16':>7s} {'xla-dq':>7s} {'regs':>7s} {'pipe':>7s} {'pipe16':>7s} {'gemm':>7s} "
+          f"{'a16':>7s} {'a4':>7s} {'x16':>5s} {'x4':>5s} {'%cp':>4s} {'floor':>6s} {'prb-r':>6s} {'prb-16':>6s} path")
+    f = lambda v, w=7: f"{v:{w}.2f}" if v is not None else " " * (w - 1) + "-"  # noqa: E731
     for r in rows:
-        if r["m"] not in (1, 8, 32, 128, 512):
+        if r["m"] not in (1, 8, 16, 32, 128, 512):
             continue
         print(f"{r['shape']:18s} {r['m']:3d} {f(r['bf16_us'])} {f(r['xla_dq_w4a16_us'])} {f(r.get('regs_w4a16_us'))} "
-              f"{f(r.get('pipe_w4a16_us'))} {f(r.get('gemm_w4a16_us'))} {f(r['ours_w4a16_us'])} {f(r['ours_w4a4_us'])} "
+              f"{f(r.get('pipe_w4a16_us'))} {f(r.get('pipe16_w4a16_us'))} {f(r.get('gemm_w4a16_us'))} "
+              f"{f(r['ours_w4a16_us'])} {f(r['ours_w4a4_us'])} "
               f"{r['speedup_w4a16_vs_bf16']:5.2f} {r['speedup_w4a4_vs_bf16']:5.2f} {r['pct_copy']:4.0f} "
-              f"{r['floor_us']:6.2f} {r['ours_w4a16_path']}")
+              f"{r['floor_us']:6.2f} {f(r.get('probe_regs_us'), 6)} {f(r.get('probe_pipe16_us'), 6)} "
+              f"{r['ours_w4a16_path']}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
 # bench_nvfp4.json + nvfp4_dispatch.json + bench_nvfp4.txt, bench_decode.json + bench_decode.txt;
 # prints a short summary last. Budgets (seconds) for the two benchmarks: KERNEL_BUDGET,
 # DECODE_BUDGET; extra arguments: KERNEL_ARGS, DECODE_ARGS; DECODE_XLA_FLAGS: XLA_FLAGS of the
-# decode benchmark alone; MERGE=1: merge the measured shapes into jaxlp/ffi/nvfp4_dispatch.json. A library built on another machine
+# decode benchmark alone; MERGE=1: merge the measured shapes into jaxlp/ffi/nvfp4_dispatch.json (this
+# GPU model's entry; other GPUs' entries are kept); TEST_PATHS: the pytest targets (default: tests/ffi and
+# tests/test_nvfp4_dispatch.py), TEST_TIMEOUT its limit. A library built on another machine
 # with the same source, nvcc and jaxlib is reused from $JAXLP_FFI_CACHE (default .cache/jaxlp_ffi).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +43,7 @@ if has test; then
   stamp test
   # Several pytest workers share the GPU: no preallocation. STRICT=1: no benchmarks after a failure.
   if ! XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider \
-      -n "${TEST_WORKERS:-4}" tests/ffi/test_nvfp4_gpu.py > "$OUT/pytest_gpu.txt" 2>&1; then
+      -n "${TEST_WORKERS:-4}" ${TEST_PATHS:-tests/ffi tests/test_nvfp4_dispatch.py} > "$OUT/pytest_gpu.txt" 2>&1; then
     grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_gpu.txt" | head -30
     tail -3 "$OUT/pytest_gpu.txt"
     if [ "${STRICT:-0}" = 1 ]; then stamp "GPU tests failed: no benchmarks"; exit 1; fi

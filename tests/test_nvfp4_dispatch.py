@@ -82,6 +82,8 @@ def test_registered_and_cpu_falls_back_to_reference():
     q = _weight(32, 64, 9)
     x = jnp.asarray(np.random.default_rng(10).standard_normal((3, 64)), jnp.float32)
     layer = QuantizedLinear(q, implementation="auto")
+    if ffi_nvfp4.on_gpu():
+        pytest.skip("checks the CPU fallback; this machine has a GPU")
     assert not dispatch.supports(layer, x)  # no GPU here
     np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(layer.reference(x)))
     forced = np.asarray(dispatch.nvfp4_matmul(layer, x, force="xla"))
@@ -108,3 +110,60 @@ def test_large_m_cuda_activation_quantizer_lowers_to_one_custom_call():
     assert text.count(f"custom_call @{ffi_nvfp4.QUANTIZE_TARGET}") == 1 and "tensor<300x128xui8>" in text
     with pytest.raises(ValueError, match="act_quantizer"):
         dispatch.dequantize_dot(x, q, jnp.float32(0.01), act_quantizer="triton")
+
+
+DEVICE_TABLE = {
+    "default": dispatch.DEFAULT_RULE,
+    "fallback": "NVIDIA H200",
+    "devices": {
+        "NVIDIA H200": {"date": "2026-11-21", "shapes": [
+            {"n": 4096, "k": 4096, "w4a16": [[8, {"rows_per_warp": 2, "k_split": 4}],
+                                             [32, {"kernel": "pipe", "rows_per_warp": 2, "split": 2}],
+                                             [128, "xla"]]}]},
+        "NVIDIA H100 80GB HBM3": {"date": "2026-11-22", "shapes": [
+            {"n": 4096, "k": 4096, "w4a16": [[8, {"kernel": "pipe16", "rows_per_warp": 1, "split": 2}]]}]},
+    },
+}
+
+
+def test_device_keyed_table_picks_the_running_gpu_else_the_fallback():
+    h100 = dispatch.device_table(DEVICE_TABLE, "NVIDIA H100 80GB HBM3")
+    assert h100["device"] == "NVIDIA H100 80GB HBM3" and h100["default"] == dispatch.DEFAULT_RULE
+    assert dispatch.plan(4, 4096, 4096, "w4a16", h100) == ffi_nvfp4.GemvConfig(1, kernel="pipe16", split=2)
+    # Above the H100's benchmarked M: the fallback GPU's choice (not XLA by default).
+    assert dispatch.plan(16, 4096, 4096, "w4a16", h100) == ffi_nvfp4.GemvConfig(2, kernel="pipe", split=2)
+    assert dispatch.plan(100, 4096, 4096, "w4a16", h100) is None
+    for kind in ("NVIDIA H200", "NVIDIA B200", None):
+        t = dispatch.device_table(DEVICE_TABLE, kind)
+        assert t["device"] == "NVIDIA H200"
+        assert dispatch.plan(4, 4096, 4096, "w4a16", t) == ffi_nvfp4.GemvConfig(2, 4)
+    assert dispatch.device_table(TABLE, "NVIDIA H100 80GB HBM3") is TABLE  # one-device form as it is
+    with pytest.raises(ValueError, match="shapes"):
+        dispatch.device_table({"devices": {"x": {}}}, "x")
+    # The one-device form converts losslessly; the shipped file loads for either GPU.
+    one = dispatch.split_by_device({"device": "NVIDIA H200", "date": "d", "shapes": TABLE["shapes"]})
+    assert one["fallback"] == "NVIDIA H200" and dispatch.device_table(one, None)["shapes"] == TABLE["shapes"]
+    for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        assert dispatch.load_table(None, kind)["shapes"]
+
+
+def test_pipe16_config_names_and_limits():
+    cfg = ffi_nvfp4.GemvConfig(2, kernel="pipe16", split=4)
+    assert cfg.name == "H2C4" and ffi_nvfp4.GemvConfig.from_name("H2C4") == cfg
+    assert dispatch._choice_config(dispatch.config_choice(cfg)) == cfg
+    assert cfg.unsupported(8, 4096, jnp.float32, False) is None  # FP32 W4A16 via the FP16 staging
+    assert "multiple of 64" in cfg.unsupported(8, 4112, jnp.bfloat16, False)
+    assert "1..32" in cfg.unsupported(33, 4096, jnp.bfloat16, True)
+
+
+@pytest.mark.parametrize("w4a4", [False, True])
+def test_pipe16_lowers_to_the_gemv_call(w4a4):
+    q = _weight(300, 1024, 13)
+    cfg = ffi_nvfp4.GemvConfig(1, kernel="pipe16", split=2)
+    g = jnp.float32(0.01) if w4a4 else None
+    f = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_tensor_scale=g, config=cfg))
+    text = f.trace(jnp.ones((5, 1024), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"custom_call @{ffi_nvfp4.GEMV_TARGET}") == 1
+    assert "kernel = 3" in text and "split = 2" in text
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ffi_nvfp4.nvfp4_gemv(jnp.ones((5, 1040), jnp.bfloat16), _weight(16, 1040, 14), config=cfg)

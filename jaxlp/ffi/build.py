@@ -1,7 +1,7 @@
 """Build CUDA sources of ``jaxlp/ffi`` with ``nvcc`` on first use, into a cache directory.
 
 The shared library is named by a hash of everything that changes the binary (the source
-text, the nvcc command line, the nvcc version, the XLA FFI headers' location), so an edited
+text and the shared ``*.cuh`` headers, the nvcc command line, the nvcc version, the XLA FFI headers' location), so an edited
 source or another toolchain gets a fresh build and an unchanged one is reused.
 
 - cache: ``$JAXLP_FFI_CACHE``, else ``$XDG_CACHE_HOME/jaxlp/ffi``, else ``~/.cache/jaxlp/ffi``.
@@ -91,6 +91,7 @@ def nvcc_command(nvcc: str, source: Path, output: Path) -> list[str]:
         f"-gencode=arch=compute_{arch},code=sm_{arch}",
         f"-gencode=arch=compute_{arch},code=compute_{arch}",
         f"-I{jax.ffi.include_dir()}",
+        f"-I{SOURCE_DIR}",
         "-o",
         str(output),
         str(source),
@@ -114,6 +115,8 @@ def library_path(name: str, nvcc: str | None = None) -> Path:
 
     h = hashlib.sha256()
     h.update(source.read_bytes())
+    for header in sorted(SOURCE_DIR.glob("*.cuh")):  # shared headers (launch.cuh, ...)
+        h.update(header.name.encode() + header.read_bytes())
     # The command line without machine-specific paths, the jaxlib version (the FFI headers), nvcc's.
     cmd = [c for c in nvcc_command("nvcc", source, Path("out")) if not c.startswith("-I")]
     h.update(" ".join(cmd[:-3]).encode())
@@ -143,3 +146,59 @@ def build(name: str, *, verbose: bool = False) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def on_gpu() -> bool:
+    """True when JAX's default backend is a GPU."""
+    import jax
+
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
+
+
+class Library:
+    """The CUDA library built from ``jaxlp/ffi/<name>.cu``, loaded once with its FFI targets
+    (``{target name: exported handler symbol}``) registered for the CUDA platform."""
+
+    def __init__(self, name: str, targets: dict[str, str]):
+        import threading
+
+        self.name = name
+        self.targets = dict(targets)
+        self._lock = threading.Lock()
+        self._lib = None
+        self._error: str | None = None
+
+    def load(self):
+        """Build if needed, load, register the targets (once); the ``ctypes.CDLL``."""
+        import ctypes
+
+        import jax
+
+        with self._lock:
+            if self._lib is None:
+                lib = ctypes.cdll.LoadLibrary(str(build(self.name)))
+                for target, symbol in self.targets.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+                self._lib = lib
+            return self._lib
+
+    def available(self) -> bool:
+        """True when JAX runs on a GPU and the library builds and loads. Never raises;
+        :meth:`unavailable_reason` says why not."""
+        if not on_gpu():
+            self._error = "the default JAX backend is not a GPU"
+            return False
+        if self._lib is not None:
+            return True
+        try:
+            self.load()
+            return True
+        except Exception as e:  # noqa: BLE001 - any build or load failure means "not available"
+            self._error = f"{type(e).__name__}: {e}"
+            return False
+
+    def unavailable_reason(self) -> str | None:
+        return self._error

@@ -5,13 +5,16 @@
     y = nvfp4_gemv(x, w, config=GemvConfig(kernel="gemm"))  # any M: the tensor-core GEMM
     xq = quantize_activations(x, g_x)             # NVFP4Array of x (ModelOpt numerics, bit-exact)
 
-Three kernels (``GemvConfig.kernel``), all exact products with FP32 sums:
+Four kernels (``GemvConfig.kernel``), all exact products with FP32 sums:
 
 - ``"regs"`` (M <= 32): the first GEMV; FP16 tensor cores, activations staged to FP16 by a
   separate kernel (W4A16: a power of two per 256-element chunk); any K multiple of 16.
 - ``"pipe"`` (M <= 32): the GEMV with a cp.async shared-memory ring per warp, BF16 tensor cores,
   persistent clusters with split-K; W4A16 reads BF16 ``x`` directly (no staging kernel). Needs
   ``K % 64 == 0`` and BF16 ``x`` for W4A16.
+- ``"pipe16"`` (M <= 32): the ``"pipe"`` kernel's memory pipeline with the ``"regs"`` kernel's
+  arithmetic (FP16 decode, 11 integer ops per 8 nibbles instead of 16, FP16 tensor cores on the
+  staged FP16 activations, one staging kernel per call). Needs ``K % 64 == 0``; BF16 or FP32 ``x``.
 - ``"gemm"`` (any M): 128 x ``block_m`` CTA tiles, weights decoded to BF16 in registers, BF16
   ``mma.sync`` with FP32 accumulation. Needs ``K % 64 == 0`` and BF16 ``x`` for W4A16.
 
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -50,18 +52,20 @@ MAX_M = 32  # tokens per GEMV launch
 CHUNK_K = 256  # k per warp step; the x_eff workspace is K rounded up to this
 ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 MODES = {"w4a16": 0, "w4a4": 1}
-KERNELS = {"regs": 0, "pipe": 1, "gemm": 2}
-BF16_KERNEL_K = 64  # "pipe" and "gemm" need K % 64 == 0
+KERNELS = {"regs": 0, "pipe": 1, "gemm": 2, "pipe16": 3}
+GEMV_KERNELS = ("regs", "pipe16")  # the kernels behind GEMV_TARGET (FP16 x_eff staging)
+BF16_KERNEL_K = 64  # "pipe", "pipe16" and "gemm" need K % 64 == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """Launch configuration of the NVFP4 matmul kernels.
 
-    kernel: ``"regs"`` (the first GEMV), ``"pipe"`` (the cp.async GEMV) or ``"gemm"`` (large M).
-    rows_per_warp: 16-row tiles per warp (1 or 2): ``"regs"`` and ``"pipe"``.
+    kernel: ``"regs"`` (the first GEMV), ``"pipe"`` (the cp.async GEMV), ``"pipe16"`` (its FP16
+        variant) or ``"gemm"`` (large M).
+    rows_per_warp: 16-row tiles per warp (1 or 2): ``"regs"``, ``"pipe"`` and ``"pipe16"``.
     k_split: warps per CTA splitting K (2, 4 or 8): ``"regs"``.
-    split: CTAs of a cluster splitting K (1, 2 or 4): ``"pipe"`` and ``"gemm"``.
+    split: CTAs of a cluster splitting K (1, 2 or 4): ``"pipe"``, ``"pipe16"`` and ``"gemm"``.
     block_m: tokens per CTA tile (64 or 128): ``"gemm"``.
     block_n: weight rows per CTA tile (64 or 128): ``"gemm"``.
     pdl: launch the matmul with programmatic dependent launch after the activation-staging
@@ -92,9 +96,12 @@ class GemvConfig:
 
     @property
     def name(self) -> str:
-        """Short label: ``R1KS8`` (regs), ``P1C2`` (pipe: rows, split), ``G128x64S2`` (gemm: rows x tokens, split)."""
+        """Short label: ``R1KS8`` (regs), ``P1C2`` (pipe: rows, split), ``H1C2`` (pipe16: rows, split),
+        ``G128x64S2`` (gemm: rows x tokens, split)."""
         if self.kernel == "pipe":
             return f"P{self.rows_per_warp}C{self.split}"
+        if self.kernel == "pipe16":
+            return f"H{self.rows_per_warp}C{self.split}"
         if self.kernel == "gemm":
             return f"G{self.block_n}x{self.block_m}" + (f"S{self.split}" if self.split > 1 else "")
         return f"R{self.rows_per_warp}KS{self.k_split}"
@@ -108,6 +115,8 @@ class GemvConfig:
             return GemvConfig(int(m[1]), int(m[2]))
         if m := re.fullmatch(r"P([12])C([124])", name):
             return GemvConfig(int(m[1]), kernel="pipe", split=int(m[2]))
+        if m := re.fullmatch(r"H([12])C([124])", name):
+            return GemvConfig(int(m[1]), kernel="pipe16", split=int(m[2]))
         if m := re.fullmatch(r"G(64|128)x(64|128)(?:S([24]))?", name):
             return GemvConfig(kernel="gemm", block_n=int(m[1]), block_m=int(m[2]), split=int(m[3] or 1))
         raise ValueError(f"not a kernel configuration name: {name!r}")
@@ -123,6 +132,8 @@ class GemvConfig:
             return None if k % BLOCK_SIZE == 0 else f"K = {k} is not a multiple of {BLOCK_SIZE}"
         if k % BF16_KERNEL_K or k == 0:
             return f"K = {k} is not a positive multiple of {BF16_KERNEL_K} (the {self.kernel} kernel)"
+        if self.kernel == "pipe16":
+            return None  # the staging kernel takes BF16 and FP32 activations in both modes
         if self.kernel == "gemm" and k < BF16_KERNEL_K * self.split:
             return f"K = {k} is below {BF16_KERNEL_K} x split ({self.split})"
         if not w4a4 and dtype != jnp.dtype(jnp.bfloat16):
@@ -130,48 +141,25 @@ class GemvConfig:
         return None
 
 
-_lock = threading.Lock()
-_state: dict = {"lib": None, "error": None}
+_library = build.Library(
+    LIBRARY, {GEMV_TARGET: "JaxlpNvfp4Gemv", MATMUL_TARGET: "JaxlpNvfp4Matmul", QUANTIZE_TARGET: "JaxlpNvfp4Quantize"}
+)
+on_gpu = build.on_gpu
 
 
 def load() -> ctypes.CDLL:
     """Build the CUDA library if needed, load it and register its FFI targets (once)."""
-    with _lock:
-        if _state["lib"] is None:
-            path = build.build(LIBRARY)
-            lib = ctypes.cdll.LoadLibrary(str(path))
-            jax.ffi.register_ffi_target(GEMV_TARGET, jax.ffi.pycapsule(lib.JaxlpNvfp4Gemv), platform="CUDA")
-            jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxlpNvfp4Matmul), platform="CUDA")
-            jax.ffi.register_ffi_target(QUANTIZE_TARGET, jax.ffi.pycapsule(lib.JaxlpNvfp4Quantize), platform="CUDA")
-            _state["lib"] = lib
-        return _state["lib"]
-
-
-def on_gpu() -> bool:
-    try:
-        return jax.default_backend() == "gpu"
-    except RuntimeError:
-        return False
+    return _library.load()
 
 
 def available() -> bool:
     """True when JAX runs on a GPU and the kernel library builds and loads. Never raises;
     :func:`unavailable_reason` says why not."""
-    if not on_gpu():
-        _state["error"] = "the default JAX backend is not a GPU"
-        return False
-    if _state["lib"] is not None:
-        return True
-    try:
-        load()
-        return True
-    except Exception as e:  # noqa: BLE001 - any build or load failure means "not available"
-        _state["error"] = f"{type(e).__name__}: {e}"
-        return False
+    return _library.available()
 
 
 def unavailable_reason() -> str | None:
-    return _state["error"]
+    return _library.unavailable_reason()
 
 
 def padded_k(k: int) -> int:
@@ -219,9 +207,10 @@ def gemv_call(
     each group of 8 values is stored in the order x0 x4 x1 x5 x2 x6 x3 x7.
     probe: a diagnostic for benchmarks (M <= 8): the same memory traffic with no arithmetic; y is
     meaningless.
+    config.kernel: ``"regs"`` or ``"pipe16"`` (both read this staging workspace).
     """
-    if config.kernel != "regs":
-        raise ValueError(f"gemv_call runs the regs kernel; use matmul_call for {config.kernel!r}")
+    if config.kernel not in GEMV_KERNELS:
+        raise ValueError(f"gemv_call runs the {GEMV_KERNELS} kernels; use matmul_call for {config.kernel!r}")
     if data.ndim != 2 or data.dtype != jnp.uint8:
         raise ValueError(f"nvfp4_gemv: data must be uint8 [N, K/2], got {data.dtype}{data.shape}")
     n, k = data.shape[0], 2 * data.shape[1]
@@ -231,6 +220,11 @@ def gemv_call(
         raise ValueError(f"nvfp4_gemv: M = {m} tokens; the kernel takes 1..{MAX_M}")
     if k % BLOCK_SIZE:
         raise ValueError(f"nvfp4_gemv: K = {k} is not a multiple of {BLOCK_SIZE}")
+    why = config.unsupported(m, k, x.dtype, act_tensor_scale is not None or act_amax is not None)
+    if why:
+        raise ValueError(f"nvfp4 {config.kernel}: {why}")
+    if probe and m > 8:
+        raise ValueError(f"nvfp4_gemv: the probe takes M <= 8, got {m}")
     if block_scale_bits.shape != (n, k // BLOCK_SIZE) or block_scale_bits.dtype != jnp.uint8:
         raise ValueError(
             f"nvfp4_gemv: block scales must be uint8 [{n}, {k // BLOCK_SIZE}], got "
@@ -256,6 +250,7 @@ def gemv_call(
     return call(
         x, data, block_scale_bits, wg, xg,
         mode=mode, rows_per_warp=config.rows_per_warp, k_split=config.k_split, pdl=int(config.pdl), xg_amax=xg_amax,
+        kernel=KERNELS[config.kernel], split=config.split,
     )
 
 
@@ -274,7 +269,7 @@ def matmul_call(
     ``x_eff`` is the W4A4 activation workspace, BF16 ``[M, K]`` in natural order holding
     ``e2m1(q) * e4m3(s)`` (without ``g_x``); ``[1, 8]`` and unused for W4A16.
     """
-    if config.kernel not in ("pipe", "gemm"):
+    if config.kernel not in ("pipe", "gemm"):  # pipe16 runs through gemv_call
         raise ValueError(f"matmul_call runs the pipe and gemm kernels, not {config.kernel!r}")
     if data.ndim != 2 or data.dtype != jnp.uint8:
         raise ValueError(f"nvfp4 {config.kernel}: data must be uint8 [N, K/2], got {data.dtype}{data.shape}")
@@ -331,7 +326,7 @@ def nvfp4_gemv(
     if not isinstance(w, NVFP4Array) or len(w.shape) != 2:
         raise ValueError(f"nvfp4_gemv: w must be a 2-D NVFP4Array, got {type(w).__name__}")
     config = config or GemvConfig()
-    if config.kernel == "regs":
+    if config.kernel in GEMV_KERNELS:
         y, _, _ = gemv_call(x, w.data, _scale_bits(w.block_scale), w.tensor_scale, act_tensor_scale, config=config,
                             act_amax=act_amax)
     else:

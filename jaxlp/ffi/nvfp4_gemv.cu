@@ -2,12 +2,15 @@
 //
 //   y[m, n] = sum_k act(x)[m, k] * W[n, k]
 //
-// Three kernels (the dispatch table picks one per (M, N, K), see nvfp4_dispatch.py):
+// Four kernels (the dispatch table picks one per (M, N, K), see nvfp4_dispatch.py):
 // - gemv_kernel ("regs", M <= 32, any K % 16 == 0): described below; FP16 tensor cores, a staging
 //   kernel per call. Handler JaxlpNvfp4Gemv.
 // - pipe_kernel ("pipe", M <= 32, K % 64 == 0): cp.async ring per warp, persistent clusters with
 //   split-K, BF16 tensor cores; W4A16 reads BF16 x directly (one launch per call). Handler
 //   JaxlpNvfp4Matmul. See its section.
+// - pipe_kernel<..., kDecF16> ("pipe16", M <= 32, K % 64 == 0): the same ring and clusters with
+//   gemv_kernel's arithmetic (FP16 decode, FP16 tensor cores) on the staged FP16 x_eff; launched
+//   by JaxlpNvfp4Gemv after its staging kernel (kernel = 3). See PipeDecode.
 // - gemm_kernel ("gemm", any M, K % 64 == 0): 64/128 x 64/128 CTA tiles, optional cluster split-K,
 //   BF16 mma.sync with weights decoded in registers. Handler JaxlpNvfp4Matmul. See its section.
 // W4A4 activations are quantized by stage_a4_kernel (bit-exact ModelOpt numerics); the tensor
@@ -55,6 +58,7 @@
 #include <string>
 #include <tuple>
 
+#include "launch.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -735,24 +739,135 @@ struct PipeParams {
   const uint8_t* wscale;            // [N, K/16]
   const float* wg;                  // g_w
   const float* xg;                  // g_x (W4A4) or nullptr
-  const __nv_bfloat16* x;           // [M, K] BF16: x (W4A16) or x_eff (W4A4)
+  const __nv_bfloat16* x;           // [M, K] BF16: x (W4A16) or x_eff (W4A4); kDecBF16 only
+  const uint16_t* xh;               // [M, Kp] FP16 x_eff of the regs staging kernels; kDecF16 / kDecProbe
+  const float* xs;                  // [M, Kp/256] W4A16 chunk scales of xh, or nullptr (W4A4)
   void* y;                          // [M, N]
-  int M, N, K, tiles, chunks;
+  int M, N, K, Kp, tiles, chunks;
   int xg_amax;  // 1: xg holds the activations' calibrated amax (see act_scale)
 };
 
+// How pipe_kernel turns a stage into products:
+// kDecBF16 ("pipe"): BF16 decode (decode_word_bf16, 16 integer ops per 8 nibbles) and BF16 mma.sync
+//   on natural-order BF16 activations (4 PRMT per 8 to pair them).
+// kDecF16 ("pipe16"): the regs GEMV's FP16 decode (decode_word, 11 integer ops per 8 nibbles) and
+//   FP16 mma.sync on the staged, pre-permuted FP16 x_eff (W4A16: chunk-scaled by a power of two,
+//   xs; W4A4: NVFP4-dequantized), i.e. regs' arithmetic inside the cp.async ring.
+// kDecProbe: kDecF16's memory traffic (weights through the ring) without decode or MMA (diagnostic).
+enum PipeDecode : int { kDecBF16 = 0, kDecF16 = 1, kDecProbe = 2 };
+
 template <int R>
 constexpr int kPipeStages = R == 1 ? 4 : 3;
+// pipe16 (and its probe) with 16-row tiles: 3 stages, so that 3 CTAs (24 warps) fit an SM's shared
+// memory instead of 2 (Nsight Compute on the H100: the GEMVs run at 25% occupancy, latency-bound).
+template <int R, int DEC>
+constexpr int kPipeStagesDec = DEC == kDecBF16 ? kPipeStages<R> : 3;
 template <int R>
 constexpr int kPipeStageBytes = R * 16 * (128 + 16);
 template <int R, int NT>
 constexpr int kPipeRedFloats = R * NT * 4 * 32;  // per warp
-template <int R, int NT>
-constexpr int kPipeSmemBytes = kPipeWarps * kPipeStages<R> * kPipeStageBytes<R> + 2 * kPipeWarps * kPipeRedFloats<R, NT> * 4;
+template <int R, int NT, int DEC = kDecBF16>
+constexpr int kPipeSmemBytes =
+    kPipeWarps * kPipeStagesDec<R, DEC> * kPipeStageBytes<R> + 2 * kPipeWarps * kPipeRedFloats<R, NT> * 4;
 
-template <int R, int NT, int C, typename TOut>
+// kDecProbe: read the stage as pipe_item_f16 does, no arithmetic (the ring's traffic alone).
+template <int R, int NT>
+__device__ __forceinline__ void pipe_item_probe(const uint8_t* st, int kData, int g, int t, float (&acc)[R][NT][4]) {
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt) {
+    uint32_t v = 0u;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = rt * 16 + g + 8 * h;
+      v ^= *reinterpret_cast<const uint32_t*>(st + kData + row * 16 + 4 * t);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint4 w = *reinterpret_cast<const uint4*>(st + row * 128 + (((2 * t + half) ^ g) << 4));
+        v ^= w.x ^ w.y ^ w.z ^ w.w;
+      }
+    }
+    acc[rt][0][0] += static_cast<float>(v & 1u) * 1e-30f;
+  }
+}
+
+// One (tile, chunk) item of pipe_kernel<..., kDecF16>: thread (g, t) takes k [k0, k0 + 64)
+// of rows g and g+8 of each 16-row tile from the ring stage `st`, decodes it as the regs GEMV does
+// (FP16 bit trick, times e4m3 * 2^7 in FP16, exact) and multiplies it with FP16 x_eff of 8 tokens
+// per MMA. W4A16: the chunk's partial times its power-of-two scale xs; W4A4: added as it is.
+template <int R, int NT>
+__device__ __forceinline__ void pipe_item_f16(const PipeParams& p, const uint8_t* st, int kData, int g, int t, int c,
+                                              int k0, bool kval, float (&acc)[R][NT][4]) {
+  constexpr uint32_t kTwo7 = 0x58005800u;  // FP16x2 {128, 128}
+  float part[R][NT][4];
+#pragma unroll
+  for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) part[rt][nt][i] = 0.f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint4 x[NT][4];  // B operands: x_eff of token 8*nt + g, k [k0 + 32*half, +32) (16 FP16 pairs)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int tok = nt * 8 + g;
+      const uint16_t* src = p.xh + static_cast<int64_t>(tok) * p.Kp + k0 + 32 * half;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[nt][i] = (kval && tok < p.M) ? ld_act_v4(src + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int rt = 0; rt < R; ++rt) {
+      uint32_t sc[2][2];  // [row g / g+8][block of the half]: e4m3 * 2^7 in FP16, broadcast to both halves
+      uint4 wv[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = rt * 16 + g + 8 * h;
+        wv[h] = *reinterpret_cast<const uint4*>(st + row * 128 + (((2 * t + half) ^ g) << 4));
+        const uint32_t s4 = *reinterpret_cast<const uint32_t*>(st + kData + row * 16 + 4 * t);
+        const uint32_t s2 = hmul2(e4m3x2_to_f16x2(half ? s4 >> 16 : s4 & 0xFFFFu), kTwo7);
+        sc[h][0] = prmt(s2, s2, 0x1010u);
+        sc[h][1] = prmt(s2, s2, 0x3232u);
+      }
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        uint32_t r0[4], r1[4];
+        decode_word(word_of(wv[0], w), r0);
+        decode_word(word_of(wv[1], w), r1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          r0[i] = hmul2(r0[i], sc[0][w >> 1]);
+          r1[i] = hmul2(r1[i], sc[1][w >> 1]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint4 xv = x[nt][w];
+          mma_16816(part[rt][nt], r0[0], r1[0], r0[1], r1[1], xv.x, xv.y);
+          mma_16816(part[rt][nt], r0[2], r1[2], r0[3], r1[3], xv.z, xv.w);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    float s0 = 1.f, s1 = 1.f;  // C fragment: c0, c2 -> token 2t; c1, c3 -> token 2t+1
+    if (p.xs != nullptr) {
+      const int t0 = nt * 8 + 2 * t;
+      s0 = t0 < p.M ? p.xs[static_cast<int64_t>(t0) * p.chunks + c] : 0.f;
+      s1 = t0 + 1 < p.M ? p.xs[static_cast<int64_t>(t0 + 1) * p.chunks + c] : 0.f;
+    }
+#pragma unroll
+    for (int rt = 0; rt < R; ++rt) {
+      acc[rt][nt][0] = fmaf(part[rt][nt][0], s0, acc[rt][nt][0]);
+      acc[rt][nt][1] = fmaf(part[rt][nt][1], s1, acc[rt][nt][1]);
+      acc[rt][nt][2] = fmaf(part[rt][nt][2], s0, acc[rt][nt][2]);
+      acc[rt][nt][3] = fmaf(part[rt][nt][3], s1, acc[rt][nt][3]);
+    }
+  }
+}
+
+template <int R, int NT, int C, typename TOut, int DEC = kDecBF16>
 __global__ void __launch_bounds__(256) pipe_kernel(const PipeParams p) {
-  constexpr int S = kPipeStages<R>;
+  constexpr int S = kPipeStagesDec<R, DEC>;
   constexpr int kStage = kPipeStageBytes<R>;
   constexpr int kData = R * 16 * 128;
   constexpr int kRed = kPipeRedFloats<R, NT>;
@@ -810,7 +925,7 @@ __global__ void __launch_bounds__(256) pipe_kernel(const PipeParams p) {
   pdl_wait();  // W4A4: x_eff is written by the staging kernel
 
   auto prefetch_x = [&](int item) {  // activations of an item into L1
-    if (item >= items || g >= p.M) return;
+    if (DEC == kDecProbe || item >= items || g >= p.M) return;
     const int c = wq + (item % nc) * kWarpsPerTile;
     const int k0 = c * kChunkK + 64 * t;
     if (k0 >= p.K) return;
@@ -818,9 +933,10 @@ __global__ void __launch_bounds__(256) pipe_kernel(const PipeParams p) {
     for (int nt = 0; nt < NT; ++nt) {
       const int tok = nt * 8 + g;
       if (tok < p.M) {
-        const __nv_bfloat16* src = p.x + static_cast<int64_t>(tok) * p.K + k0;
+        const void* src = DEC == kDecBF16 ? static_cast<const void*>(p.x + static_cast<int64_t>(tok) * p.K + k0)
+                                          : static_cast<const void*>(p.xh + static_cast<int64_t>(tok) * p.Kp + k0);
         prefetch_l1(src);
-        prefetch_l1(src + 32);
+        prefetch_l1(static_cast<const uint8_t*>(src) + 64);
       }
     }
   };
@@ -857,46 +973,52 @@ __global__ void __launch_bounds__(256) pipe_kernel(const PipeParams p) {
       const int c = wq + j * kWarpsPerTile;
       const int k0 = c * kChunkK + 64 * t;
       const bool kval = k0 < p.K;
+      if constexpr (DEC == kDecProbe) {
+        pipe_item_probe<R, NT>(st, kData, g, t, acc);
+      } else if constexpr (DEC == kDecF16) {
+        pipe_item_f16<R, NT>(p, st, kData, g, t, c, k0, kval, acc);
+      } else {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        uint32_t b[NT][4][4];  // [token group][word j][pair]
+        for (int half = 0; half < 2; ++half) {
+          uint32_t b[NT][4][4];  // [token group][word j][pair]
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const int tok = nt * 8 + g;
-          const __nv_bfloat16* src = p.x + static_cast<int64_t>(tok) * p.K + k0 + 32 * half;
+          for (int nt = 0; nt < NT; ++nt) {
+            const int tok = nt * 8 + g;
+            const __nv_bfloat16* src = p.x + static_cast<int64_t>(tok) * p.K + k0 + 32 * half;
 #pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const uint4 v = (kval && tok < p.M) ? ld_act_nc_v4(src + 8 * w) : make_uint4(0u, 0u, 0u, 0u);
-            act_pairs(v, b[nt][w]);
-          }
-        }
-#pragma unroll
-        for (int rt = 0; rt < R; ++rt) {
-          uint32_t sc[2][2];  // [row g / g+8][block of the half], broadcast to both halves
-          uint4 wv[2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = rt * 16 + g + 8 * h;
-            wv[h] = *reinterpret_cast<const uint4*>(st + row * 128 + (((2 * t + half) ^ g) << 4));
-            const uint32_t s4 = *reinterpret_cast<const uint32_t*>(st + kData + row * 16 + 4 * t);
-            const uint32_t s2 = e4m3x2_to_bf16x2_scaled(half ? s4 >> 16 : s4 & 0xFFFFu);
-            sc[h][0] = prmt(s2, s2, 0x1010u);
-            sc[h][1] = prmt(s2, s2, 0x3232u);
+            for (int w = 0; w < 4; ++w) {
+              const uint4 v = (kval && tok < p.M) ? ld_act_nc_v4(src + 8 * w) : make_uint4(0u, 0u, 0u, 0u);
+              act_pairs(v, b[nt][w]);
+            }
           }
 #pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            uint32_t r0[4], r1[4];
-            decode_word_bf16(word_of(wv[0], w), r0);
-            decode_word_bf16(word_of(wv[1], w), r1);
+          for (int rt = 0; rt < R; ++rt) {
+            uint32_t sc[2][2];  // [row g / g+8][block of the half], broadcast to both halves
+            uint4 wv[2];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              r0[i] = hmul2_bf16(r0[i], sc[0][w >> 1]);
-              r1[i] = hmul2_bf16(r1[i], sc[1][w >> 1]);
+            for (int h = 0; h < 2; ++h) {
+              const int row = rt * 16 + g + 8 * h;
+              wv[h] = *reinterpret_cast<const uint4*>(st + row * 128 + (((2 * t + half) ^ g) << 4));
+              const uint32_t s4 = *reinterpret_cast<const uint32_t*>(st + kData + row * 16 + 4 * t);
+              const uint32_t s2 = e4m3x2_to_bf16x2_scaled(half ? s4 >> 16 : s4 & 0xFFFFu);
+              sc[h][0] = prmt(s2, s2, 0x1010u);
+              sc[h][1] = prmt(s2, s2, 0x3232u);
             }
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              mma_16816_bf16(acc[rt][nt], r0[0], r1[0], r0[1], r1[1], b[nt][w][0], b[nt][w][1]);
-              mma_16816_bf16(acc[rt][nt], r0[2], r1[2], r0[3], r1[3], b[nt][w][2], b[nt][w][3]);
+            for (int w = 0; w < 4; ++w) {
+              uint32_t r0[4], r1[4];
+              decode_word_bf16(word_of(wv[0], w), r0);
+              decode_word_bf16(word_of(wv[1], w), r1);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                r0[i] = hmul2_bf16(r0[i], sc[0][w >> 1]);
+                r1[i] = hmul2_bf16(r1[i], sc[1][w >> 1]);
+              }
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                mma_16816_bf16(acc[rt][nt], r0[0], r1[0], r0[1], r1[1], b[nt][w][0], b[nt][w][1]);
+                mma_16816_bf16(acc[rt][nt], r0[2], r1[2], r0[3], r1[3], b[nt][w][2], b[nt][w][3]);
+              }
             }
           }
         }
@@ -1110,17 +1232,8 @@ inline int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
 template <int R, int NT, int MODE, typename TOut>
 cudaError_t launch_gemv(cudaStream_t stream, const GemvParams& p, int ksplit, bool pdl) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((p.N + 16 * R - 1) / (16 * R));
-  cfg.blockDim = dim3(32 * ksplit);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, gemv_kernel<R, NT, MODE, TOut>, p);
+  return jaxlp::launch_kernel(gemv_kernel<R, NT, MODE, TOut>, dim3((p.N + 16 * R - 1) / (16 * R)), dim3(32 * ksplit),
+                              0, stream, 1, pdl, p);
 }
 
 template <int MODE, typename T>
@@ -1136,9 +1249,14 @@ cudaError_t launch_gemv_dispatch(cudaStream_t stream, const GemvParams& p, int r
   return launch_gemv<2, 4, MODE, T>(stream, p, ksplit, pdl);
 }
 
+enum GemvKernel : int { kRegs = 0, kPipe16 = 3 };  // the kernels behind JaxlpNvfp4Gemv (FP16 x_eff staging)
+
+template <typename T>
+cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int rows, int split, bool pdl);
+
 template <typename T>
 cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg, GemvParams p, int rows_per_warp,
-                     int ksplit, bool pdl) {
+                     int ksplit, bool pdl, int kernel = kRegs, int split = 1) {
   const int threads = 256;
   if (mode == kA16 || mode == kProbe) {
     const int n = p.M * (p.Kp / 8);
@@ -1151,6 +1269,7 @@ cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg,
   }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
+  if (kernel == kPipe16) return run_pipe16<T>(stream, mode, p, rows_per_warp, split, pdl);
   if (mode == kA16) return launch_gemv_dispatch<kA16, T>(stream, p, rows_per_warp, ksplit, pdl);
   if (mode == kProbe) {
     return rows_per_warp == 1 ? launch_gemv<1, 1, kProbe, T>(stream, p, ksplit, pdl)
@@ -1162,7 +1281,8 @@ cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg,
 ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> wdata, ffi::Buffer<ffi::U8> wscale,
                     ffi::Buffer<ffi::F32> wg, ffi::Buffer<ffi::F32> xg, ffi::Result<ffi::AnyBuffer> y,
                     ffi::Result<ffi::Buffer<ffi::F16>> xeff, ffi::Result<ffi::Buffer<ffi::F32>> xs, int64_t mode,
-                    int64_t rows_per_warp, int64_t k_split, int64_t pdl, int64_t xg_amax) {
+                    int64_t rows_per_warp, int64_t k_split, int64_t pdl, int64_t xg_amax, int64_t kernel,
+                    int64_t split) {
   const auto xd = x.dimensions();
   const auto wd = wdata.dimensions();
   const auto sd = wscale.dimensions();
@@ -1183,6 +1303,9 @@ ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> 
   if (qd.size() != 2 || qd[0] != M || qd[1] != Kp / kChunkK) return bad("xs workspace must be [M, Kp/256]");
   if (mode != kA16 && mode != kA4 && mode != kProbe) return bad("mode must be 0 (W4A16), 1 (W4A4) or 2 (probe)");
   if (mode == kProbe && M > 8) return bad("the probe mode takes M <= 8");
+  if (kernel != kRegs && kernel != kPipe16) return bad("kernel must be 0 (regs) or 3 (pipe16)");
+  if (kernel == kPipe16 && K % 64) return bad("the pipe16 kernel needs K % 64 == 0, got K = " + std::to_string(K));
+  if (split != 1 && split != 2 && split != 4) return bad("split must be 1, 2 or 4");
   if (rows_per_warp != 1 && rows_per_warp != 2) return bad("rows_per_warp must be 1 or 2");
   if (k_split != 2 && k_split != 4 && k_split != 8) return bad("k_split must be 2, 4 or 8");
   if (x.element_type() != y->element_type()) return bad("output dtype must match the activation dtype");
@@ -1205,6 +1328,8 @@ ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> 
   p.scale32 = (K % 64 == 0) && (reinterpret_cast<uintptr_t>(p.wscale) % 4 == 0);
   p.xg_amax = xg_amax != 0;
   if (!p.vec16 && wptr % 8 != 0) return bad("weight data must be 8-byte aligned");
+  if (kernel == kPipe16 && (wptr % 16 || reinterpret_cast<uintptr_t>(p.wscale) % 4))
+    return bad("pipe16: weight data must be 16-byte and scales 4-byte aligned");
   if (reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 != 0 || reinterpret_cast<uintptr_t>(p.xeff) % 16 != 0)
     return bad("activation buffers must be 16-byte aligned");
 
@@ -1213,11 +1338,13 @@ ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> 
     case ffi::DataType::BF16:
       e = run_gemv<__nv_bfloat16>(stream, static_cast<int>(mode),
                                   reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()), p.xg, p,
-                                  static_cast<int>(rows_per_warp), static_cast<int>(k_split), pdl != 0);
+                                  static_cast<int>(rows_per_warp), static_cast<int>(k_split), pdl != 0,
+                                  static_cast<int>(kernel), static_cast<int>(split));
       break;
     case ffi::DataType::F32:
       e = run_gemv<float>(stream, static_cast<int>(mode), reinterpret_cast<const float*>(x.untyped_data()), p.xg, p,
-                          static_cast<int>(rows_per_warp), static_cast<int>(k_split), pdl != 0);
+                          static_cast<int>(rows_per_warp), static_cast<int>(k_split), pdl != 0,
+                          static_cast<int>(kernel), static_cast<int>(split));
       break;
     default:
       return bad("activations must be bfloat16 or float32");
@@ -1318,58 +1445,41 @@ inline cudaError_t resident_ctas(const void* kernel, int smem, int cluster, int*
   return cudaSuccess;
 }
 
-template <int R, int NT, int C, typename T>
+template <int R, int NT, int C, typename T, int DEC>
 cudaError_t launch_pipe(cudaStream_t stream, PipeParams p, bool pdl) {
-  const void* kernel = reinterpret_cast<const void*>(pipe_kernel<R, NT, C, T>);
-  constexpr int smem = kPipeSmemBytes<R, NT>;
+  const void* kernel = reinterpret_cast<const void*>(pipe_kernel<R, NT, C, T, DEC>);
+  constexpr int smem = kPipeSmemBytes<R, NT, DEC>;
   int max_ctas = 0;
   cudaError_t e = resident_ctas(kernel, smem, C, &max_ctas);
   if (e != cudaSuccess) return e;
   p.tiles = (p.N + 16 * R - 1) / (16 * R);
   p.chunks = (p.K + kChunkK - 1) / kChunkK;
   const int clusters = std::max(1, std::min(p.tiles, max_ctas / C));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(clusters * C);
-  cfg.blockDim = dim3(256);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int na = 0;
-  if (C > 1) {
-    attr[na].id = cudaLaunchAttributeClusterDimension;
-    attr[na].val.clusterDim.x = C;
-    attr[na].val.clusterDim.y = 1;
-    attr[na].val.clusterDim.z = 1;
-    ++na;
-  }
-  if (pdl) {
-    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[na].val.programmaticStreamSerializationAllowed = 1;
-    ++na;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = na;
-  return cudaLaunchKernelEx(&cfg, pipe_kernel<R, NT, C, T>, p);
+  return jaxlp::launch_kernel(pipe_kernel<R, NT, C, T, DEC>, dim3(clusters * C), dim3(256), smem, stream, C, pdl, p);
 }
 
-template <int R, int C, typename T>
+template <int R, int C, typename T, int DEC>
 cudaError_t launch_pipe_nt(cudaStream_t stream, const PipeParams& p, bool pdl) {
   const int nt = (p.M + 7) / 8;
-  if (nt == 1) return launch_pipe<R, 1, C, T>(stream, p, pdl);
-  if (nt == 2) return launch_pipe<R, 2, C, T>(stream, p, pdl);
-  return launch_pipe<R, 4, C, T>(stream, p, pdl);
+  if constexpr (DEC == kDecProbe) {  // the probe takes M <= 8
+    return launch_pipe<R, 1, C, T, DEC>(stream, p, pdl);
+  } else {
+    if (nt == 1) return launch_pipe<R, 1, C, T, DEC>(stream, p, pdl);
+    if (nt == 2) return launch_pipe<R, 2, C, T, DEC>(stream, p, pdl);
+    return launch_pipe<R, 4, C, T, DEC>(stream, p, pdl);
+  }
 }
 
-template <typename T>
+template <typename T, int DEC = kDecBF16>
 cudaError_t launch_pipe_cfg(cudaStream_t stream, const PipeParams& p, int rows, int split, bool pdl) {
   if (rows == 1) {
-    if (split == 1) return launch_pipe_nt<1, 1, T>(stream, p, pdl);
-    if (split == 2) return launch_pipe_nt<1, 2, T>(stream, p, pdl);
-    return launch_pipe_nt<1, 4, T>(stream, p, pdl);
+    if (split == 1) return launch_pipe_nt<1, 1, T, DEC>(stream, p, pdl);
+    if (split == 2) return launch_pipe_nt<1, 2, T, DEC>(stream, p, pdl);
+    return launch_pipe_nt<1, 4, T, DEC>(stream, p, pdl);
   }
-  if (split == 1) return launch_pipe_nt<2, 1, T>(stream, p, pdl);
-  if (split == 2) return launch_pipe_nt<2, 2, T>(stream, p, pdl);
-  return launch_pipe_nt<2, 4, T>(stream, p, pdl);
+  if (split == 1) return launch_pipe_nt<2, 1, T, DEC>(stream, p, pdl);
+  if (split == 2) return launch_pipe_nt<2, 2, T, DEC>(stream, p, pdl);
+  return launch_pipe_nt<2, 4, T, DEC>(stream, p, pdl);
 }
 
 template <int BN, int BM, int KS, typename T>
@@ -1382,28 +1492,8 @@ cudaError_t launch_gemm(cudaStream_t stream, const PipeParams& p, bool pdl) {
   if (p.K / kGemmK < KS) return cudaErrorInvalidValue;
   const int64_t tiles = int64_t((p.N + BN - 1) / BN) * ((p.M + BM - 1) / BM) * KS;
   if (tiles > (int64_t(1) << 31) - 1) return cudaErrorInvalidConfiguration;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(tiles));
-  cfg.blockDim = dim3(256);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int na = 0;
-  if (KS > 1) {
-    attr[na].id = cudaLaunchAttributeClusterDimension;
-    attr[na].val.clusterDim.x = KS;
-    attr[na].val.clusterDim.y = 1;
-    attr[na].val.clusterDim.z = 1;
-    ++na;
-  }
-  if (pdl) {
-    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[na].val.programmaticStreamSerializationAllowed = 1;
-    ++na;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = na;
-  return cudaLaunchKernelEx(&cfg, gemm_kernel<BN, BM, KS, T>, p);
+  return jaxlp::launch_kernel(gemm_kernel<BN, BM, KS, T>, dim3(static_cast<unsigned>(tiles)), dim3(256), smem, stream,
+                              KS, pdl, p);
 }
 
 template <int BN, int BM, typename T>
@@ -1411,6 +1501,27 @@ cudaError_t launch_gemm_split(cudaStream_t stream, const PipeParams& p, int spli
   if (split == 1) return launch_gemm<BN, BM, 1, T>(stream, p, pdl);
   if (split == 2) return launch_gemm<BN, BM, 2, T>(stream, p, pdl);
   return launch_gemm<BN, BM, 4, T>(stream, p, pdl);
+}
+
+// pipe16: pipe_kernel with the FP16 decode on the x_eff / xs workspaces that run_gemv's staging kernel
+// just wrote (launched with PDL after it when `pdl`).
+template <typename T>
+cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int rows, int split, bool pdl) {
+  PipeParams p = {};
+  p.wdata = g.wdata;
+  p.wscale = g.wscale;
+  p.wg = g.wg;
+  p.xg = mode == kA4 ? g.xg : nullptr;
+  p.xh = g.xeff;
+  p.xs = mode == kA4 ? nullptr : g.xs;
+  p.y = g.y;
+  p.M = g.M;
+  p.N = g.N;
+  p.K = g.K;
+  p.Kp = g.Kp;
+  p.xg_amax = g.xg_amax;
+  if (mode == kProbe) return launch_pipe_cfg<T, kDecProbe>(stream, p, rows, split, pdl);
+  return launch_pipe_cfg<T, kDecF16>(stream, p, rows, split, pdl);
 }
 
 enum MatmulKernel : int { kPipe = 1, kGemm = 2 };
@@ -1525,7 +1636,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Gemv, jaxlp_nvfp4::GemvImpl,
                                   .Attr<int64_t>("rows_per_warp")
                                   .Attr<int64_t>("k_split")
                                   .Attr<int64_t>("pdl")
-                                  .Attr<int64_t>("xg_amax"),
+                                  .Attr<int64_t>("xg_amax")
+                                  .Attr<int64_t>("kernel")         // 0: regs, 3: pipe16
+                                  .Attr<int64_t>("split"),         // pipe16: CTAs of a cluster splitting K
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Quantize, jaxlp_nvfp4::QuantizeImpl,

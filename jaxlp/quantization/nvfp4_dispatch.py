@@ -8,18 +8,22 @@ Other formats, other activation quantizers and CPU runs keep the pure-JAX refere
 For an input of ``M`` tokens (all leading axes flattened) and a weight ``[N, K]`` the table
 picks one of (see :mod:`jaxlp.ffi.nvfp4`):
 
-- a GEMV kernel (``"regs"`` or ``"pipe"``, ``M <= 32``) with its launch configuration;
+- a GEMV kernel (``"regs"``, ``"pipe"`` or ``"pipe16"``, ``M <= 32``) with its launch configuration;
 - the tensor-core GEMM (``"gemm"``, any ``M``);
 - ``"xla"``: :func:`dequantize_dot`: weights decoded to ``e2m1 * e4m3`` (exact in BF16 / FP16),
   activations as they are (W4A16) or quantized to NVFP4 and decoded the same way (W4A4), one
   XLA dot with FP32 accumulation on the tensor cores, times ``g_w`` (and ``g_x``). For NVFP4
   every product is exact, so W4A4 is emulated exactly up to summation order.
 
-A kernel that cannot take the call (``K % 64 != 0`` or FP32 W4A16 activations for ``"pipe"`` and
-``"gemm"``) falls back to ``"regs"`` (``M <= 32``) or XLA.
+A kernel that cannot take the call (``K % 64 != 0`` for ``"pipe"``, ``"pipe16"`` and ``"gemm"``, or
+FP32 W4A16 activations for ``"pipe"`` and ``"gemm"``) falls back to ``"regs"`` (``M <= 32``) or XLA.
 
-The table (``jaxlp/ffi/nvfp4_dispatch.json``) holds, per benchmarked ``(N, K)`` and activation
-mode, the winner at each benchmarked M (``scripts/bench_nvfp4.py`` writes it). For an M
+The table (``jaxlp/ffi/nvfp4_dispatch.json``) holds, per GPU model (``device_kind``, e.g. ``"NVIDIA
+H200"``) and per benchmarked ``(N, K)`` and activation mode, the winner at each benchmarked M
+(``scripts/bench_nvfp4.py`` writes it): ``{"devices": {kind: {"date", "shapes": [...]}},
+"default": rule}``. The running GPU's entry is used, else the one named ``"fallback"`` (else the
+first); an M above every M benchmarked in the running GPU's entry (for that shape) takes the
+fallback GPU's choice. For an M
 between benchmarked values the next larger one decides; above the largest, the GEMM if it won
 there (its cost grows with M like the dot's), else XLA; a shape not in the table uses the
 nearest benchmarked shape (by ``|log N - log N'| + |log K - log K'|``).
@@ -104,16 +108,64 @@ def dequantize_dot(
 # The measured table
 
 
+def current_device_kind() -> str | None:
+    """``device_kind`` of JAX's first GPU (``"NVIDIA H100 80GB HBM3"``, ...), None without one."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    return dev.device_kind if dev.platform == "gpu" else None
+
+
+def device_table(raw: dict, device_kind: str | None) -> dict:
+    """One device's table ``{"device", "date", "default", "shapes"}`` out of a table file's contents.
+
+    A file with a ``"devices"`` map gives the entry of ``device_kind``, else the one named by
+    ``"fallback"``, else the first; a file with a top-level ``"shapes"`` list (one device) is
+    returned as it is.
+    """
+    if "devices" not in raw:
+        if not isinstance(raw.get("shapes"), list):
+            raise ValueError("a dispatch table needs a 'shapes' list or a 'devices' map")
+        return raw
+    devices = raw["devices"]
+    if not isinstance(devices, dict) or not devices:
+        raise ValueError("a dispatch table's 'devices' must map device kinds to tables")
+    kind = device_kind if device_kind in devices else raw.get("fallback")
+    if kind not in devices:
+        kind = next(iter(devices))
+    entry = devices[kind]
+    if not isinstance(entry.get("shapes"), list):
+        raise ValueError(f"dispatch table entry {kind!r} needs a 'shapes' list")
+    table = {"device": kind, "default": raw.get("default", DEFAULT_RULE), **entry}
+    fallback = raw.get("fallback")
+    if fallback in devices and fallback != kind:  # for M beyond this device's measurements
+        table["beyond"] = device_table(raw, fallback)
+    return table
+
+
+def split_by_device(raw: dict) -> dict:
+    """A table file's contents in the ``"devices"`` form (a one-device file becomes one entry)."""
+    if "devices" in raw:
+        return json.loads(json.dumps(raw))
+    kind = raw.get("device", "unknown")
+    entry = {k: v for k, v in raw.items() if k not in ("device", "default", "note")}
+    return {"note": raw.get("note", ""), "default": raw.get("default", DEFAULT_RULE), "fallback": kind,
+            "devices": {kind: entry}}
+
+
 @functools.lru_cache(maxsize=None)
-def load_table(path: str | None = None) -> dict:
-    """The dispatch table as a dict (see the module docstring); empty entries if the file is absent."""
+def load_table(path: str | None = None, device_kind: str | None = None) -> dict:
+    """The dispatch table of one GPU model (default: the running one; see :func:`device_table`);
+    empty entries if the file is absent."""
     p = Path(path) if path else TABLE_PATH
     if not p.is_file():
         return {"shapes": []}
-    table = json.loads(p.read_text())
-    if not isinstance(table.get("shapes"), list):
-        raise ValueError(f"{p}: a dispatch table needs a 'shapes' list")
-    return table
+    raw = json.loads(p.read_text())
+    try:
+        return device_table(raw, device_kind or current_device_kind())
+    except ValueError as e:
+        raise ValueError(f"{p}: {e}") from None
 
 
 def _nearest(entries: list[dict], n: int, k: int) -> dict | None:
@@ -145,8 +197,8 @@ def config_choice(cfg: ffi_nvfp4.GemvConfig | None):
     """The table's JSON form of a configuration (None: ``"xla"``)."""
     if cfg is None:
         return XLA
-    if cfg.kernel == "pipe":
-        return {"kernel": "pipe", "rows_per_warp": cfg.rows_per_warp, "split": cfg.split}
+    if cfg.kernel in ("pipe", "pipe16"):
+        return {"kernel": cfg.kernel, "rows_per_warp": cfg.rows_per_warp, "split": cfg.split}
     if cfg.kernel == "gemm":
         return {"kernel": "gemm", "block_m": cfg.block_m, "block_n": cfg.block_n, "split": cfg.split}
     return {"rows_per_warp": cfg.rows_per_warp, "k_split": cfg.k_split}
@@ -163,6 +215,8 @@ def plan(m: int, n: int, k: int, mode: str, table: dict | None = None) -> ffi_nv
     table = load_table() if table is None else table
     entry = _nearest([e for e in table["shapes"] if mode in e], n, k)
     rule = sorted(entry[mode] if entry else table.get("default", DEFAULT_RULE), key=lambda r: r[0])
+    if entry and "beyond" in table and (not rule or m > rule[-1][0]):
+        return plan(m, n, k, mode, table["beyond"])
     choice = XLA
     for bound, c in rule:
         if m <= bound:

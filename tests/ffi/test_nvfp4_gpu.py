@@ -1,5 +1,5 @@
-"""The NVFP4 CUDA kernels (regs and pipe GEMVs, the GEMM, the quantizer) on a GPU against float64
-references (skipped without a CUDA GPU)."""
+"""The NVFP4 CUDA kernels (regs, pipe and pipe16 GEMVs, the GEMM, the quantizer) on a GPU against
+float64 references (skipped without a CUDA GPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -267,7 +267,7 @@ def test_every_code_and_scale_extremes():
         shape=(n, k),
     )
     wref = weight_f64(data, sbits, np.float32(g))
-    for m, cfgs in ((3, [ffi_nvfp4.GemvConfig()] + PIPE_CONFIGS), (70, GEMM_CONFIGS)):
+    for m, cfgs in ((3, [ffi_nvfp4.GemvConfig()] + PIPE_CONFIGS + PIPE16_CONFIGS), (70, GEMM_CONFIGS)):
         for cfg in cfgs:
             x = acts(rng, m, k, jnp.bfloat16)
             y = jax.jit(lambda x, q: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg))(x, q)
@@ -294,8 +294,103 @@ def test_amax_operand_matches_tensor_scale(amax):
     rng = np.random.default_rng(9200)
     q, _ = weight(rng, 200, 1024)
     g_x = dispatch.act_tensor_scale(amax)
-    for m, cfg in ((3, ffi_nvfp4.GemvConfig()), (5, PIPE_CONFIGS[1]), (40, GEMM_CONFIGS[1])):
+    for m, cfg in ((3, ffi_nvfp4.GemvConfig()), (5, PIPE_CONFIGS[1]), (6, PIPE16_CONFIGS[1]), (40, GEMM_CONFIGS[1])):
         x = acts(rng, m, 1024, jnp.bfloat16)
         a = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_tensor_scale=g_x, config=cfg))(x)
         b = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_amax=jnp.float32(amax), config=cfg))(x)
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+# --- pipe16: the pipe kernel's ring with the regs GEMV's FP16 arithmetic (regs staging) ----------
+
+PIPE16_CONFIGS = [
+    ffi_nvfp4.GemvConfig(1, kernel="pipe16"),
+    ffi_nvfp4.GemvConfig(2, kernel="pipe16", split=2),
+    ffi_nvfp4.GemvConfig(1, kernel="pipe16", split=4, pdl=False),
+    ffi_nvfp4.GemvConfig(2, kernel="pipe16", split=1),
+]
+PIPE16_SHAPES = [  # M = 1..8 and across the 8-token groups; N not a multiple of 16 / 32; K % 64 == 0, not always % 256
+    (1, 1000, 4096),
+    (2, 37, 64),
+    (3, 520, 1088),
+    (4, 333, 320),
+    (5, 4096, 1088),
+    (6, 130, 2048),
+    (7, 96, 576),
+    (8, 520, 2048),
+    (9, 333, 320),
+    (17, 2048, 512),
+    (32, 130, 1024),
+]
+
+
+def _gemv16(x, q, g_x, cfg, probe=False):
+    return jax.jit(lambda x, q, g: ffi_nvfp4.gemv_call(
+        x, q.data, jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8), q.tensor_scale, g, config=cfg,
+        probe=probe))(x, q, g_x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,n,k", PIPE16_SHAPES)
+def test_pipe16_w4a16(m, n, k, dtype):
+    rng = np.random.default_rng(10000 + m * 7 + k)
+    q, wref = weight(rng, n, k)
+    for cfg in PIPE16_CONFIGS:
+        x = acts(rng, m, k, dtype)  # fresh inputs per call
+        y, x_eff, xs = _gemv16(x, q, None, cfg)
+        assert y.dtype == dtype and y.shape == (m, n)
+        xf = np.asarray(x.astype(jnp.float32))
+        e_eff, e_xs = stage_a16(xf)
+        np.testing.assert_array_equal(np.asarray(x_eff), e_eff)
+        np.testing.assert_array_equal(np.asarray(xs), e_xs)
+        ref = xf.astype(np.float64) @ wref.T
+        y = np.asarray(y.astype(jnp.float32))
+        assert np.isfinite(y).all()
+        if dtype == jnp.float32:
+            assert rel(y, ref) < 1e-3  # FP32 inputs enter the products rounded to FP16
+        else:
+            assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
+            assert rel(y, ref) < 4e-3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,n,k", PIPE16_SHAPES)
+def test_pipe16_w4a4(m, n, k, dtype):
+    rng = np.random.default_rng(11000 + m * 7 + k)
+    q, wref = weight(rng, n, k)
+    for cfg in PIPE16_CONFIGS[:2]:
+        x = acts(rng, m, k, dtype)
+        amax = float(np.abs(np.asarray(x, np.float32)).max()) * 0.5  # half the true max: saturation
+        g_x = dispatch.act_tensor_scale(amax)
+        y, x_eff, _ = _gemv16(x, q, g_x, cfg)
+        np.testing.assert_array_equal(np.asarray(x_eff), stage_a4(np.asarray(x, np.float32), float(g_x)))
+        ref = np.asarray(fake_quantize(x, "nvfp4", jnp.float32(amax)), np.float64) @ wref.T
+        y = np.asarray(y.astype(jnp.float32))
+        if dtype == jnp.float32:
+            assert rel(y, ref) < 1e-5
+        else:
+            assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
+
+
+def test_pipe16_probe_runs_and_rejects_bad_calls():
+    """The loads-only probe launches (its output is meaningless); K % 64 != 0 is refused."""
+    rng = np.random.default_rng(12000)
+    q, _ = weight(rng, 300, 1024)
+    for cfg in PIPE16_CONFIGS[:2]:
+        y, _, _ = _gemv16(acts(rng, 1, 1024, jnp.bfloat16), q, None, cfg, probe=True)
+        assert y.shape == (1, 300)
+    q, _ = weight(rng, 64, 1040)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        _gemv16(acts(rng, 2, 1040, jnp.bfloat16), q, None, PIPE16_CONFIGS[0])
+
+
+def test_dispatch_runs_a_pipe16_choice():
+    """A table choosing pipe16 runs it through QuantizedLinear (and falls back to regs for K % 64 != 0)."""
+    rng = np.random.default_rng(12100)
+    for k in (1024, 1040):
+        q, wref = weight(rng, 200, k)
+        layer = QuantizedLinear(q, implementation="nvfp4_cuda")
+        x = acts(rng, 3, k, jnp.bfloat16)
+        y = jax.jit(lambda x: dispatch.nvfp4_matmul(layer, x, config=PIPE16_CONFIGS[0]))(x)
+        ref = np.asarray(x.astype(jnp.float32), np.float64) @ wref.T
+        assert rel(np.asarray(y.astype(jnp.float32)), ref) < 4e-3

@@ -420,3 +420,85 @@ def test_gemm_bf16_model_matches_reference(m, n, k, seed):
     got = gemm_bf16(data, sbits, g, x)
     ref = x.astype(np.float64) @ weight_f64(data, sbits, g).T
     assert rel(got, ref) < 1e-6
+
+
+# --- pipe16: the pipe ring's stage layout read with the regs GEMV's FP16 arithmetic ------------
+
+
+def pipe16_stage(data, scale_bits, tile, c, r_tiles):
+    """issue() of pipe_kernel: one (tile, chunk) item as stored in shared memory (bytes): 16R rows x
+    8 units of 16 nibble bytes at row*128 + ((cu ^ (row & 7)) << 4), then 16R rows x 16 scale bytes;
+    rows past N read row N-1, units past K are zeros (cp.async with src_bytes = 0)."""
+    n, k2 = data.shape
+    rows = 16 * r_tiles
+    stage = np.zeros(rows * 144, np.uint8)
+    for row in range(rows):
+        r = min(tile * rows + row, n - 1)
+        for cu in range(8):
+            if c * 256 + cu * 32 < 2 * k2:
+                a = row * 128 + ((cu ^ (row & 7)) << 4)
+                stage[a : a + 16] = data[r, c * 128 + cu * 16 : c * 128 + cu * 16 + 16]
+        for cu in range(4):
+            if c * 256 + cu * 64 < 2 * k2:
+                a = rows * 128 + row * 16 + cu * 4
+                stage[a : a + 4] = scale_bits[r, c * 16 + cu * 4 : c * 16 + cu * 4 + 4]
+    return stage
+
+
+def pipe16_item(stage, x_eff, c, r_tiles):
+    """pipe_item_f16 for every thread (g, t) of one warp: the [M, 16R] partial of the item, float64
+    (products exact, sums of FP16 products of at most 22 significant bits)."""
+    m = x_eff.shape[0]
+    rows = 16 * r_tiles
+    part = np.zeros((m, rows))
+    for g in range(8):
+        for t in range(4):
+            k0 = c * 256 + 64 * t
+            for half in range(2):
+                xv = x_eff[:, k0 + 32 * half : k0 + 32 * half + 32].astype(np.float64).reshape(m, 4, 4, 2)
+                for rt in range(r_tiles):
+                    for h in range(2):
+                        row = rt * 16 + g + 8 * h
+                        a = row * 128 + (((2 * t + half) ^ g) << 4)
+                        words = stage[a : a + 16].view("<u4")
+                        s4 = stage[rows * 128 + row * 16 + 4 * t : rows * 128 + row * 16 + 4 * t + 4]
+                        sc = scale_times_128(s4[2 * half : 2 * half + 2].copy())  # blocks 2*half, +1
+                        s = sc[[0, 0, 1, 1]][:, None]  # word w uses block w // 2 of the half
+                        lohi = [half2(p) for p in decode_word(words)]  # [i](lo, hi), each over words w
+                        wl = np.stack([lo for lo, _ in lohi], 1).astype(np.float16)  # [w, i]
+                        wh = np.stack([hi for _, hi in lohi], 1).astype(np.float16)
+                        wl = (wl * s).astype(np.float16).astype(np.float64)
+                        wh = (wh * s).astype(np.float16).astype(np.float64)
+                        part[:, row] += np.einsum("wi,mwi->m", wl, xv[..., 0]) + np.einsum("wi,mwi->m", wh, xv[..., 1])
+    return part
+
+
+@pytest.mark.parametrize("m,n,k,r_tiles,seed", [(1, 40, 320, 1, 41), (5, 37, 576, 2, 42), (8, 16, 64, 1, 43)])
+def test_pipe16_model_matches_reference(m, n, k, r_tiles, seed):
+    """pipe16 = the ring's stages (N not a multiple of the tile, K % 64 == 0 but not % 256) read by
+    pipe_item_f16 on the regs staging (W4A16 chunk scales; W4A4 x_eff), summed per (tile, chunk)."""
+    rng = np.random.default_rng(seed)
+    _, data, sbits, g = quantized_weight(rng, n, k, zero_blocks=3)
+    x = (rng.standard_normal((m, k)) * 3.0).astype(ml_dtypes.bfloat16).astype(np.float32)
+    x[0, :16] = 0.0
+    ref_w = weight_f64(data, sbits, g)
+    rows, chunks = 16 * r_tiles, -(-k // 256)
+    for mode in ("w4a16", "w4a4"):
+        if mode == "w4a16":
+            x_eff, xs = stage_a16(x)
+            ref = x.astype(np.float64) @ ref_w.T
+            g_x = 1.0
+        else:
+            amax = float(np.abs(x).max()) * 0.5  # saturating
+            g_x = float(np.float32(amax) / np.float32(2688.0))
+            x_eff, xs = stage_a4(x, g_x), np.ones((m, chunks), np.float32)
+        y = np.zeros((m, -(-n // rows) * rows))
+        for tile in range(-(-n // rows)):
+            for c in range(chunks):
+                part = pipe16_item(pipe16_stage(data, sbits, tile, c, r_tiles), x_eff, c, r_tiles)
+                y[:, tile * rows : tile * rows + rows] += part * xs[:, c : c + 1].astype(np.float64)
+        y = y[:, :n] * g * 128.0 * g_x
+        if mode == "w4a16":
+            assert rel(y, ref) < 1e-6
+        else:  # against the regs GEMV model on the same staging: only the summation order differs
+            assert rel(y, gemv(data, sbits, g, x_eff, g_x=g_x)) < 1e-9
