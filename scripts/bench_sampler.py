@@ -9,17 +9,18 @@ logits from a rotating pool of 4 arrays per call) at vocabularies 151,936 (Qwen3
 - ``peaked``: a few to a few hundred plausible tokens over a N(0, 2) floor (entropy ~1-4.6
   nats).
 
-Rows, in priority order (``--budget-s`` stops early and lists what it skipped):
-the samplers (``impl=new``), the loop alone (``loop overhead``: slicing the logits and
-summing tokens, part of every other row), the components of the new path (entropy + max
-pass, max pass, ``nucleus_cut``, Gumbel-max over the vocabulary), the previous
-implementation (``impl=old``: top-k 256 candidates or a full sort, two-pass entropy) for a
-same-device before/after, the other stage 3 of ``nucleus_cut`` (``NUCLEUS_FINAL``) and ReSET
-without the lax.cond fallback (``NUCLEUS_EXACT_FALLBACK = False``), and one decode step of a
-Qwen3-8B-shaped model (36 layers, random BF16 weights, a 1024-position BF16 cache, greedy
-feedback; skipped with ``--no-decode`` or when the device has < 24 GB; ``--decode-us`` gives
-known times instead). Prints a table (median microseconds per step, and the sampler's share of a
-decode step) and writes JSON.
+Rows, in priority order (``--budget-s`` stops early and lists what it skipped): per vocabulary,
+batch and kind of logits, the loop alone (``loop overhead``: slicing the logits from the pool
+and summing tokens, part of every other row) and the samplers with each implementation of
+``jaxlp.sampling.base`` (``cuda``: the fused kernels of jaxlp.ffi.sampling; ``xla``: the pure-JAX
+path); then components (entropy + max, max alone, temperature + top-p + draw) and the
+fixed-threshold baseline; then one decode step of a Qwen3-8B-shaped model (36 layers, random
+BF16 weights, a 1024-position BF16 cache, greedy feedback; skipped with ``--no-decode`` or when
+the device has < 24 GB; ``--decode-us`` gives known times instead). The loop is unrolled
+``--unroll`` times, so the while loop's own per-iteration cost (a device-to-host copy of its
+predicate on XLA:GPU) is amortized. Prints a table (median microseconds per step, the same
+minus the loop overhead = the sampler's own cost, and that as a share of a decode step) and
+writes JSON.
 
     python scripts/bench_sampler.py --out docs/bench_sampler.json
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -51,58 +53,7 @@ def samplers():
 
 
 # ----------------------------------------------------------------------------------------------
-# The previous implementation (before this change), kept here for a same-device comparison.
-
-
-def _old_entropy(logits):
-    logits = logits.astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    p = jnp.exp(logp)
-    return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-
-
-def _old_top_p_threshold(logits, top_p):
-    p = jnp.asarray(top_p, jnp.float32)[..., None]
-    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-
-    def threshold(sorted_logits):
-        probs = jnp.exp(sorted_logits - lse)
-        drop = (jnp.cumsum(probs, axis=-1) - probs) >= p
-        drop = drop.at[..., 0].set(False)
-        return jnp.min(jnp.where(drop, jnp.inf, sorted_logits), axis=-1, keepdims=True)
-
-    k = min(256, logits.shape[-1])
-    candidates = jax.lax.top_k(logits, k)[0]
-    covered = jnp.all(jnp.sum(jnp.exp(candidates - lse), axis=-1, keepdims=True) >= p)
-    return jax.lax.cond(covered, lambda: threshold(candidates), lambda: threshold(-jnp.sort(-logits, axis=-1)))
-
-
-def _old_sample(logits, temperature, key, top_p):
-    logits = logits.astype(jnp.float32)
-    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:-1])
-    greedy = temperature <= base.GREEDY_TEMPERATURE
-    scaled = logits / jnp.where(greedy, 1.0, temperature)[..., None]
-    filtered = jnp.where(scaled < _old_top_p_threshold(scaled, top_p), -jnp.inf, scaled)
-    row_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(filtered.shape[0]))
-    sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(row_keys, filtered)
-    return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-
-
-def old_top_p(state, logits, key):
-    return state, _old_sample(logits, 0.6, key, 0.95)
-
-
-def old_reset(cfg):
-    def sample(state, logits, key):
-        temperature, state, _ = cfg.step(state, _old_entropy(logits))
-        tokens = _old_sample(logits, temperature, key, cfg.top_p)
-        return cfg.record(state, tokens), tokens
-
-    return sample
-
-
-# ----------------------------------------------------------------------------------------------
-# Components of the new path
+# Components
 
 
 def component(name):
@@ -116,16 +67,10 @@ def component(name):
     def max_only(state, logits, key):
         return state, (jnp.max(logits, axis=-1) > 0).astype(jnp.int32)
 
-    def nucleus(state, logits, key):
-        y = logits * jnp.float32(1 / 0.6)
-        cut = base.nucleus_cut(y, jnp.max(y, axis=-1), 0.95)
-        return state, (cut > 0).astype(jnp.int32)
+    def top_p_draw(state, logits, key):  # temperature, top-p and the draw, without the entropy
+        return state, base.sample_with_temperature(logits, jnp.full(logits.shape[:1], 0.6), key, top_p=0.95)
 
-    def gumbel_argmax(state, logits, key):
-        return state, base.sample_with_temperature(logits, jnp.ones(logits.shape[0]), key)
-
-    return dict(loop_overhead=loop_overhead, entropy_max=entropy_max, max_only=max_only,
-                nucleus_cut=nucleus, gumbel_argmax=gumbel_argmax)[name]
+    return dict(loop_overhead=loop_overhead, entropy_max=entropy_max, max_only=max_only, top_p_draw=top_p_draw)[name]
 
 
 def as_fn(sampler):
@@ -155,7 +100,7 @@ def logits_pool(kind: str, batch: int, vocab: int):
     return jnp.stack(pool)
 
 
-def time_fn(fn, init_state, pool, iters: int) -> float:
+def time_fn(fn, init_state, pool, iters: int, unroll: int) -> float:
     @jax.jit
     def steps(state, pool, key):
         def body(i, carry):
@@ -163,7 +108,7 @@ def time_fn(fn, init_state, pool, iters: int) -> float:
             state, tokens = fn(state, pool[i % pool.shape[0]], jax.random.fold_in(key, i))
             return state, acc + tokens.sum()
 
-        return jax.lax.fori_loop(0, iters, body, (state, jnp.int32(0)))
+        return jax.lax.fori_loop(0, iters, body, (state, jnp.int32(0)), unroll=unroll)
 
     jax.block_until_ready(steps(init_state, pool, jax.random.key(1)))  # compile + warm up
     times = []
@@ -226,65 +171,33 @@ def time_decode_step(config, model, batch: int, context: int = 1024, iters: int 
     return float(np.median(times)) * 1e6
 
 
-def plan(batches, vocabs):
+def plan(batches, vocabs, implementations):
     """Priority-ordered jobs: (name, impl, logits kind, vocab, batch, fn, init state, options),
     options being attributes of jaxlp.sampling.base set while the job is traced."""
     jobs = []
-    v0 = vocabs[0]
     s = samplers()
 
-    def new(name, kind, vocab, batch, **options):
-        impl = "new" + "".join(f" {k.removeprefix('NUCLEUS_').lower()}={v}" for k, v in options.items())
-        jobs.append((name, impl, kind, vocab, batch, as_fn(s[name]), s[name].init(batch), options))
+    def new(name, impl, kind, vocab, batch):
+        jobs.append((name, impl, kind, vocab, batch, as_fn(s[name]), s[name].init(batch), dict(IMPLEMENTATION=impl)))
 
-    def comp(name, kind, batch):
-        jobs.append((name, "component", kind, v0, batch, component(name), (), {}))
+    def comp(name, impl, kind, vocab, batch):
+        jobs.append((name, impl, kind, vocab, batch, component(name), (), dict(IMPLEMENTATION=impl)))
 
-    def old(name, kind, vocab, batch):
-        fn = old_top_p if name.startswith("top-p") else old_reset(s["ReSET"])
-        jobs.append((name, "old", kind, vocab, batch, fn, s["ReSET"].init(batch) if name == "ReSET" else (), {}))
-
-    other = "refine" if base.NUCLEUS_FINAL == "compact" else "compact"  # the non-default stage 3
-
-    def variants_and_before():
-        for batch in (batches[0], batches[-1]):
-            new("ReSET", "random", v0, batch, NUCLEUS_FINAL=other)
-            new("ReSET", "random", v0, batch, NUCLEUS_EXACT_FALLBACK=False)
-            new("top-p 0.95 (T 0.6)", "random", v0, batch, NUCLEUS_FINAL=other)
-            old("top-p 0.95 (T 0.6)", "random", v0, batch)
-            old("ReSET", "random", v0, batch)
-
-    ordered = list(dict.fromkeys([batches[0], batches[-1]] + batches[1:-1]))
-    for batch in ordered:
-        if batch == ordered[min(2, len(ordered) - 1)] and len(ordered) > 2:
-            variants_and_before()
-        for kind in ("random", "peaked"):
-            for name in ("greedy", "top-p 0.95 (T 0.6)", "ReSET"):
-                new(name, kind, v0, batch)
-            comp("loop_overhead", kind, batch)
-        if batch == batches[0]:
-            for kind in ("random", "peaked"):
-                for c in ("entropy_max", "max_only", "nucleus_cut", "gumbel_argmax"):
-                    comp(c, kind, batch)
-    if len(ordered) <= 2:
-        variants_and_before()
-    for vocab in vocabs[1:]:
-        for batch in ordered:
-            for name in ("greedy", "top-p 0.95 (T 0.6)", "ReSET"):
-                new(name, "random", vocab, batch)
-    for kind in ("random", "peaked"):
-        for c in ("entropy_max", "max_only", "nucleus_cut", "gumbel_argmax"):
-            comp(c, kind, batches[-1])
-    for batch in batches[1:-1]:
-        old("top-p 0.95 (T 0.6)", "random", v0, batch)
-        old("ReSET", "random", v0, batch)
-    for batch in batches:
-        old("ReSET", "peaked", v0, batch)
-        old("top-p 0.95 (T 0.6)", "peaked", v0, batch)
-        new("fixed threshold", "random", v0, batch)
-    for vocab in vocabs[1:]:
+    v0 = vocabs[0]
+    for vocab in vocabs:
         for batch in batches:
-            old("ReSET", "random", vocab, batch)
+            for kind in ("random", "peaked") if vocab == v0 else ("random",):
+                comp("loop_overhead", "-", kind, vocab, batch)
+                for impl in implementations:
+                    for name in ("greedy", "top-p 0.95 (T 0.6)", "ReSET"):
+                        new(name, impl, kind, vocab, batch)
+                if vocab == v0 and batch in (batches[0], batches[-1]):
+                    for impl in implementations:
+                        for c in ("entropy_max", "max_only", "top_p_draw"):
+                            comp(c, impl, kind, v0, batch)
+    for batch in batches:
+        for impl in implementations:
+            new("fixed threshold", impl, "random", v0, batch)
     return jobs
 
 
@@ -292,7 +205,7 @@ def dump(out, rows, decode, decode_source, stats, skipped, start):
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                 decode_context=1024, nucleus_final=base.NUCLEUS_FINAL, nucleus_splits=base.NUCLEUS_SPLITS,
                 nucleus_capacity=base.NUCLEUS_CAPACITY, nucleus_exact_fallback=base.NUCLEUS_EXACT_FALLBACK,
-                seconds=round(time.perf_counter() - start, 1))
+                command=" ".join(["python"] + sys.argv), seconds=round(time.perf_counter() - start, 1))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(dict(meta=meta, rows=rows, qwen3_8b_decode_us=decode,
                                          qwen3_8b_decode_source=decode_source, logits_entropy_nats=stats,
@@ -303,6 +216,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="docs/bench_sampler.json")
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--unroll", type=int, default=10, help="decode steps per while-loop iteration")
+    parser.add_argument("--implementations", default="cuda,xla", help="of jaxlp.sampling.base (cuda needs a GPU)")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--vocabs", default="151936,262144")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this many seconds")
@@ -314,7 +229,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     vocabs = [int(v) for v in args.vocabs.split(",")]
     rows, skipped, pools, stats = [], [], {}, {}
-    for name, impl, kind, vocab, batch, fn, init, options in plan(batches, vocabs):
+    implementations = args.implementations.split(",")
+    for name, impl, kind, vocab, batch, fn, init, options in plan(batches, vocabs, implementations):
         label = f"{name} [{impl}] {kind} vocab {vocab} batch {batch}"
         if time.perf_counter() - start > args.budget_s:
             skipped.append(label)
@@ -326,7 +242,7 @@ def main(argv=None) -> int:
         try:
             for k, v in options.items():
                 setattr(base, k, v)
-            us = time_fn(fn, init, pools[(kind, batch, vocab)], args.iters)
+            us = time_fn(fn, init, pools[(kind, batch, vocab)], args.iters, args.unroll)
         finally:
             for k, v in saved.items():
                 setattr(base, k, v)
@@ -349,11 +265,18 @@ def main(argv=None) -> int:
             decode_source[batch] = "measured"
             print(f"Qwen3-8B decode step batch {batch:>3}: {decode[batch]:9.1f} us/step", flush=True)
     dump(args.out, rows, decode, decode_source, stats, skipped, start)
-    print(f"\n{'sampler':<30} {'impl':<22} {'logits':<7} {'vocab':>7} {'batch':>5} {'us/step':>9} {'% 8B step':>9}")
+    overhead = {(r["logits"], r["vocab"], r["batch"]): r["us_per_step"] for r in rows if r["sampler"] == "loop_overhead"}
     for r in rows:
-        share = f"{100 * r['us_per_step'] / decode[r['batch']]:.1f}" if r["batch"] in decode else "-"
-        print(f"{r['sampler']:<30} {r['impl']:<22} {r['logits']:<7} {r['vocab']:>7} {r['batch']:>5} "
-              f"{r['us_per_step']:>9.1f} {share:>9}")
+        if r["sampler"] != "loop_overhead" and (r["logits"], r["vocab"], r["batch"]) in overhead:
+            r["net_us"] = r["us_per_step"] - overhead[(r["logits"], r["vocab"], r["batch"])]
+    dump(args.out, rows, decode, decode_source, stats, skipped, start)
+    print(f"\n{'sampler':<22} {'impl':<5} {'logits':<7} {'vocab':>7} {'batch':>5} {'us/step':>9} {'net us':>8} "
+          f"{'% 8B step':>9}")
+    for r in rows:
+        net = r.get("net_us")
+        share = f"{100 * net / decode[r['batch']]:.2f}" if r["batch"] in decode and net is not None else "-"
+        print(f"{r['sampler']:<22} {r['impl']:<5} {r['logits']:<7} {r['vocab']:>7} {r['batch']:>5} "
+              f"{r['us_per_step']:>9.1f} {'-' if net is None else f'{net:8.1f}':>8} {share:>9}")
     for batch, us in decode.items():
         print(f"{'Qwen3-8B decode step':<30} {decode_source[batch]:<22} {'':<7} {'':>7} {batch:>5} {us:>9.1f}")
     if skipped:

@@ -11,12 +11,16 @@ decode loop of :func:`jaxlp.generate`:
 
 ``logits`` are the raw model logits of the position being decoded; the sampler owns every
 transformation (temperature, filtering). A temperature <= ``GREEDY_TEMPERATURE`` means argmax.
+Sampling is Gumbel-max with the counter-based noise of :mod:`jaxlp.sampling.noise`.
 
-Cost on a GPU: at batch 1 a step is latency-bound (on an H200 each XLA pass over a 151,936
-vocabulary row costs ~10-15 us whatever it computes), and a full sort of the row is the most
-expensive step. The top-p path therefore sorts nothing in the common case (see
-:func:`nucleus_cut`), and ReSET gets its entropy and the row max from one pass
-(:func:`entropy_and_max`). Measurements: docs/bench_sampler.json.
+Two implementations of :func:`entropy_and_max` and :func:`sample_with_temperature`
+(``IMPLEMENTATION``, or the ``implementation=`` argument): ``"xla"``, the pure-JAX code of this
+module (the reference, and the CPU path), and ``"cuda"``, the fused kernels of
+:mod:`jaxlp.ffi.sampling` (one read of each row per call, no sort, no host sync). ``"auto"``
+takes the kernels on a GPU when the vocabulary fits (<= 393,216) and the call has no top-k.
+Both draw the same token from the same key. Why kernels: at batch 1 a step is latency-bound,
+and on an H200 each XLA pass over a 151,936-token row costs ~10-15 us whatever it computes;
+the XLA top-p path (:func:`nucleus_cut`) needs about six. Measurements: docs/perf.md.
 """
 
 from __future__ import annotations
@@ -29,8 +33,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlp.sampling import noise
+
 GREEDY_TEMPERATURE = 1e-6
 ENTROPY_CHUNK = 1024  # first-stage length of the entropy reduction
+IMPLEMENTATIONS = ("auto", "xla", "cuda")
+IMPLEMENTATION = "auto"  # default of the implementation= arguments (see the module docstring)
+
+
+def use_kernels(vocab: int, implementation: str | None = None) -> bool:
+    """Whether a call over rows of ``vocab`` tokens runs the CUDA kernels of jaxlp.ffi.sampling."""
+    from jaxlp.ffi import sampling as kernels
+
+    implementation = IMPLEMENTATION if implementation is None else implementation
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "xla":
+        return False
+    if implementation == "cuda":
+        if not kernels.supported(vocab):
+            raise ValueError(f"the CUDA sampling kernels take at most {kernels.MAX_VOCAB} tokens, got {vocab}")
+        if not kernels.available():
+            raise RuntimeError(f"the CUDA sampling kernels are not available: {kernels.LIBRARY.unavailable_reason()}")
+        return True
+    return kernels.supported(vocab) and kernels.available()
 
 
 class SampleOutput(NamedTuple):
@@ -53,14 +79,18 @@ def _entropy_combine(a, b):
     return m, s, t
 
 
-def entropy_and_max(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+def entropy_and_max(logits: jax.Array, implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
     """(Shannon entropy in nats of softmax(logits), max logit) over the last axis, float32.
 
-    One pass (an online-softmax reduction): with ``m`` the running max, ``s = sum exp(x - m)``
-    and ``t = sum exp(x - m) (x - m)``, ``H = log(s) - t / s``.
+    With ``m`` the max, ``s = sum exp(x - m)`` and ``t = sum exp(x - m) (x - m)``,
+    ``H = log(s) - t / s`` (a row of -inf gives log V). XLA: one online-softmax pass.
     """
     x = jnp.asarray(logits).astype(jnp.float32)
     v = x.shape[-1]
+    if x.ndim == 2 and use_kernels(v, implementation):
+        from jaxlp.ffi import sampling as kernels
+
+        return kernels.entropy_and_max(x)
     init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
     # Two stages (chunks of ENTROPY_CHUNK, then across chunks): short sequential sums keep
     # float32 rounding small on CPU and give the GPU many blocks at batch 1.
@@ -325,12 +355,6 @@ def filter_logits(
     return jnp.where(keep.reshape(shape), logits, neg_inf)
 
 
-def _row_keys(key: jax.Array, rows: int) -> jax.Array:
-    # One key per row (folded with the row index) so that a row's draw does not depend on
-    # the batch size or on the other rows.
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(rows))
-
-
 def sample_with_temperature(
     logits: jax.Array,
     temperature: jax.Array,
@@ -340,13 +364,15 @@ def sample_with_temperature(
     top_p: jax.Array | float | None = None,
     min_p: jax.Array | float | None = None,
     row_max: jax.Array | None = None,
+    implementation: str | None = None,
 ) -> jax.Array:
     """Scale ``logits [B, V]`` by a per-row ``1 / temperature [B]``, filter, sample one token per row.
 
-    Rows whose temperature is <= GREEDY_TEMPERATURE take the argmax of the raw logits.
+    Rows whose temperature is <= GREEDY_TEMPERATURE take the (first) argmax of the raw logits.
     ``row_max [B]``, the max of ``logits`` per row, may be passed when already known (it
-    saves a pass). Scaling multiplies by the reciprocal, so the max of the scaled row is
-    ``row_max / T`` exactly. Sampling is Gumbel-max over the kept tokens.
+    saves the XLA path a pass). Scaling multiplies by the reciprocal, so the max of the scaled
+    row is ``row_max / T`` exactly. Sampling is Gumbel-max over the kept tokens with the noise
+    of :mod:`jaxlp.sampling.noise` (row keys from the words of ``key`` and the row index).
     """
     logits = logits.astype(jnp.float32)
     if logits.ndim != 2:
@@ -354,12 +380,16 @@ def sample_with_temperature(
     b, v = logits.shape
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
     greedy = temperature <= GREEDY_TEMPERATURE
-    row_keys = _row_keys(key, b)
+    words = noise.key_words(key)
     if top_k is not None:  # top-k needs lax.top_k: the plain path
         scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
         filtered = filter_logits(scaled, top_k=top_k, top_p=top_p, min_p=min_p)
-        sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(row_keys, filtered)
+        sampled = jnp.argmax(filtered + noise.gumbel(noise.row_keys(words, b), v), axis=-1)
         return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    if use_kernels(v, implementation):
+        from jaxlp.ffi import sampling as kernels
+
+        return kernels.sample(logits, temperature, words, top_p=top_p, min_p=min_p)
     inv_t = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature))
     y = logits * inv_t[:, None]
     if row_max is None:
@@ -371,7 +401,7 @@ def sample_with_temperature(
     if top_p is not None:
         cut = nucleus_cut(y, y_max, top_p, keep)
         keep = (y >= cut[:, None]) if keep is None else keep & (y >= cut[:, None])
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(row_keys)
+    gumbel = noise.gumbel(noise.row_keys(words, b), v)
     noisy = y + gumbel if keep is None else jnp.where(keep, y + gumbel, -jnp.inf)
     scores = jnp.where(greedy[:, None], logits, noisy)
     return jnp.argmax(scores, axis=-1).astype(jnp.int32)

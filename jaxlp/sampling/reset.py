@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlp.sampling import noise
 from jaxlp.sampling.base import (
     GREEDY_TEMPERATURE,
     SampleOutput,
@@ -52,6 +53,7 @@ from jaxlp.sampling.base import (
     sample_with_temperature,
     static_field,
     token_entropy,
+    use_kernels,
 )
 
 NO_TOKEN = -1  # last_tokens entry before that many tokens were generated
@@ -319,10 +321,20 @@ class EntropyTemperatureSampler(Sampler):
         if logits.ndim != 2:
             raise ValueError(f"logits must have shape [B, V], got {logits.shape}")
         self._check_state(state, logits.shape[0])
-        # One pass gives H and the row max; the max is reused by the top-p stage.
-        entropy, row_max = entropy_and_max(logits)
-        temperature, state, stats = self.step(state, entropy)
-        tokens = sample_with_temperature(logits, temperature, key, top_p=self.top_p, row_max=row_max)
+        if use_kernels(logits.shape[1]):
+            # One kernel reads the row once: H, and the tokens at t_low and at t_high (same noise);
+            # the state update then picks the one of the temperature it chose.
+            from jaxlp.ffi import sampling as kernels
+
+            pair = jnp.stack([jnp.asarray(self.t_low, jnp.float32), jnp.asarray(self.t_high, jnp.float32)])
+            both, entropy, _ = kernels.entropy_sample(logits, pair, noise.key_words(key), top_p=self.top_p)
+            temperature, state, stats = self.step(state, entropy)
+            tokens = jnp.where(temperature == pair[1], both[:, 1], both[:, 0])
+        else:
+            # One pass gives H and the row max; the max is reused by the top-p stage.
+            entropy, row_max = entropy_and_max(logits)
+            temperature, state, stats = self.step(state, entropy)
+            tokens = sample_with_temperature(logits, temperature, key, top_p=self.top_p, row_max=row_max)
         return SampleOutput(tokens, stats.temperature, self.record(state, tokens), stats.entropy)
 
 
