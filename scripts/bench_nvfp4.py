@@ -72,7 +72,15 @@ PIPE = [C(1, kernel="pipe"), C(1, kernel="pipe", split=2), C(1, kernel="pipe", s
         C(2, kernel="pipe"), C(2, kernel="pipe", split=2)]  # the cp.async GEMV (BF16, no staging for W4A16)
 PIPE16 = [C(1, kernel="pipe16"), C(1, kernel="pipe16", split=2), C(2, kernel="pipe16"),
           C(2, kernel="pipe16", split=2)]  # pipe's ring with regs' FP16 decode (staging kernel)
-PROBES = {"regs": [C(1, 8), C(2, 4)], "pipe16": [C(1, kernel="pipe16"), C(2, kernel="pipe16")]}
+# The M <= 8 variants (session 4): more warps per SM (regs B3: 80 registers, 3 CTAs; pipe16 S2: a
+# 2-stage ring, 4 CTAs at R = 1) and two MMA accumulator chains per item (A2).
+REGS += [C(1, 8, blocks_per_sm=3), C(1, 4, blocks_per_sm=3), C(1, 8, accumulators=2),
+         C(1, 8, blocks_per_sm=3, accumulators=2), C(2, 8, accumulators=2)]
+PIPE16 += [C(1, kernel="pipe16", stages=2), C(1, kernel="pipe16", split=2, stages=2),
+           C(1, kernel="pipe16", stages=2, accumulators=2), C(1, kernel="pipe16", accumulators=2),
+           C(2, kernel="pipe16", stages=2)]
+PROBES = {"regs": [C(1, 8), C(2, 4)],
+          "pipe16": [C(1, kernel="pipe16"), C(2, kernel="pipe16"), C(1, kernel="pipe16", stages=2)]}
 GEMM = [C(kernel="gemm", block_n=64, block_m=64), C(kernel="gemm", block_n=64, block_m=64, split=2),
         C(kernel="gemm", block_n=64, block_m=64, split=4), C(kernel="gemm", block_n=128, block_m=64, split=2),
         C(kernel="gemm", block_n=128, block_m=128)]
@@ -305,7 +313,8 @@ def main(argv=None):
         sh = Shape(n, k, si, target_bytes=4 * L2_BYTES)
         g_x = jnp.float32(0.004)
         checks = []
-        for m, cfgs in ((1, [REGS[0], PIPE[0], PIPE16[0]]), (8, [REGS[1], PIPE[3], PIPE16[3]]),
+        variants = [c for c in REGS + PIPE16 if c.is_small_m_variant]
+        for m, cfgs in ((1, [REGS[0], PIPE[0], PIPE16[0]] + variants), (8, [REGS[1], PIPE[3], PIPE16[3]] + variants),
                         (64, [GEMM[0], GEMM[2]])):
             if m not in ms or dev.platform != "gpu":
                 continue
@@ -342,6 +351,8 @@ def main(argv=None):
             for fam in families(m):
                 if fam == "gemm" or m in SWEEP_MS:
                     for cfg in FAMILIES[fam]:
+                        if cfg.unsupported(m, k, jnp.bfloat16, False):  # the M <= 8 variants above 8
+                            continue
                         jobs.add(("w4a16", m, cfg.name),
                                  lambda x, q, cfg=cfg: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg), sh.q, m, k)
             if args.probe and m == 1:

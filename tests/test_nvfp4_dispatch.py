@@ -167,3 +167,54 @@ def test_pipe16_lowers_to_the_gemv_call(w4a4):
     assert "kernel = 3" in text and "split = 2" in text
     with pytest.raises(ValueError, match="multiple of 64"):
         ffi_nvfp4.nvfp4_gemv(jnp.ones((5, 1040), jnp.bfloat16), _weight(16, 1040, 14), config=cfg)
+
+
+SMALL_M_VARIANTS = [
+    ffi_nvfp4.GemvConfig(1, 8, blocks_per_sm=3),
+    ffi_nvfp4.GemvConfig(1, 4, blocks_per_sm=3, accumulators=2),
+    ffi_nvfp4.GemvConfig(2, 8, accumulators=2),
+    ffi_nvfp4.GemvConfig(1, kernel="pipe16", stages=2),
+    ffi_nvfp4.GemvConfig(2, kernel="pipe16", split=2, stages=2, accumulators=2),
+    ffi_nvfp4.GemvConfig(1, kernel="pipe16", accumulators=2),
+]
+
+
+def test_small_m_variant_names_table_form_and_limits():
+    names = [c.name for c in SMALL_M_VARIANTS]
+    assert names == ["R1KS8B3", "R1KS4B3A2", "R2KS8A2", "H1C1S2", "H2C2S2A2", "H1C1A2"]
+    for cfg in SMALL_M_VARIANTS:
+        assert cfg.is_small_m_variant
+        assert ffi_nvfp4.GemvConfig.from_name(cfg.name) == cfg
+        assert dispatch._choice_config(dispatch.config_choice(cfg)) == cfg
+        assert cfg.unsupported(8, 4096, jnp.bfloat16, True) is None
+        assert "1..8" in cfg.unsupported(9, 4096, jnp.bfloat16, False)
+    # Default configurations keep their old table form (no new keys), so older tables read the same.
+    assert dispatch.config_choice(ffi_nvfp4.GemvConfig(1, 8)) == {"rows_per_warp": 1, "k_split": 8}
+    assert dispatch.config_choice(SMALL_M_VARIANTS[0]) == {"rows_per_warp": 1, "k_split": 8, "blocks_per_sm": 3}
+    assert not ffi_nvfp4.GemvConfig(1, kernel="pipe16").is_small_m_variant
+    for bad, match in ((dict(blocks_per_sm=3, rows_per_warp=2), "rows_per_warp=1"),
+                       (dict(blocks_per_sm=3, kernel="pipe16"), "regs"), (dict(blocks_per_sm=2), "0 .* or 3"),
+                       (dict(accumulators=2, kernel="pipe"), "variant"), (dict(accumulators=3), "1 or 2"),
+                       (dict(stages=2), "pipe16"), (dict(stages=3, kernel="pipe16"), "0 .* or 2")):
+        with pytest.raises(ValueError, match=match):
+            ffi_nvfp4.GemvConfig(**bad)
+
+
+def test_small_m_variant_table_choice_and_fallback():
+    table = {"shapes": [{"n": 4096, "k": 4096, "w4a16": [[1, {"rows_per_warp": 1, "k_split": 8, "blocks_per_sm": 3}],
+                                                         [8, {"kernel": "pipe16", "rows_per_warp": 1, "split": 1,
+                                                              "stages": 2, "accumulators": 2}],
+                                                         [32, {"rows_per_warp": 2, "k_split": 4}]]}]}
+    assert dispatch.plan(1, 4096, 4096, "w4a16", table) == SMALL_M_VARIANTS[0]
+    assert dispatch.plan(5, 4096, 4096, "w4a16", table).name == "H1C1S2A2"
+    assert dispatch.plan(9, 4096, 4096, "w4a16", table).name == "R2KS4"
+
+
+@pytest.mark.parametrize("cfg", SMALL_M_VARIANTS[:1] + SMALL_M_VARIANTS[4:5])
+def test_small_m_variant_lowers_with_its_attributes(cfg):
+    q = _weight(300, 1024, 15)
+    f = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg))
+    text = f.trace(jnp.ones((5, 1024), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"custom_call @{ffi_nvfp4.GEMV_TARGET}") == 1
+    for attr in ("blocks_per_sm", "accumulators", "stages"):
+        assert f"{attr} = {getattr(cfg, attr)}" in text

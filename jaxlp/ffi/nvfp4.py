@@ -15,6 +15,10 @@ Four kernels (``GemvConfig.kernel``), all exact products with FP32 sums:
 - ``"pipe16"`` (M <= 32): the ``"pipe"`` kernel's memory pipeline with the ``"regs"`` kernel's
   arithmetic (FP16 decode, 11 integer ops per 8 nibbles instead of 16, FP16 tensor cores on the
   staged FP16 activations, one staging kernel per call). Needs ``K % 64 == 0``; BF16 or FP32 ``x``.
+- Variants of ``"regs"`` and ``"pipe16"`` for M <= 8 (session 4; ``GemvConfig`` fields, name suffixes):
+  ``blocks_per_sm=3`` (``B3``, regs with R = 1: a register budget of 80 for 3 CTAs = 24 warps per
+  SM instead of 2), ``accumulators=2`` (``A2``: two independent MMA chains per item instead of one
+  chain of 16), ``stages=2`` (``S2``, pipe16: a 2-stage ring, 4 CTAs per SM at R = 1, 2 at R = 2).
 - ``"gemm"`` (any M): 128 x ``block_m`` CTA tiles, weights decoded to BF16 in registers, BF16
   ``mma.sync`` with FP32 accumulation. Needs ``K % 64 == 0`` and BF16 ``x`` for W4A16.
 
@@ -55,6 +59,7 @@ MODES = {"w4a16": 0, "w4a4": 1}
 KERNELS = {"regs": 0, "pipe": 1, "gemm": 2, "pipe16": 3}
 GEMV_KERNELS = ("regs", "pipe16")  # the kernels behind GEMV_TARGET (FP16 x_eff staging)
 BF16_KERNEL_K = 64  # "pipe", "pipe16" and "gemm" need K % 64 == 0
+SMALL_M_VARIANT_MAX = 8  # the blocks_per_sm / accumulators / stages variants: one 8-token MMA group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +75,12 @@ class GemvConfig:
     block_n: weight rows per CTA tile (64 or 128): ``"gemm"``.
     pdl: launch the matmul with programmatic dependent launch after the activation-staging
         kernel (``"regs"``, and W4A4 of the others), overlapping its weight stream with it.
+    blocks_per_sm: ``"regs"`` with ``rows_per_warp=1``, M <= 8: 0 (its default register budget,
+        2 CTAs per SM) or 3 (at most 80 registers per thread: 3 CTAs per SM).
+    accumulators: ``"regs"`` and ``"pipe16"``, M <= 8: 1 or 2 independent MMA accumulator chains
+        per (tile, 256-k) item.
+    stages: ``"pipe16"``, M <= 8: 0 (its default 3-stage ring per warp) or 2 (a 2-stage ring:
+        4 CTAs per SM at ``rows_per_warp=1``, 2 at 2).
     """
 
     rows_per_warp: int = 1
@@ -79,6 +90,9 @@ class GemvConfig:
     split: int = 1
     block_m: int = 128
     block_n: int = 128
+    blocks_per_sm: int = 0
+    accumulators: int = 1
+    stages: int = 0
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -93,30 +107,50 @@ class GemvConfig:
             raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
         if self.block_n not in (64, 128):
             raise ValueError(f"block_n must be 64 or 128, got {self.block_n}")
+        if self.blocks_per_sm not in (0, 3):
+            raise ValueError(f"blocks_per_sm must be 0 (the default) or 3, got {self.blocks_per_sm}")
+        if self.blocks_per_sm and (self.kernel != "regs" or self.rows_per_warp != 1):
+            raise ValueError("blocks_per_sm=3 is a variant of the regs kernel with rows_per_warp=1")
+        if self.accumulators not in (1, 2):
+            raise ValueError(f"accumulators must be 1 or 2, got {self.accumulators}")
+        if self.accumulators == 2 and self.kernel not in GEMV_KERNELS:
+            raise ValueError(f"accumulators=2 is a variant of the {GEMV_KERNELS} kernels, not {self.kernel!r}")
+        if self.stages not in (0, 2):
+            raise ValueError(f"stages must be 0 (the default, 3) or 2, got {self.stages}")
+        if self.stages and self.kernel != "pipe16":
+            raise ValueError("stages=2 is a variant of the pipe16 kernel")
+
+    @property
+    def is_small_m_variant(self) -> bool:
+        """True for the M <= 8 variants (``blocks_per_sm``, ``accumulators`` or ``stages`` set)."""
+        return bool(self.blocks_per_sm or self.accumulators != 1 or self.stages)
 
     @property
     def name(self) -> str:
         """Short label: ``R1KS8`` (regs), ``P1C2`` (pipe: rows, split), ``H1C2`` (pipe16: rows, split),
-        ``G128x64S2`` (gemm: rows x tokens, split)."""
+        ``G128x64S2`` (gemm: rows x tokens, split); the M <= 8 variants append ``B3`` (blocks_per_sm),
+        ``S2`` (stages) and ``A2`` (accumulators): ``R1KS8B3A2``, ``H1C1S2A2``."""
         if self.kernel == "pipe":
             return f"P{self.rows_per_warp}C{self.split}"
+        acc = "A2" if self.accumulators == 2 else ""
         if self.kernel == "pipe16":
-            return f"H{self.rows_per_warp}C{self.split}"
+            return f"H{self.rows_per_warp}C{self.split}" + ("S2" if self.stages == 2 else "") + acc
         if self.kernel == "gemm":
             return f"G{self.block_n}x{self.block_m}" + (f"S{self.split}" if self.split > 1 else "")
-        return f"R{self.rows_per_warp}KS{self.k_split}"
+        return f"R{self.rows_per_warp}KS{self.k_split}" + ("B3" if self.blocks_per_sm == 3 else "") + acc
 
     @staticmethod
     def from_name(name: str) -> "GemvConfig":
         """Inverse of :attr:`name`."""
         import re
 
-        if m := re.fullmatch(r"R([12])KS([248])", name):
-            return GemvConfig(int(m[1]), int(m[2]))
+        if m := re.fullmatch(r"R([12])KS([248])(B3)?(A2)?", name):
+            return GemvConfig(int(m[1]), int(m[2]), blocks_per_sm=3 if m[3] else 0, accumulators=2 if m[4] else 1)
         if m := re.fullmatch(r"P([12])C([124])", name):
             return GemvConfig(int(m[1]), kernel="pipe", split=int(m[2]))
-        if m := re.fullmatch(r"H([12])C([124])", name):
-            return GemvConfig(int(m[1]), kernel="pipe16", split=int(m[2]))
+        if m := re.fullmatch(r"H([12])C([124])(S2)?(A2)?", name):
+            return GemvConfig(int(m[1]), kernel="pipe16", split=int(m[2]), stages=2 if m[3] else 0,
+                              accumulators=2 if m[4] else 1)
         if m := re.fullmatch(r"G(64|128)x(64|128)(?:S([24]))?", name):
             return GemvConfig(kernel="gemm", block_n=int(m[1]), block_m=int(m[2]), split=int(m[3] or 1))
         raise ValueError(f"not a kernel configuration name: {name!r}")
@@ -128,6 +162,8 @@ class GemvConfig:
             return f"activations must be bfloat16 or float32, got {dtype}"
         if self.kernel != "gemm" and not 1 <= m <= MAX_M:
             return f"M = {m} tokens; the {self.kernel} kernel takes 1..{MAX_M}"
+        if self.is_small_m_variant and m > SMALL_M_VARIANT_MAX:
+            return f"M = {m} tokens; the {self.name} variant takes 1..{SMALL_M_VARIANT_MAX}"
         if self.kernel == "regs":
             return None if k % BLOCK_SIZE == 0 else f"K = {k} is not a multiple of {BLOCK_SIZE}"
         if k % BF16_KERNEL_K or k == 0:
@@ -206,7 +242,7 @@ def gemv_call(
     ``x_eff`` and the chunk scales are the kernel's activation workspace (returned for tests):
     each group of 8 values is stored in the order x0 x4 x1 x5 x2 x6 x3 x7.
     probe: a diagnostic for benchmarks (M <= 8): the same memory traffic with no arithmetic; y is
-    meaningless.
+    meaningless (the default variants, and pipe16 with ``stages=2``).
     config.kernel: ``"regs"`` or ``"pipe16"`` (both read this staging workspace).
     """
     if config.kernel not in GEMV_KERNELS:
@@ -225,6 +261,8 @@ def gemv_call(
         raise ValueError(f"nvfp4 {config.kernel}: {why}")
     if probe and m > 8:
         raise ValueError(f"nvfp4_gemv: the probe takes M <= 8, got {m}")
+    if probe and (config.blocks_per_sm or config.accumulators != 1):
+        raise ValueError("nvfp4_gemv: the probe runs the default variants (and pipe16's stages=2)")
     if block_scale_bits.shape != (n, k // BLOCK_SIZE) or block_scale_bits.dtype != jnp.uint8:
         raise ValueError(
             f"nvfp4_gemv: block scales must be uint8 [{n}, {k // BLOCK_SIZE}], got "
@@ -250,7 +288,8 @@ def gemv_call(
     return call(
         x, data, block_scale_bits, wg, xg,
         mode=mode, rows_per_warp=config.rows_per_warp, k_split=config.k_split, pdl=int(config.pdl), xg_amax=xg_amax,
-        kernel=KERNELS[config.kernel], split=config.split,
+        kernel=KERNELS[config.kernel], split=config.split, blocks_per_sm=config.blocks_per_sm,
+        accumulators=config.accumulators, stages=config.stages,
     )
 
 

@@ -468,7 +468,10 @@ __device__ __forceinline__ void load_acts(Stage<R, NT, MODE>& st, const GemvPara
   }
 }
 
-template <int R, int NT, int MODE>
+// ACC = 2: the two 32-k halves of the item accumulate into separate MMA chains (8 dependent
+// MMAs each instead of 16), added at the end of the item. LEAN: the activations of each 8-k word
+// are loaded (from L1) just before its MMAs instead of per 32 k (12 fewer live registers).
+template <int R, int NT, int MODE, int ACC = 1, bool LEAN = false>
 __device__ __forceinline__ void compute(const Stage<R, NT, MODE>& st, const GemvParams& p, int g,
                                         float (&acc)[R][NT][4]) {
   constexpr uint32_t kTwo7 = 0x58005800u;  // FP16x2 {128, 128}
@@ -484,24 +487,29 @@ __device__ __forceinline__ void compute(const Stage<R, NT, MODE>& st, const Gemv
     }
     return;
   }
-  float part[R][NT][4];
+  float part[ACC][R][NT][4];
 #pragma unroll
-  for (int rt = 0; rt < R; ++rt)
+  for (int a = 0; a < ACC; ++a)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int rt = 0; rt < R; ++rt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) part[rt][nt][i] = MODE == kA16 ? 0.f : acc[rt][nt][i];
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[a][rt][nt][i] = (MODE == kA16 || a > 0) ? 0.f : acc[rt][nt][i];
 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // the thread's first / second 32 k: blocks 2*half, 2*half+1
+    const int a = ACC == 2 ? half : 0;
     // B operands: x_eff of token 8*nt + g (16 FP16 pairs), zeros past M.
-    uint4 x[NT][4];
+    uint4 x[NT][LEAN ? 1 : 4];
+    if constexpr (!LEAN) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int tok = nt * 8 + g;
-      const uint16_t* src = p.xeff + static_cast<int64_t>(tok) * p.Kp + st.k0 + 32 * half;
+      for (int nt = 0; nt < NT; ++nt) {
+        const int tok = nt * 8 + g;
+        const uint16_t* src = p.xeff + static_cast<int64_t>(tok) * p.Kp + st.k0 + 32 * half;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) x[nt][i] = tok < p.M ? ld_act_v4(src + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+        for (int i = 0; i < 4; ++i) x[nt][i] = tok < p.M ? ld_act_v4(src + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
+      }
     }
 #pragma unroll
     for (int rt = 0; rt < R; ++rt) {
@@ -527,35 +535,49 @@ __device__ __forceinline__ void compute(const Stage<R, NT, MODE>& st, const Gemv
         // Pairs q = 4j + i hold k (8j+i, 8j+i+4): MMA step 2j takes pairs 4j, 4j+1; 2j+1 takes 4j+2, 4j+3.
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const uint4 xv = x[nt][j];
-          mma_16816(part[rt][nt], r0[0], r1[0], r0[1], r1[1], xv.x, xv.y);
-          mma_16816(part[rt][nt], r0[2], r1[2], r0[3], r1[3], xv.z, xv.w);
+          if constexpr (LEAN) {
+            const int tok = nt * 8 + g;
+            x[nt][0] = tok < p.M ? ld_act_v4(p.xeff + static_cast<int64_t>(tok) * p.Kp + st.k0 + 32 * half + 8 * j)
+                                 : make_uint4(0u, 0u, 0u, 0u);
+          }
+          const uint4 xv = x[nt][LEAN ? 0 : j];
+          mma_16816(part[a][rt][nt], r0[0], r1[0], r0[1], r1[1], xv.x, xv.y);
+          mma_16816(part[a][rt][nt], r0[2], r1[2], r0[3], r1[3], xv.z, xv.w);
         }
       }
     }
+  }
+  if constexpr (ACC == 2) {
+#pragma unroll
+    for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[0][rt][nt][i] += part[1][rt][nt][i];
   }
 #pragma unroll
   for (int rt = 0; rt < R; ++rt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       if (MODE == kA16) {  // C fragment: c0, c2 -> token 2t; c1, c3 -> token 2t+1
-        acc[rt][nt][0] = fmaf(part[rt][nt][0], st.xs[nt][0], acc[rt][nt][0]);
-        acc[rt][nt][1] = fmaf(part[rt][nt][1], st.xs[nt][1], acc[rt][nt][1]);
-        acc[rt][nt][2] = fmaf(part[rt][nt][2], st.xs[nt][0], acc[rt][nt][2]);
-        acc[rt][nt][3] = fmaf(part[rt][nt][3], st.xs[nt][1], acc[rt][nt][3]);
+        acc[rt][nt][0] = fmaf(part[0][rt][nt][0], st.xs[nt][0], acc[rt][nt][0]);
+        acc[rt][nt][1] = fmaf(part[0][rt][nt][1], st.xs[nt][1], acc[rt][nt][1]);
+        acc[rt][nt][2] = fmaf(part[0][rt][nt][2], st.xs[nt][0], acc[rt][nt][2]);
+        acc[rt][nt][3] = fmaf(part[0][rt][nt][3], st.xs[nt][1], acc[rt][nt][3]);
       } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[rt][nt][i] = part[rt][nt][i];
+        for (int i = 0; i < 4; ++i) acc[rt][nt][i] = part[0][rt][nt][i];
       }
     }
 }
 
-// Resident CTAs (of 256 threads) per SM that the register budget aims for.
-template <int R, int NT>
-constexpr int kMinBlocks = R * NT == 1 ? 2 : 1;
+// Resident CTAs (of 256 threads) per SM that the register budget aims for; OCC > 0 overrides it
+// (OCC = 3: at most 80 registers per thread, 24 warps per SM; the "B3" variant, R = 1, M <= 8).
+template <int R, int NT, int OCC>
+constexpr int kMinBlocks = OCC > 0 ? OCC : (R * NT == 1 ? 2 : 1);
 
-template <int R, int NT, int MODE, typename TOut>
-__global__ void __launch_bounds__(256, (kMinBlocks<R, NT>)) gemv_kernel(const GemvParams p) {
+template <int R, int NT, int MODE, typename TOut, int OCC = 0, int ACC = 1>
+__global__ void __launch_bounds__(256, (kMinBlocks<R, NT, OCC>)) gemv_kernel(const GemvParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row_base = blockIdx.x * (16 * R);
@@ -594,13 +616,13 @@ __global__ void __launch_bounds__(256, (kMinBlocks<R, NT>)) gemv_kernel(const Ge
       load_weights(sb, p, wrow, srow, c1 * kChunkK + 64 * t);
       load_acts(sb, p, g, t, c1 * kChunkK + 64 * t, c1);
     }
-    compute(sa, p, g, acc);
+    compute<R, NT, MODE, ACC, (OCC >= 3)>(sa, p, g, acc);
     if (c1 >= chunks) break;
     if (c2 < chunks) {
       load_weights(sa, p, wrow, srow, c2 * kChunkK + 64 * t);
       load_acts(sa, p, g, t, c2 * kChunkK + 64 * t, c2);
     }
-    compute(sb, p, g, acc);
+    compute<R, NT, MODE, ACC, (OCC >= 3)>(sb, p, g, acc);
   }
 
   // Reduce the K-partials of the warps; a fixed order, so results are deterministic.
@@ -766,9 +788,12 @@ template <int R>
 constexpr int kPipeStageBytes = R * 16 * (128 + 16);
 template <int R, int NT>
 constexpr int kPipeRedFloats = R * NT * 4 * 32;  // per warp
-template <int R, int NT, int DEC = kDecBF16>
-constexpr int kPipeSmemBytes =
-    kPipeWarps * kPipeStagesDec<R, DEC> * kPipeStageBytes<R> + 2 * kPipeWarps * kPipeRedFloats<R, NT> * 4;
+template <int R, int NT, int S>
+constexpr int kPipeSmemBytes = kPipeWarps * S * kPipeStageBytes<R> + 2 * kPipeWarps * kPipeRedFloats<R, NT> * 4;
+// Register budget (CTAs per SM of __launch_bounds__): the FP16 variants with a 2-stage ring fit 4 CTAs
+// (R = 1, 45 KB of shared memory, <= 64 registers) or 2 (R = 2, 90 KB) per SM; otherwise the default.
+template <int R, int DEC, int S>
+constexpr int kPipeMinBlocks = (DEC != kDecBF16 && S == 2) ? (R == 1 ? 4 : 2) : 0;  // 0: not given
 
 // kDecProbe: read the stage as pipe_item_f16 does, no arithmetic (the ring's traffic alone).
 template <int R, int NT>
@@ -794,19 +819,23 @@ __device__ __forceinline__ void pipe_item_probe(const uint8_t* st, int kData, in
 // of rows g and g+8 of each 16-row tile from the ring stage `st`, decodes it as the regs GEMV does
 // (FP16 bit trick, times e4m3 * 2^7 in FP16, exact) and multiplies it with FP16 x_eff of 8 tokens
 // per MMA. W4A16: the chunk's partial times its power-of-two scale xs; W4A4: added as it is.
-template <int R, int NT>
+// ACC = 2: the two 32-k halves accumulate into separate MMA chains, added at the end of the item.
+template <int R, int NT, int ACC = 1>
 __device__ __forceinline__ void pipe_item_f16(const PipeParams& p, const uint8_t* st, int kData, int g, int t, int c,
                                               int k0, bool kval, float (&acc)[R][NT][4]) {
   constexpr uint32_t kTwo7 = 0x58005800u;  // FP16x2 {128, 128}
-  float part[R][NT][4];
+  float part[ACC][R][NT][4];
 #pragma unroll
-  for (int rt = 0; rt < R; ++rt)
+  for (int a = 0; a < ACC; ++a)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int rt = 0; rt < R; ++rt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) part[rt][nt][i] = 0.f;
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[a][rt][nt][i] = 0.f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
+    const int a = ACC == 2 ? half : 0;
     uint4 x[NT][4];  // B operands: x_eff of token 8*nt + g, k [k0 + 32*half, +32) (16 FP16 pairs)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -841,11 +870,19 @@ __device__ __forceinline__ void pipe_item_f16(const PipeParams& p, const uint8_t
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const uint4 xv = x[nt][w];
-          mma_16816(part[rt][nt], r0[0], r1[0], r0[1], r1[1], xv.x, xv.y);
-          mma_16816(part[rt][nt], r0[2], r1[2], r0[3], r1[3], xv.z, xv.w);
+          mma_16816(part[a][rt][nt], r0[0], r1[0], r0[1], r1[1], xv.x, xv.y);
+          mma_16816(part[a][rt][nt], r0[2], r1[2], r0[3], r1[3], xv.z, xv.w);
         }
       }
     }
+  }
+  if constexpr (ACC == 2) {
+#pragma unroll
+    for (int rt = 0; rt < R; ++rt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[0][rt][nt][i] += part[1][rt][nt][i];
   }
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -857,17 +894,18 @@ __device__ __forceinline__ void pipe_item_f16(const PipeParams& p, const uint8_t
     }
 #pragma unroll
     for (int rt = 0; rt < R; ++rt) {
-      acc[rt][nt][0] = fmaf(part[rt][nt][0], s0, acc[rt][nt][0]);
-      acc[rt][nt][1] = fmaf(part[rt][nt][1], s1, acc[rt][nt][1]);
-      acc[rt][nt][2] = fmaf(part[rt][nt][2], s0, acc[rt][nt][2]);
-      acc[rt][nt][3] = fmaf(part[rt][nt][3], s1, acc[rt][nt][3]);
+      acc[rt][nt][0] = fmaf(part[0][rt][nt][0], s0, acc[rt][nt][0]);
+      acc[rt][nt][1] = fmaf(part[0][rt][nt][1], s1, acc[rt][nt][1]);
+      acc[rt][nt][2] = fmaf(part[0][rt][nt][2], s0, acc[rt][nt][2]);
+      acc[rt][nt][3] = fmaf(part[0][rt][nt][3], s1, acc[rt][nt][3]);
     }
   }
 }
 
-template <int R, int NT, int C, typename TOut, int DEC = kDecBF16>
-__global__ void __launch_bounds__(256) pipe_kernel(const PipeParams p) {
-  constexpr int S = kPipeStagesDec<R, DEC>;
+// S: ring stages per warp (S - 1 items in flight); ACC: MMA chains per item (kDecF16).
+template <int R, int NT, int C, typename TOut, int DEC = kDecBF16, int S = kPipeStagesDec<R, DEC>, int ACC = 1>
+__global__ void __launch_bounds__(256, (kPipeMinBlocks<R, DEC, S>)) pipe_kernel(const PipeParams p) {
+  static_assert(S >= 2, "the ring needs at least 2 stages");
   constexpr int kStage = kPipeStageBytes<R>;
   constexpr int kData = R * 16 * 128;
   constexpr int kRed = kPipeRedFloats<R, NT>;
@@ -976,7 +1014,7 @@ __global__ void __launch_bounds__(256) pipe_kernel(const PipeParams p) {
       if constexpr (DEC == kDecProbe) {
         pipe_item_probe<R, NT>(st, kData, g, t, acc);
       } else if constexpr (DEC == kDecF16) {
-        pipe_item_f16<R, NT>(p, st, kData, g, t, c, k0, kval, acc);
+        pipe_item_f16<R, NT, ACC>(p, st, kData, g, t, c, k0, kval, acc);
       } else {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -1230,15 +1268,32 @@ inline ffi::Error bad(const std::string& msg) {
 
 inline int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
-template <int R, int NT, int MODE, typename TOut>
+// Variants of the M <= 8 GEMVs (GemvConfig fields; 0 / 1 = the kernel's default):
+// blocks: regs, CTAs per SM of its register budget (3: the "B3" variant, R = 1);
+// acc: regs and pipe16, MMA chains per item (2: "A2"); stages: pipe16 ring stages (2: "S2").
+struct GemvVariant {
+  int blocks = 0, acc = 1, stages = 0;
+  bool is_default() const { return blocks == 0 && acc == 1 && stages == 0; }
+};
+
+template <int R, int NT, int MODE, typename TOut, int OCC = 0, int ACC = 1>
 cudaError_t launch_gemv(cudaStream_t stream, const GemvParams& p, int ksplit, bool pdl) {
-  return jaxlp::launch_kernel(gemv_kernel<R, NT, MODE, TOut>, dim3((p.N + 16 * R - 1) / (16 * R)), dim3(32 * ksplit),
-                              0, stream, 1, pdl, p);
+  return jaxlp::launch_kernel(gemv_kernel<R, NT, MODE, TOut, OCC, ACC>, dim3((p.N + 16 * R - 1) / (16 * R)),
+                              dim3(32 * ksplit), 0, stream, 1, pdl, p);
 }
 
 template <int MODE, typename T>
-cudaError_t launch_gemv_dispatch(cudaStream_t stream, const GemvParams& p, int rows_per_warp, int ksplit, bool pdl) {
+cudaError_t launch_gemv_dispatch(cudaStream_t stream, const GemvParams& p, int rows_per_warp, int ksplit, bool pdl,
+                                 GemvVariant v = {}) {
   const int nt = (p.M + 7) / 8;
+  if (!v.is_default()) {  // M <= 8 and (blocks == 3 only with R = 1): checked by the handler
+    if (v.blocks == 3) {
+      return v.acc == 2 ? launch_gemv<1, 1, MODE, T, 3, 2>(stream, p, ksplit, pdl)
+                        : launch_gemv<1, 1, MODE, T, 3, 1>(stream, p, ksplit, pdl);
+    }
+    return rows_per_warp == 1 ? launch_gemv<1, 1, MODE, T, 0, 2>(stream, p, ksplit, pdl)
+                              : launch_gemv<2, 1, MODE, T, 0, 2>(stream, p, ksplit, pdl);
+  }
   if (rows_per_warp == 1) {
     if (nt == 1) return launch_gemv<1, 1, MODE, T>(stream, p, ksplit, pdl);
     if (nt == 2) return launch_gemv<1, 2, MODE, T>(stream, p, ksplit, pdl);
@@ -1252,11 +1307,12 @@ cudaError_t launch_gemv_dispatch(cudaStream_t stream, const GemvParams& p, int r
 enum GemvKernel : int { kRegs = 0, kPipe16 = 3 };  // the kernels behind JaxlpNvfp4Gemv (FP16 x_eff staging)
 
 template <typename T>
-cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int rows, int split, bool pdl);
+cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int rows, int split, bool pdl,
+                       GemvVariant v);
 
 template <typename T>
 cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg, GemvParams p, int rows_per_warp,
-                     int ksplit, bool pdl, int kernel = kRegs, int split = 1) {
+                     int ksplit, bool pdl, int kernel = kRegs, int split = 1, GemvVariant v = {}) {
   const int threads = 256;
   if (mode == kA16 || mode == kProbe) {
     const int n = p.M * (p.Kp / 8);
@@ -1269,20 +1325,20 @@ cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg,
   }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  if (kernel == kPipe16) return run_pipe16<T>(stream, mode, p, rows_per_warp, split, pdl);
-  if (mode == kA16) return launch_gemv_dispatch<kA16, T>(stream, p, rows_per_warp, ksplit, pdl);
+  if (kernel == kPipe16) return run_pipe16<T>(stream, mode, p, rows_per_warp, split, pdl, v);
+  if (mode == kA16) return launch_gemv_dispatch<kA16, T>(stream, p, rows_per_warp, ksplit, pdl, v);
   if (mode == kProbe) {
     return rows_per_warp == 1 ? launch_gemv<1, 1, kProbe, T>(stream, p, ksplit, pdl)
                               : launch_gemv<2, 1, kProbe, T>(stream, p, ksplit, pdl);
   }
-  return launch_gemv_dispatch<kA4, T>(stream, p, rows_per_warp, ksplit, pdl);
+  return launch_gemv_dispatch<kA4, T>(stream, p, rows_per_warp, ksplit, pdl, v);
 }
 
 ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> wdata, ffi::Buffer<ffi::U8> wscale,
                     ffi::Buffer<ffi::F32> wg, ffi::Buffer<ffi::F32> xg, ffi::Result<ffi::AnyBuffer> y,
                     ffi::Result<ffi::Buffer<ffi::F16>> xeff, ffi::Result<ffi::Buffer<ffi::F32>> xs, int64_t mode,
                     int64_t rows_per_warp, int64_t k_split, int64_t pdl, int64_t xg_amax, int64_t kernel,
-                    int64_t split) {
+                    int64_t split, int64_t blocks_per_sm, int64_t accumulators, int64_t stages) {
   const auto xd = x.dimensions();
   const auto wd = wdata.dimensions();
   const auto sd = wscale.dimensions();
@@ -1308,6 +1364,19 @@ ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> 
   if (split != 1 && split != 2 && split != 4) return bad("split must be 1, 2 or 4");
   if (rows_per_warp != 1 && rows_per_warp != 2) return bad("rows_per_warp must be 1 or 2");
   if (k_split != 2 && k_split != 4 && k_split != 8) return bad("k_split must be 2, 4 or 8");
+  if (blocks_per_sm != 0 && blocks_per_sm != 3) return bad("blocks_per_sm must be 0 or 3");
+  if (accumulators != 1 && accumulators != 2) return bad("accumulators must be 1 or 2");
+  if (stages != 0 && stages != 2) return bad("stages must be 0 (3) or 2");
+  if (blocks_per_sm && (kernel != kRegs || rows_per_warp != 1))
+    return bad("blocks_per_sm = 3 is a variant of the regs kernel with rows_per_warp = 1");
+  if (stages && kernel != kPipe16) return bad("stages = 2 is a variant of the pipe16 kernel");
+  GemvVariant variant;
+  variant.blocks = static_cast<int>(blocks_per_sm);
+  variant.acc = static_cast<int>(accumulators);
+  variant.stages = static_cast<int>(stages);
+  if (!variant.is_default() && M > 8) return bad("the blocks_per_sm / accumulators / stages variants take M <= 8");
+  if (mode == kProbe && (variant.blocks || variant.acc != 1))
+    return bad("the probe runs the default variants (and pipe16's stages = 2)");
   if (x.element_type() != y->element_type()) return bad("output dtype must match the activation dtype");
   if (wg.element_count() != 1 || xg.element_count() != 1) return bad("tensor scales must be scalars");
 
@@ -1339,12 +1408,12 @@ ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> 
       e = run_gemv<__nv_bfloat16>(stream, static_cast<int>(mode),
                                   reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()), p.xg, p,
                                   static_cast<int>(rows_per_warp), static_cast<int>(k_split), pdl != 0,
-                                  static_cast<int>(kernel), static_cast<int>(split));
+                                  static_cast<int>(kernel), static_cast<int>(split), variant);
       break;
     case ffi::DataType::F32:
       e = run_gemv<float>(stream, static_cast<int>(mode), reinterpret_cast<const float*>(x.untyped_data()), p.xg, p,
                           static_cast<int>(rows_per_warp), static_cast<int>(k_split), pdl != 0,
-                          static_cast<int>(kernel), static_cast<int>(split));
+                          static_cast<int>(kernel), static_cast<int>(split), variant);
       break;
     default:
       return bad("activations must be bfloat16 or float32");
@@ -1445,24 +1514,27 @@ inline cudaError_t resident_ctas(const void* kernel, int smem, int cluster, int*
   return cudaSuccess;
 }
 
-template <int R, int NT, int C, typename T, int DEC>
+template <int R, int NT, int C, typename T, int DEC, int S = kPipeStagesDec<R, DEC>, int ACC = 1>
 cudaError_t launch_pipe(cudaStream_t stream, PipeParams p, bool pdl) {
-  const void* kernel = reinterpret_cast<const void*>(pipe_kernel<R, NT, C, T, DEC>);
-  constexpr int smem = kPipeSmemBytes<R, NT, DEC>;
+  const void* kernel = reinterpret_cast<const void*>(pipe_kernel<R, NT, C, T, DEC, S, ACC>);
+  constexpr int smem = kPipeSmemBytes<R, NT, S>;
   int max_ctas = 0;
   cudaError_t e = resident_ctas(kernel, smem, C, &max_ctas);
   if (e != cudaSuccess) return e;
   p.tiles = (p.N + 16 * R - 1) / (16 * R);
   p.chunks = (p.K + kChunkK - 1) / kChunkK;
   const int clusters = std::max(1, std::min(p.tiles, max_ctas / C));
-  return jaxlp::launch_kernel(pipe_kernel<R, NT, C, T, DEC>, dim3(clusters * C), dim3(256), smem, stream, C, pdl, p);
+  return jaxlp::launch_kernel(pipe_kernel<R, NT, C, T, DEC, S, ACC>, dim3(clusters * C), dim3(256), smem, stream, C,
+                              pdl, p);
 }
 
-template <int R, int C, typename T, int DEC>
+// S == 0: the default ring (then ACC == 1, any M <= 32); otherwise M <= 8 (checked by the handler).
+template <int R, int C, typename T, int DEC, int S = 0, int ACC = 1>
 cudaError_t launch_pipe_nt(cudaStream_t stream, const PipeParams& p, bool pdl) {
   const int nt = (p.M + 7) / 8;
-  if constexpr (DEC == kDecProbe) {  // the probe takes M <= 8
-    return launch_pipe<R, 1, C, T, DEC>(stream, p, pdl);
+  constexpr int kS = S == 0 ? kPipeStagesDec<R, DEC> : S;
+  if constexpr (DEC == kDecProbe || S != 0 || ACC != 1) {  // the probe and the variants take M <= 8
+    return launch_pipe<R, 1, C, T, DEC, kS, ACC>(stream, p, pdl);
   } else {
     if (nt == 1) return launch_pipe<R, 1, C, T, DEC>(stream, p, pdl);
     if (nt == 2) return launch_pipe<R, 2, C, T, DEC>(stream, p, pdl);
@@ -1470,16 +1542,16 @@ cudaError_t launch_pipe_nt(cudaStream_t stream, const PipeParams& p, bool pdl) {
   }
 }
 
-template <typename T, int DEC = kDecBF16>
+template <typename T, int DEC = kDecBF16, int S = 0, int ACC = 1>
 cudaError_t launch_pipe_cfg(cudaStream_t stream, const PipeParams& p, int rows, int split, bool pdl) {
   if (rows == 1) {
-    if (split == 1) return launch_pipe_nt<1, 1, T, DEC>(stream, p, pdl);
-    if (split == 2) return launch_pipe_nt<1, 2, T, DEC>(stream, p, pdl);
-    return launch_pipe_nt<1, 4, T, DEC>(stream, p, pdl);
+    if (split == 1) return launch_pipe_nt<1, 1, T, DEC, S, ACC>(stream, p, pdl);
+    if (split == 2) return launch_pipe_nt<1, 2, T, DEC, S, ACC>(stream, p, pdl);
+    return launch_pipe_nt<1, 4, T, DEC, S, ACC>(stream, p, pdl);
   }
-  if (split == 1) return launch_pipe_nt<2, 1, T, DEC>(stream, p, pdl);
-  if (split == 2) return launch_pipe_nt<2, 2, T, DEC>(stream, p, pdl);
-  return launch_pipe_nt<2, 4, T, DEC>(stream, p, pdl);
+  if (split == 1) return launch_pipe_nt<2, 1, T, DEC, S, ACC>(stream, p, pdl);
+  if (split == 2) return launch_pipe_nt<2, 2, T, DEC, S, ACC>(stream, p, pdl);
+  return launch_pipe_nt<2, 4, T, DEC, S, ACC>(stream, p, pdl);
 }
 
 template <int BN, int BM, int KS, typename T>
@@ -1506,7 +1578,8 @@ cudaError_t launch_gemm_split(cudaStream_t stream, const PipeParams& p, int spli
 // pipe16: pipe_kernel with the FP16 decode on the x_eff / xs workspaces that run_gemv's staging kernel
 // just wrote (launched with PDL after it when `pdl`).
 template <typename T>
-cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int rows, int split, bool pdl) {
+cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int rows, int split, bool pdl,
+                       GemvVariant v) {
   PipeParams p = {};
   p.wdata = g.wdata;
   p.wscale = g.wscale;
@@ -1520,7 +1593,15 @@ cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int r
   p.K = g.K;
   p.Kp = g.Kp;
   p.xg_amax = g.xg_amax;
-  if (mode == kProbe) return launch_pipe_cfg<T, kDecProbe>(stream, p, rows, split, pdl);
+  if (mode == kProbe) {
+    return v.stages == 2 ? launch_pipe_cfg<T, kDecProbe, 2>(stream, p, rows, split, pdl)
+                         : launch_pipe_cfg<T, kDecProbe>(stream, p, rows, split, pdl);
+  }
+  if (v.stages == 2) {
+    return v.acc == 2 ? launch_pipe_cfg<T, kDecF16, 2, 2>(stream, p, rows, split, pdl)
+                      : launch_pipe_cfg<T, kDecF16, 2, 1>(stream, p, rows, split, pdl);
+  }
+  if (v.acc == 2) return launch_pipe_cfg<T, kDecF16, 3, 2>(stream, p, rows, split, pdl);
   return launch_pipe_cfg<T, kDecF16>(stream, p, rows, split, pdl);
 }
 
@@ -1638,7 +1719,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Gemv, jaxlp_nvfp4::GemvImpl,
                                   .Attr<int64_t>("pdl")
                                   .Attr<int64_t>("xg_amax")
                                   .Attr<int64_t>("kernel")         // 0: regs, 3: pipe16
-                                  .Attr<int64_t>("split"),         // pipe16: CTAs of a cluster splitting K
+                                  .Attr<int64_t>("split")          // pipe16: CTAs of a cluster splitting K
+                                  .Attr<int64_t>("blocks_per_sm")  // regs: 0 or 3 (M <= 8)
+                                  .Attr<int64_t>("accumulators")   // regs, pipe16: 1 or 2 (M <= 8)
+                                  .Attr<int64_t>("stages"),        // pipe16: 0 (3) or 2 (M <= 8)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Quantize, jaxlp_nvfp4::QuantizeImpl,

@@ -190,6 +190,9 @@ def _choice_config(choice) -> ffi_nvfp4.GemvConfig | None:
         split=int(choice.get("split", 1)),
         block_m=int(choice.get("block_m", 128)),
         block_n=int(choice.get("block_n", 128)),
+        blocks_per_sm=int(choice.get("blocks_per_sm", 0)),
+        accumulators=int(choice.get("accumulators", 1)),
+        stages=int(choice.get("stages", 0)),
     )
 
 
@@ -197,11 +200,14 @@ def config_choice(cfg: ffi_nvfp4.GemvConfig | None):
     """The table's JSON form of a configuration (None: ``"xla"``)."""
     if cfg is None:
         return XLA
+    # The M <= 8 variants' fields only where set, so that older entries read the same.
+    extra = {key: getattr(cfg, key) for key, default in (("blocks_per_sm", 0), ("accumulators", 1), ("stages", 0))
+             if getattr(cfg, key) != default}
     if cfg.kernel in ("pipe", "pipe16"):
-        return {"kernel": cfg.kernel, "rows_per_warp": cfg.rows_per_warp, "split": cfg.split}
+        return {"kernel": cfg.kernel, "rows_per_warp": cfg.rows_per_warp, "split": cfg.split, **extra}
     if cfg.kernel == "gemm":
         return {"kernel": "gemm", "block_m": cfg.block_m, "block_n": cfg.block_n, "split": cfg.split}
-    return {"rows_per_warp": cfg.rows_per_warp, "k_split": cfg.k_split}
+    return {"rows_per_warp": cfg.rows_per_warp, "k_split": cfg.k_split, **extra}
 
 
 def plan(m: int, n: int, k: int, mode: str, table: dict | None = None) -> ffi_nvfp4.GemvConfig | None:

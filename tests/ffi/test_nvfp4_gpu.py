@@ -394,3 +394,101 @@ def test_dispatch_runs_a_pipe16_choice():
         y = jax.jit(lambda x: dispatch.nvfp4_matmul(layer, x, config=PIPE16_CONFIGS[0]))(x)
         ref = np.asarray(x.astype(jnp.float32), np.float64) @ wref.T
         assert rel(np.asarray(y.astype(jnp.float32)), ref) < 4e-3
+
+
+# --- the M <= 8 variants: regs with 3 CTAs per SM (B3), two MMA chains (A2), pipe16 with a 2-stage ring (S2) --
+
+VARIANT_CONFIGS = [
+    ffi_nvfp4.GemvConfig(1, 8, blocks_per_sm=3),
+    ffi_nvfp4.GemvConfig(1, 4, blocks_per_sm=3, accumulators=2, pdl=False),
+    ffi_nvfp4.GemvConfig(2, 8, accumulators=2),
+    ffi_nvfp4.GemvConfig(1, kernel="pipe16", stages=2),
+    ffi_nvfp4.GemvConfig(2, kernel="pipe16", split=2, stages=2, accumulators=2),
+    ffi_nvfp4.GemvConfig(1, kernel="pipe16", split=4, accumulators=2),
+]
+VARIANT_SHAPES = [  # M = 1..8; N not a multiple of 16 / 32; K % 16 == 0 but not % 64 or % 256 where the kernel takes it
+    (1, 1000, 4112),
+    (2, 37, 64),
+    (3, 520, 1088),
+    (4, 333, 320),
+    (5, 4096, 1040),
+    (6, 300, 1056),
+    (7, 96, 576),
+    (8, 520, 2048),
+]
+
+
+@pytest.mark.parametrize("m,n,k", VARIANT_SHAPES)
+def test_small_m_variants_w4a16_and_w4a4(m, n, k):
+    rng = np.random.default_rng(13000 + m * 7 + k)
+    q, wref = weight(rng, n, k, zero_blocks=8)
+    ran = 0
+    for cfg in VARIANT_CONFIGS:
+        if cfg.unsupported(m, k, jnp.bfloat16, False):
+            assert cfg.kernel == "pipe16" and k % 64, cfg.name  # only pipe16's K % 64 limit applies at M <= 8
+            continue
+        ran += 1
+        for dtype in (jnp.bfloat16, jnp.float32):
+            x = acts(rng, m, k, dtype)  # fresh inputs per call
+            y, x_eff, xs = _gemv16(x, q, None, cfg)
+            assert y.dtype == dtype and y.shape == (m, n)
+            xf = np.asarray(x.astype(jnp.float32))
+            e_eff, e_xs = stage_a16(xf)
+            np.testing.assert_array_equal(np.asarray(x_eff), e_eff)
+            np.testing.assert_array_equal(np.asarray(xs), e_xs)
+            ref = xf.astype(np.float64) @ wref.T
+            y = np.asarray(y.astype(jnp.float32))
+            assert np.isfinite(y).all()
+            if dtype == jnp.float32:
+                assert rel(y, ref) < 1e-3, cfg.name  # FP32 inputs enter the products rounded to FP16
+            else:
+                assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3, cfg.name
+
+            x = acts(rng, m, k, dtype)
+            amax = float(np.abs(np.asarray(x, np.float32)).max()) * 0.5  # half the true max: saturation
+            g_x = dispatch.act_tensor_scale(amax)
+            y, x_eff, _ = _gemv16(x, q, g_x, cfg)
+            np.testing.assert_array_equal(np.asarray(x_eff), stage_a4(np.asarray(x, np.float32), float(g_x)))
+            ref = np.asarray(fake_quantize(x, "nvfp4", jnp.float32(amax)), np.float64) @ wref.T
+            y = np.asarray(y.astype(jnp.float32))
+            if dtype == jnp.float32:
+                assert rel(y, ref) < 1e-5, cfg.name
+            else:
+                assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3, cfg.name
+    assert ran >= 3
+
+
+def test_small_m_variants_every_code_and_amax_operand():
+    """Every E2M1 code pair under extreme E4M3 scales through the variants, and W4A4 with the amax
+    operand bit-identical to W4A4 with g_x."""
+    rng = np.random.default_rng(13500)
+    n, k = 160, 1024
+    sbits = rng.choice(np.concatenate([np.arange(0x7F, dtype=np.uint8), np.array([1, 2, 0x7E, 0x08], np.uint8)]),
+                       (n, k // 16))
+    data = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    q = nvfp4.NVFP4Array(data=jnp.asarray(data), block_scale=jax.lax.bitcast_convert_type(
+        jnp.asarray(sbits), jnp.float8_e4m3fn), tensor_scale=jnp.float32(0.37), shape=(n, k))
+    wref = weight_f64(data, sbits, np.float32(0.37))
+    amax = 5.5
+    g_x = dispatch.act_tensor_scale(amax)
+    for cfg in VARIANT_CONFIGS:
+        x = acts(rng, 3, k, jnp.bfloat16)
+        _check_a16(jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg))(x), x, wref)
+        a = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_tensor_scale=g_x, config=cfg))(x)
+        b = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_amax=jnp.float32(amax), config=cfg))(x)
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_small_m_variants_refuse_m_above_8_and_dispatch_falls_back():
+    rng = np.random.default_rng(13600)
+    q, wref = weight(rng, 200, 1024)
+    with pytest.raises(ValueError, match="takes 1..8"):
+        _gemv16(acts(rng, 9, 1024, jnp.bfloat16), q, None, VARIANT_CONFIGS[0])
+    y, _, _ = _gemv16(acts(rng, 1, 1024, jnp.bfloat16), q, None, ffi_nvfp4.GemvConfig(1, kernel="pipe16", stages=2),
+                      probe=True)  # the S2 ring's loads-only probe launches
+    assert y.shape == (1, 200)
+    layer = QuantizedLinear(q, implementation="nvfp4_cuda")
+    for m in (4, 12):  # a table choosing a variant: it runs at M <= 8, the regs GEMV above
+        x = acts(rng, m, 1024, jnp.bfloat16)
+        y = jax.jit(lambda x: dispatch.nvfp4_matmul(layer, x, config=VARIANT_CONFIGS[0]))(x)
+        _check_a16(y, x, wref)
