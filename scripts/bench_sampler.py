@@ -20,7 +20,10 @@ the device has < 24 GB; ``--decode-us`` gives known times instead). The loop is 
 ``--unroll`` times, so the while loop's own per-iteration cost (a device-to-host copy of its
 predicate on XLA:GPU) is amortized. Prints a table (median microseconds per step, the same
 minus the loop overhead = the sampler's own cost, and that as a share of a decode step) and
-writes JSON.
+writes JSON. With ``--device-time`` each row is also profiled: the GPU kernel time per step
+(host launch gaps excluded), net of the loop's own kernels; that is what a sampler adds to a
+decode step whose GPU work keeps the host ahead, as a real model's does. The share column uses
+it when measured.
 
     python scripts/bench_sampler.py --out docs/bench_sampler.json
 """
@@ -100,7 +103,9 @@ def logits_pool(kind: str, batch: int, vocab: int):
     return jnp.stack(pool)
 
 
-def time_fn(fn, init_state, pool, iters: int, unroll: int) -> float:
+def time_fn(fn, init_state, pool, iters: int, unroll: int, device_time: bool = False) -> tuple[float, float | None]:
+    """(median wall microseconds per step, GPU busy microseconds per step or None)."""
+
     @jax.jit
     def steps(state, pool, key):
         def body(i, carry):
@@ -116,7 +121,26 @@ def time_fn(fn, init_state, pool, iters: int, unroll: int) -> float:
         start = time.perf_counter()
         jax.block_until_ready(steps(init_state, pool, jax.random.key(r)))
         times.append((time.perf_counter() - start) / iters)
-    return float(np.median(times)) * 1e6
+    busy = gpu_busy_us(lambda: steps(init_state, pool, jax.random.key(9)), iters) if device_time else None
+    return float(np.median(times)) * 1e6, busy
+
+
+def gpu_busy_us(run, iters: int) -> float | None:
+    """GPU kernel time per step: the sum of the durations of the device's kernels in a profiler
+    trace of one call of ``run`` (host gaps between launches excluded), divided by ``iters``."""
+    import gzip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(run())
+        trace = json.load(gzip.open(next(Path(d).rglob("*perfetto_trace.json.gz"))))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu = {e["pid"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name"))}
+    if not gpu:
+        return None
+    return sum(e["dur"] for e in events if e.get("ph") == "X" and e.get("pid") in gpu) / iters
 
 
 def entropy_stats(pool) -> dict:
@@ -183,18 +207,23 @@ def plan(batches, vocabs, implementations):
     def comp(name, impl, kind, vocab, batch):
         jobs.append((name, impl, kind, vocab, batch, component(name), (), dict(IMPLEMENTATION=impl)))
 
-    v0 = vocabs[0]
-    for vocab in vocabs:
+    v0, kinds = vocabs[0], ("random", "peaked")
+    for batch in batches:
+        for kind in kinds if batch == batches[0] else kinds[:1]:
+            comp("loop_overhead", "-", kind, v0, batch)
+            for impl in implementations:
+                for name in ("greedy", "top-p 0.95 (T 0.6)", "ReSET"):
+                    new(name, impl, kind, v0, batch)
+        if batch == batches[0]:
+            for impl in implementations:
+                for c in ("entropy_max", "max_only", "top_p_draw"):
+                    comp(c, impl, "random", v0, batch)
+    for vocab in vocabs[1:]:
         for batch in batches:
-            for kind in ("random", "peaked") if vocab == v0 else ("random",):
-                comp("loop_overhead", "-", kind, vocab, batch)
-                for impl in implementations:
-                    for name in ("greedy", "top-p 0.95 (T 0.6)", "ReSET"):
-                        new(name, impl, kind, vocab, batch)
-                if vocab == v0 and batch in (batches[0], batches[-1]):
-                    for impl in implementations:
-                        for c in ("entropy_max", "max_only", "top_p_draw"):
-                            comp(c, impl, kind, v0, batch)
+            comp("loop_overhead", "-", "random", vocab, batch)
+            for impl in implementations:
+                for name in ("greedy", "top-p 0.95 (T 0.6)", "ReSET"):
+                    new(name, impl, "random", vocab, batch)
     for batch in batches:
         for impl in implementations:
             new("fixed threshold", impl, "random", v0, batch)
@@ -218,6 +247,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--unroll", type=int, default=10, help="decode steps per while-loop iteration")
     parser.add_argument("--implementations", default="cuda,xla", help="of jaxlp.sampling.base (cuda needs a GPU)")
+    parser.add_argument("--device-time", action="store_true",
+                        help="also profile each row: GPU kernel time per step (needs a GPU)")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--vocabs", default="151936,262144")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this many seconds")
@@ -242,13 +273,15 @@ def main(argv=None) -> int:
         try:
             for k, v in options.items():
                 setattr(base, k, v)
-            us = time_fn(fn, init, pools[(kind, batch, vocab)], args.iters, args.unroll)
+            us, busy = time_fn(fn, init, pools[(kind, batch, vocab)], args.iters, args.unroll, args.device_time)
         finally:
             for k, v in saved.items():
                 setattr(base, k, v)
-        rows.append(dict(sampler=name, impl=impl, logits=kind, vocab=vocab, batch=batch, us_per_step=us))
+        rows.append(dict(sampler=name, impl=impl, logits=kind, vocab=vocab, batch=batch, us_per_step=us,
+                         gpu_busy_us=busy))
         dump(args.out, rows, {}, {}, stats, skipped, start)  # partial results survive a timeout
-        print(f"{label:<70}: {us:9.1f} us/step  ({time.perf_counter() - start:.0f} s)", flush=True)
+        busy_text = "" if busy is None else f", GPU busy {busy:7.1f}"
+        print(f"{label:<70}: {us:9.1f} us/step{busy_text}  ({time.perf_counter() - start:.0f} s)", flush=True)
     pools.clear()
     decode, decode_source = {}, {}
     for item in filter(None, args.decode_us.split(",")):
@@ -265,18 +298,24 @@ def main(argv=None) -> int:
             decode_source[batch] = "measured"
             print(f"Qwen3-8B decode step batch {batch:>3}: {decode[batch]:9.1f} us/step", flush=True)
     dump(args.out, rows, decode, decode_source, stats, skipped, start)
-    overhead = {(r["logits"], r["vocab"], r["batch"]): r["us_per_step"] for r in rows if r["sampler"] == "loop_overhead"}
+    # Net = the row minus the loop alone (same logits, vocabulary, batch), for wall and GPU time.
+    overhead = {(r["logits"], r["vocab"], r["batch"]): r for r in rows if r["sampler"] == "loop_overhead"}
     for r in rows:
-        if r["sampler"] != "loop_overhead" and (r["logits"], r["vocab"], r["batch"]) in overhead:
-            r["net_us"] = r["us_per_step"] - overhead[(r["logits"], r["vocab"], r["batch"])]
+        loop = overhead.get((r["logits"], r["vocab"], r["batch"]))
+        if r["sampler"] != "loop_overhead" and loop is not None:
+            r["net_us"] = r["us_per_step"] - loop["us_per_step"]
+            if r["gpu_busy_us"] is not None and loop["gpu_busy_us"] is not None:
+                r["net_gpu_us"] = r["gpu_busy_us"] - loop["gpu_busy_us"]
     dump(args.out, rows, decode, decode_source, stats, skipped, start)
     print(f"\n{'sampler':<22} {'impl':<5} {'logits':<7} {'vocab':>7} {'batch':>5} {'us/step':>9} {'net us':>8} "
-          f"{'% 8B step':>9}")
+          f"{'net GPU':>8} {'% 8B step':>9}")
+    fmt = lambda x: "-" if x is None else f"{x:8.1f}"  # noqa: E731
     for r in rows:
-        net = r.get("net_us")
-        share = f"{100 * net / decode[r['batch']]:.2f}" if r["batch"] in decode and net is not None else "-"
+        net, net_gpu = r.get("net_us"), r.get("net_gpu_us")
+        cost = net_gpu if net_gpu is not None else net
+        share = f"{100 * cost / decode[r['batch']]:.2f}" if r["batch"] in decode and cost is not None else "-"
         print(f"{r['sampler']:<22} {r['impl']:<5} {r['logits']:<7} {r['vocab']:>7} {r['batch']:>5} "
-              f"{r['us_per_step']:>9.1f} {'-' if net is None else f'{net:8.1f}':>8} {share:>9}")
+              f"{r['us_per_step']:>9.1f} {fmt(net):>8} {fmt(net_gpu):>8} {share:>9}")
     for batch, us in decode.items():
         print(f"{'Qwen3-8B decode step':<30} {decode_source[batch]:<22} {'':<7} {'':>7} {batch:>5} {us:>9.1f}")
     if skipped:

@@ -181,30 +181,80 @@ __device__ __forceinline__ Group<N> warp_reduce(Group<N> g) {
   return g;
 }
 
-template <int N>
+// Inside a CTA a thread contributes NS sums, all taken relative to reference maxima the whole CTA
+// shares (so they add plainly), and NA argmax arguments (score, index; ties to the smaller index):
+// a few shuffles per butterfly step. The CTA's result becomes a Group (with its reference maxima
+// and the arguments' y) for the cluster-level combine.
+template <int NS, int NA>
+struct Light {
+  float sum[NS > 0 ? NS : 1];
+  float score[NA > 0 ? NA : 1];
+  int idx[NA > 0 ? NA : 1];
+};
+
+template <int NS, int NA>
+__device__ __forceinline__ Light<NS, NA> light_identity() {
+  Light<NS, NA> l;
+#pragma unroll
+  for (int k = 0; k < NS; ++k) l.sum[k] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < NA; ++k) {
+    l.score[k] = -INFINITY;
+    l.idx[k] = INT_MAX;
+  }
+  return l;
+}
+
+template <int NS, int NA>
+__device__ __forceinline__ void light_pick(Light<NS, NA>& l, int k, float score, int idx) {
+  if (score > l.score[k] || (score == l.score[k] && idx < l.idx[k])) {
+    l.score[k] = score;
+    l.idx[k] = idx;
+  }
+}
+
+template <int NS, int NA>
+__device__ __forceinline__ Light<NS, NA> warp_reduce(Light<NS, NA> l) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+    for (int k = 0; k < NS; ++k) l.sum[k] += __shfl_xor_sync(0xffffffffu, l.sum[k], off);
+#pragma unroll
+    for (int k = 0; k < NA; ++k) {
+      const float score = __shfl_xor_sync(0xffffffffu, l.score[k], off);
+      const int idx = __shfl_xor_sync(0xffffffffu, l.idx[k], off);
+      light_pick(l, k, score, idx);
+    }
+  }
+  return l;
+}
+
+template <int N, int NS, int NA>
 struct Shared {
-  Group<N> warps[kWarps];
-  Group<N> slot[2];  // this CTA's partial, double-buffered across cluster reductions
+  Light<NS, NA> warps[kWarps];
+  Group<N> slot[2];  // this CTA's result, double-buffered across cluster reductions
   Group<N> result;
 };
 
-// Reduce g over the CTA, then (cluster_size > 1) over the cluster. All threads of all CTAs must
-// make the same sequence of cluster reductions; `round` counts them (its parity picks the slot).
-template <int N>
-__device__ Group<N> reduce(Group<N> g, Shared<N>& sh, int& round, int cluster_size) {
+// Reduce l over the CTA, turn the CTA's result into a Group with to_group, then (cluster_size > 1)
+// combine the Groups of the cluster. All threads of all CTAs must make the same sequence of
+// cluster reductions; `round` counts them. Consecutive cluster reductions use different slots
+// (another Shared, or the other parity), and the readers of a slot are done before the next-but-one
+// reduction writes it (they read it before arriving at the barrier in between).
+template <int N, int NS, int NA, typename ToGroup>
+__device__ Group<N> reduce(Light<NS, NA> l, Shared<N, NS, NA>& sh, int& round, int cluster_size, ToGroup to_group) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  g = warp_reduce(g);
-  if (lane == 0) sh.warps[warp] = g;
+  l = warp_reduce(l);
+  if (lane == 0) sh.warps[warp] = l;
   __syncthreads();
   Group<N>* slot = &sh.slot[round & 1];
   if (cluster_size > 1) ++round;
   if (warp == 0) {
-    const Group<N> q = warp_reduce(lane < static_cast<int>(blockDim.x >> 5) ? sh.warps[lane] : identity_group<N>());
-    if (lane == 0) *(cluster_size == 1 ? &sh.result : slot) = q;
+    const Light<NS, NA> q =
+        warp_reduce(lane < static_cast<int>(blockDim.x >> 5) ? sh.warps[lane] : light_identity<NS, NA>());
+    if (lane == 0) *(cluster_size == 1 ? &sh.result : slot) = to_group(q);
   }
   if (cluster_size > 1) {
-    // Slots written. The other slot's readers (the previous cluster reduction) are done: they read
-    // it before arriving here.
     cg::this_cluster().sync();
     if (warp == 0) {
       Group<N> q = identity_group<N>();
@@ -215,14 +265,6 @@ __device__ Group<N> reduce(Group<N> g, Shared<N>& sh, int& round, int cluster_si
   }
   __syncthreads();
   return sh.result;
-}
-
-template <int N>
-__device__ __forceinline__ Partial reduce(Partial p, Shared<N>& sh, int& round, int cluster_size) {
-  static_assert(N >= 1);
-  Group<N> g = identity_group<N>();
-  g.p[0] = p;
-  return reduce(g, sh, round, cluster_size).p[0];
 }
 
 // Keep this CTA's shared memory alive until every CTA of the cluster has read it.
@@ -243,46 +285,61 @@ __device__ __forceinline__ RowSlice row_slice(int v, int chunk, int cluster_size
 
 extern __shared__ float4 row_smem[];  // the CTA's share of the row, [chunk / 4]
 
-// Copy row[base + j] * scale into y[j] (all copies in flight at once) and return the argmax
-// (first index) of this thread's elements.
-__device__ __forceinline__ Partial load_row(float* y, const float* row, const RowSlice& s, float scale) {
+// Copy row[base + j] into x[j] (all copies in flight at once) and return the argmax (first index)
+// of this thread's elements.
+__device__ __forceinline__ Light<0, 1> load_row(float* x, const float* row, const RowSlice& s) {
   const float* src = row + s.base;
   if ((reinterpret_cast<uintptr_t>(src) & 15) == 0 && (s.n & 3) == 0) {
-    for (int j = threadIdx.x; j < s.n / 4; j += blockDim.x) __pipeline_memcpy_async(y + 4 * j, src + 4 * j, 16);
+    for (int j = threadIdx.x; j < s.n / 4; j += blockDim.x) __pipeline_memcpy_async(x + 4 * j, src + 4 * j, 16);
   } else {
-    for (int j = threadIdx.x; j < s.n; j += blockDim.x) __pipeline_memcpy_async(y + j, src + j, 4);
+    for (int j = threadIdx.x; j < s.n; j += blockDim.x) __pipeline_memcpy_async(x + j, src + j, 4);
   }
   __pipeline_commit();
   __pipeline_wait_prior(0);
   __syncthreads();
-  Partial p = identity();
-  for (int j = threadIdx.x; j < s.n; j += blockDim.x) {
-    const float v = y[j] * scale;
-    y[j] = v;
-    pick(p, v, s.base + j, v);
-  }
-  return p;
+  Light<0, 1> l = light_identity<0, 1>();
+  for (int j = threadIdx.x; j < s.n; j += blockDim.x) light_pick(l, 0, x[j], s.base + j);
+  return l;
+}
+
+// The Group of a CTA's argmax of the raw logits x (y = x).
+__device__ __forceinline__ auto argmax_group(const float* x, const RowSlice& s) {
+  return [x, s](const Light<0, 1>& q) {
+    Group<1> g = identity_group<1>();
+    g.p[0].score = q.score[0];
+    g.p[0].idx = q.idx[0];
+    g.p[0].y = q.idx[0] == INT_MAX ? 0.0f : x[q.idx[0] - s.base];
+    return g;
+  };
 }
 
 __global__ void __launch_bounds__(kThreads) entropy_max_kernel(const float* logits, float* entropy, float* maximum,
                                                                int v, int chunk, int cluster_size) {
-  __shared__ Shared<1> sh;
+  __shared__ Shared<1, 0, 1> sh_max;
+  __shared__ Shared<1, 2, 0> sh_sums;
   int round = 0;
   const int row = blockIdx.y;
   const RowSlice s = row_slice(v, chunk, cluster_size);
   float* x = reinterpret_cast<float*>(row_smem);
-  // Each thread's (m, s, t) over its own elements, then one online-softmax reduction.
-  Partial p = load_row(x, logits + static_cast<size_t>(row) * v, s, 1.0f);
-  p.m = p.score;
+  // The CTA's max m, then (s, t) relative to it, then one online-softmax combine over the cluster.
+  const float m = reduce(load_row(x, logits + static_cast<size_t>(row) * v, s), sh_max, round, 1,
+                         argmax_group(x, s)).p[0].score;
+  Light<2, 0> l = light_identity<2, 0>();
   for (int j = threadIdx.x; j < s.n; j += blockDim.x) {
-    const float d = x[j] == p.m ? 0.0f : x[j] - p.m;
+    const float d = x[j] == m ? 0.0f : x[j] - m;
     const float e = expf(d);
     if (e > 0.0f) {
-      p.a += e;
-      p.b += e * d;
+      l.sum[0] += e;
+      l.sum[1] += e * d;
     }
   }
-  const Partial r = reduce(p, sh, round, cluster_size);
+  const Partial r = reduce(l, sh_sums, round, cluster_size, [m](const Light<2, 0>& q) {
+    Group<1> g = identity_group<1>();
+    g.p[0].m = m;
+    g.p[0].a = q.sum[0];
+    g.p[0].b = q.sum[1];
+    return g;
+  }).p[0];
   if (s.base == 0 && threadIdx.x == 0) {
     entropy[row] = logf(r.a) - r.b / r.a;
     maximum[row] = r.m;
@@ -307,8 +364,11 @@ struct SampleParams {
 // entropy and max of the raw logits, from one read of the row (steps in the file header).
 template <int NT, bool ENTROPY>
 __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
-  constexpr int N = NT + (ENTROPY ? 1 : 0);  // partials: the temperatures', then the entropy's
-  __shared__ Shared<N> sh;
+  constexpr int N = NT + (ENTROPY ? 1 : 0);    // partials: the temperatures', then the entropy's
+  constexpr int NS = NT + (ENTROPY ? 2 : 0);   // sums: each temperature's kept mass, then s and t
+  __shared__ Shared<1, 0, 1> sh_top;
+  __shared__ Shared<N, NS, NT> sh_sample;
+  __shared__ Shared<NT, NT, NT> sh_above;
   int round = 0;
   const int row = blockIdx.y;
   const RowSlice s = row_slice(p.v, p.chunk, p.cluster_size);
@@ -316,7 +376,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   float* x = reinterpret_cast<float*>(row_smem);
 
   // 1. This thread's max of the raw logits and its first index.
-  const Partial mine = load_row(x, p.logits + static_cast<size_t>(row) * p.v, s, 1.0f);
+  const Light<0, 1> mine = load_row(x, p.logits + static_cast<size_t>(row) * p.v, s);
   bool greedy[NT];
   float inv[NT];
   bool all_greedy = true;
@@ -327,7 +387,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     all_greedy &= greedy[k];
   }
   if (all_greedy && !ENTROPY) {
-    const Partial top = reduce(mine, sh, round, p.cluster_size);
+    const Partial top = reduce(mine, sh_top, round, p.cluster_size, argmax_group(x, s)).p[0];
     if (write)
       for (int k = 0; k < NT; ++k) p.tokens[row * NT + k] = top.idx;
     return finish(p.cluster_size);
@@ -336,7 +396,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   // reduction less); min-p needs the row's max to decide what it keeps.
   const float log_min_p = p.log_min_p ? p.log_min_p[row] : -INFINITY;
   const bool min_p = log_min_p > -INFINITY;
-  const Partial top = reduce(mine, sh, round, min_p ? p.cluster_size : 1);
+  const Partial top = reduce(mine, sh_top, round, min_p ? p.cluster_size : 1, argmax_group(x, s)).p[0];
   const uint32_t k0 = mix32(p.words[0] ^ mix32(static_cast<uint32_t>(row) * 0x9e3779b9u + 0x7f4a7c15u));
   const uint32_t k1 = mix32(p.words[1] + mix32(static_cast<uint32_t>(row) ^ 0x85ebca6bu));  // noise.row_keys
   const float g_top = gumbel(k0, k1, top.idx);
@@ -363,45 +423,63 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     band[k] = bound[k] - kGumbelMax - margin[k];
   }
   const auto kept = [&](int k, float yj) { return !min_p || yj - ytop[k] >= log_min_p; };
-  const auto consider = [&](int k, Partial& q, float yj, int i) {
+  const auto consider = [&](int k, auto& q, float yj, int i) {
     if (greedy[k]) {
-      if (yj >= bound[k]) pick(q, yj, i, yj);
+      if (yj >= bound[k]) light_pick(q, k, yj, i);
       return;
     }
     if (filter[k] && !(yj >= band[k])) return;
     const uint32_t bits = noise_bits(k0, k1, static_cast<uint32_t>(i));
     const float one_minus_u = (static_cast<float>((1u << 23) - (bits >> 9)) - 0.5f) * 1.1920928955078125e-07f;
     if (filter[k] && !(one_minus_u < __expf(yj - bound[k] + margin[k]))) return;
-    pick(q, yj + gumbel_of_bits(bits), i, yj);
+    light_pick(q, k, yj + gumbel_of_bits(bits), i);
+  };
+  // The Group of a CTA's result: sums with their reference maxima, arguments with their y.
+  const auto group = [&](const auto& q, const float* ref) {
+    Group<N> g = identity_group<N>();
+#pragma unroll
+    for (int k = 0; k < NT; ++k) {
+      g.p[k].m = ref[k];
+      g.p[k].a = q.sum[k];
+      g.p[k].score = q.score[k];
+      g.p[k].idx = q.idx[k];
+      g.p[k].y = q.idx[k] == INT_MAX ? 0.0f : x[q.idx[k] - s.base] * inv[k];
+    }
+    return g;
   };
 
   // 2. Per temperature the kept mass (relative to m) and the Gumbel-max candidate over every kept
   // token; with ENTROPY the raw logits' (m, s, t).
-  Group<N> part = identity_group<N>();
-#pragma unroll
-  for (int k = 0; k < NT; ++k) part.p[k].m = m[k];
-  if constexpr (ENTROPY) part.p[NT].m = top.score;
+  Light<NS, NT> part = light_identity<NS, NT>();
   for (int j = threadIdx.x; j < s.n; j += blockDim.x) {
     const float xj = x[j];
     const int i = s.base + j;
     if constexpr (ENTROPY) {
-      Partial& h = part.p[NT];
-      const float d = xj == h.m ? 0.0f : xj - h.m;
+      const float d = xj == top.score ? 0.0f : xj - top.score;
       const float e = expf(d);
       if (e > 0.0f) {
-        h.a += e;
-        h.b += e * d;
+        part.sum[NT] += e;
+        part.sum[NT + 1] += e * d;
       }
     }
 #pragma unroll
     for (int k = 0; k < NT; ++k) {
       const float yj = xj * inv[k];
       if (!kept(k, yj)) continue;
-      if (!greedy[k]) part.p[k].a += __expf(yj - m[k]);
-      consider(k, part.p[k], yj, i);
+      if (!greedy[k]) part.sum[k] += __expf(yj - m[k]);
+      consider(k, part, yj, i);
     }
   }
-  const Group<N> r = reduce(part, sh, round, p.cluster_size);  // r.p[k].m: the row's reference max
+  // r.p[k].m: the row's reference max
+  const Group<N> r = reduce(part, sh_sample, round, p.cluster_size, [&](const Light<NS, NT>& q) {
+    Group<N> g = group(q, m);
+    if constexpr (ENTROPY) {
+      g.p[NT].m = top.score;
+      g.p[NT].a = q.sum[NT];
+      g.p[NT].b = q.sum[NT + 1];
+    }
+    return g;
+  });
 
   // 3. Top-p: test each candidate; find the next one above it in the same pass (B still bounds
   // it: top is above any candidate that can fail the test, or the CTA holds no token above it).
@@ -422,20 +500,27 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     all_done &= done[k];
   }
   while (!all_done) {
-    Group<N> above = identity_group<N>();
+    Light<NT, NT> part_above = light_identity<NT, NT>();
+    float ref[NT];
 #pragma unroll
-    for (int k = 0; k < NT; ++k) above.p[k].m = cand[k].m;
+    for (int k = 0; k < NT; ++k) ref[k] = cand[k].m;
     for (int j = threadIdx.x; j < s.n; j += blockDim.x) {
       const float xj = x[j];
 #pragma unroll
       for (int k = 0; k < NT; ++k) {
         const float yj = xj * inv[k];
         if (done[k] || !(yj > cand[k].y) || !kept(k, yj)) continue;
-        above.p[k].a += __expf(yj - cand[k].m);
-        consider(k, above.p[k], yj, s.base + j);
+        part_above.sum[k] += __expf(yj - ref[k]);
+        consider(k, part_above, yj, s.base + j);
       }
     }
-    above = reduce(above, sh, round, p.cluster_size);
+    const Group<NT> above = reduce(part_above, sh_above, round, p.cluster_size, [&](const Light<NT, NT>& q) {
+      const Group<N> g = group(q, ref);
+      Group<NT> h;
+#pragma unroll
+      for (int k = 0; k < NT; ++k) h.p[k] = g.p[k];
+      return h;
+    });
     all_done = true;
 #pragma unroll
     for (int k = 0; k < NT; ++k) {
