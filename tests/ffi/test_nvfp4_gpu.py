@@ -43,6 +43,55 @@ def acts(rng, m, k, dtype):
     return jnp.asarray(x, dtype)
 
 
+def _gemv16(x, q, g_x, cfg, probe=False):
+    return jax.jit(lambda x, q, g: ffi_nvfp4.gemv_call(
+        x, q.data, jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8), q.tensor_scale, g, config=cfg,
+        probe=probe))(x, q, g_x)
+
+
+def check_fp16_gemv_w4a16(x, q, wref, cfg):
+    """W4A16 through an FP16-product GEMV configuration: the staged activations bit-exact, the
+    output within 1e-3 of float64 (after its BF16 rounding for BF16 activations)."""
+    y, x_eff, xs = _gemv16(x, q, None, cfg)
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], wref.shape[0])
+    xf = np.asarray(x.astype(jnp.float32))
+    e_eff, e_xs = stage_a16(xf)
+    np.testing.assert_array_equal(np.asarray(x_eff), e_eff)
+    np.testing.assert_array_equal(np.asarray(xs), e_xs)
+    ref = xf.astype(np.float64) @ wref.T
+    y = np.asarray(y.astype(jnp.float32))
+    assert np.isfinite(y).all()
+    if x.dtype == jnp.float32:
+        assert rel(y, ref) < 1e-3, cfg.name  # FP32 inputs enter the products rounded to FP16
+    else:
+        assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3, cfg.name
+        assert rel(y, ref) < 4e-3, cfg.name
+
+
+def check_amax_operand(x, q, amax, cfg):
+    """W4A4 with the amax as the kernel operand (g_x computed on the GPU) is bit-identical to W4A4
+    with g_x computed by XLA."""
+    g_x = dispatch.act_tensor_scale(amax)
+    a = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_tensor_scale=g_x, config=cfg))(x)
+    b = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_amax=jnp.float32(amax), config=cfg))(x)
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def check_fp16_gemv_w4a4_saturated(x, q, wref, cfg):
+    """W4A4 with a tensor scale from half the true amax (so activations saturate): staging
+    bit-exact, the output as the fake-quantized product (exact products, FP32 sums)."""
+    amax = float(np.abs(np.asarray(x, np.float32)).max()) * 0.5
+    g_x = dispatch.act_tensor_scale(amax)
+    y, x_eff, _ = _gemv16(x, q, g_x, cfg)
+    np.testing.assert_array_equal(np.asarray(x_eff), stage_a4(np.asarray(x, np.float32), float(g_x)))
+    ref = np.asarray(fake_quantize(x, "nvfp4", jnp.float32(amax)), np.float64) @ wref.T
+    y = np.asarray(y.astype(jnp.float32))
+    if x.dtype == jnp.float32:
+        assert rel(y, ref) < 1e-5, cfg.name
+    else:
+        assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3, cfg.name
+
+
 SHAPES = [  # (M, N, K): N not a multiple of 16 / 32, K a multiple of 16 but not of 32 or 128
     (1, 1000, 4112),
     (2, 37, 48),
@@ -55,50 +104,46 @@ SHAPES = [  # (M, N, K): N not a multiple of 16 / 32, K a multiple of 16 but not
     (32, 130, 1024),
 ]
 
+PIPE16_CONFIGS = [
+    ffi_nvfp4.GemvConfig(1, kernel="pipe16"),
+    ffi_nvfp4.GemvConfig(2, kernel="pipe16", split=2),
+    ffi_nvfp4.GemvConfig(1, kernel="pipe16", split=4, pdl=False),
+    ffi_nvfp4.GemvConfig(2, kernel="pipe16", split=1),
+]
+PIPE16_SHAPES = [  # M = 1..8 and across the 8-token groups; N not a multiple of 16 / 32; K % 64 == 0, not always % 256
+    (1, 1000, 4096),
+    (2, 37, 64),
+    (3, 520, 1088),
+    (4, 333, 320),
+    (5, 4096, 1088),
+    (6, 130, 2048),
+    (7, 96, 576),
+    (8, 520, 2048),
+    (9, 333, 320),
+    (17, 2048, 512),
+    (32, 130, 1024),
+]
+
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m,n,k", SHAPES)
-def test_w4a16(m, n, k, dtype):
+@pytest.mark.parametrize("configs,m,n,k", [pytest.param(CONFIGS, *s, id=f"regs-{s}") for s in SHAPES]
+                         + [pytest.param(PIPE16_CONFIGS, *s, id=f"pipe16-{s}") for s in PIPE16_SHAPES])
+def test_w4a16(configs, m, n, k, dtype):
     rng = np.random.default_rng(1000 + m * 7 + k)
     q, wref = weight(rng, n, k)
-    for cfg in CONFIGS:
-        x = acts(rng, m, k, dtype)  # fresh inputs per call: a stale output buffer would show
-        y, x_eff, xs = jax.jit(lambda x, q: ffi_nvfp4.gemv_call(
-            x, q.data, jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8), q.tensor_scale, config=cfg))(x, q)
-        assert y.dtype == dtype and y.shape == (m, n)
-        xf = np.asarray(x.astype(jnp.float32))
-        ref = xf.astype(np.float64) @ wref.T
-        e_eff, e_xs = stage_a16(xf)
-        np.testing.assert_array_equal(np.asarray(x_eff), e_eff)
-        np.testing.assert_array_equal(np.asarray(xs), e_xs)
-        y = np.asarray(y.astype(jnp.float32))
-        assert np.isfinite(y).all()
-        if dtype == jnp.float32:
-            assert rel(y, ref) < 1e-3  # FP32 inputs enter the products rounded to FP16
-        else:
-            assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
-            assert rel(y, ref) < 4e-3  # BF16 output rounding
+    for cfg in configs:
+        # fresh inputs per call: a stale output buffer would show
+        check_fp16_gemv_w4a16(acts(rng, m, k, dtype), q, wref, cfg)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m,n,k", SHAPES)
-def test_w4a4(m, n, k, dtype):
+@pytest.mark.parametrize("configs,m,n,k", [pytest.param(CONFIGS[:2], *s, id=f"regs-{s}") for s in SHAPES]
+                         + [pytest.param(PIPE16_CONFIGS[:2], *s, id=f"pipe16-{s}") for s in PIPE16_SHAPES])
+def test_w4a4(configs, m, n, k, dtype):
     rng = np.random.default_rng(2000 + m * 7 + k)
     q, wref = weight(rng, n, k)
-    for cfg in CONFIGS[:2]:
-        x = acts(rng, m, k, dtype)
-        amax = float(np.abs(np.asarray(x, np.float32)).max()) * 0.5  # half the true max: saturation
-        g_x = dispatch.act_tensor_scale(amax)
-        y, x_eff, _ = jax.jit(lambda x, q, g: ffi_nvfp4.gemv_call(
-            x, q.data, jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8), q.tensor_scale, g, config=cfg))(x, q, g_x)
-        xq = np.asarray(fake_quantize(x, "nvfp4", jnp.float32(amax)), np.float64)
-        ref = xq @ wref.T
-        np.testing.assert_array_equal(np.asarray(x_eff), stage_a4(np.asarray(x, np.float32), float(g_x)))
-        y = np.asarray(y.astype(jnp.float32))
-        if dtype == jnp.float32:
-            assert rel(y, ref) < 1e-5
-        else:
-            assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
+    for cfg in configs:
+        check_fp16_gemv_w4a4_saturated(acts(rng, m, k, dtype), q, wref, cfg)
 
 
 @pytest.mark.parametrize("m,k", [(1, 25600), (8, 4096), (3, 48), (32, 1040)])
@@ -293,84 +338,12 @@ def test_amax_operand_matches_tensor_scale(amax):
     bit-identical to W4A4 with g_x computed by XLA, for all three kernels."""
     rng = np.random.default_rng(9200)
     q, _ = weight(rng, 200, 1024)
-    g_x = dispatch.act_tensor_scale(amax)
     for m, cfg in ((3, ffi_nvfp4.GemvConfig()), (5, PIPE_CONFIGS[1]), (6, PIPE16_CONFIGS[1]), (40, GEMM_CONFIGS[1])):
-        x = acts(rng, m, 1024, jnp.bfloat16)
-        a = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_tensor_scale=g_x, config=cfg))(x)
-        b = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_amax=jnp.float32(amax), config=cfg))(x)
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+        check_amax_operand(acts(rng, m, 1024, jnp.bfloat16), q, amax, cfg)
 
 
-# --- pipe16: the pipe kernel's ring with the regs GEMV's FP16 arithmetic (regs staging) ----------
-
-PIPE16_CONFIGS = [
-    ffi_nvfp4.GemvConfig(1, kernel="pipe16"),
-    ffi_nvfp4.GemvConfig(2, kernel="pipe16", split=2),
-    ffi_nvfp4.GemvConfig(1, kernel="pipe16", split=4, pdl=False),
-    ffi_nvfp4.GemvConfig(2, kernel="pipe16", split=1),
-]
-PIPE16_SHAPES = [  # M = 1..8 and across the 8-token groups; N not a multiple of 16 / 32; K % 64 == 0, not always % 256
-    (1, 1000, 4096),
-    (2, 37, 64),
-    (3, 520, 1088),
-    (4, 333, 320),
-    (5, 4096, 1088),
-    (6, 130, 2048),
-    (7, 96, 576),
-    (8, 520, 2048),
-    (9, 333, 320),
-    (17, 2048, 512),
-    (32, 130, 1024),
-]
-
-
-def _gemv16(x, q, g_x, cfg, probe=False):
-    return jax.jit(lambda x, q, g: ffi_nvfp4.gemv_call(
-        x, q.data, jax.lax.bitcast_convert_type(q.block_scale, jnp.uint8), q.tensor_scale, g, config=cfg,
-        probe=probe))(x, q, g_x)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m,n,k", PIPE16_SHAPES)
-def test_pipe16_w4a16(m, n, k, dtype):
-    rng = np.random.default_rng(10000 + m * 7 + k)
-    q, wref = weight(rng, n, k)
-    for cfg in PIPE16_CONFIGS:
-        x = acts(rng, m, k, dtype)  # fresh inputs per call
-        y, x_eff, xs = _gemv16(x, q, None, cfg)
-        assert y.dtype == dtype and y.shape == (m, n)
-        xf = np.asarray(x.astype(jnp.float32))
-        e_eff, e_xs = stage_a16(xf)
-        np.testing.assert_array_equal(np.asarray(x_eff), e_eff)
-        np.testing.assert_array_equal(np.asarray(xs), e_xs)
-        ref = xf.astype(np.float64) @ wref.T
-        y = np.asarray(y.astype(jnp.float32))
-        assert np.isfinite(y).all()
-        if dtype == jnp.float32:
-            assert rel(y, ref) < 1e-3  # FP32 inputs enter the products rounded to FP16
-        else:
-            assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
-            assert rel(y, ref) < 4e-3
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m,n,k", PIPE16_SHAPES)
-def test_pipe16_w4a4(m, n, k, dtype):
-    rng = np.random.default_rng(11000 + m * 7 + k)
-    q, wref = weight(rng, n, k)
-    for cfg in PIPE16_CONFIGS[:2]:
-        x = acts(rng, m, k, dtype)
-        amax = float(np.abs(np.asarray(x, np.float32)).max()) * 0.5  # half the true max: saturation
-        g_x = dispatch.act_tensor_scale(amax)
-        y, x_eff, _ = _gemv16(x, q, g_x, cfg)
-        np.testing.assert_array_equal(np.asarray(x_eff), stage_a4(np.asarray(x, np.float32), float(g_x)))
-        ref = np.asarray(fake_quantize(x, "nvfp4", jnp.float32(amax)), np.float64) @ wref.T
-        y = np.asarray(y.astype(jnp.float32))
-        if dtype == jnp.float32:
-            assert rel(y, ref) < 1e-5
-        else:
-            assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
-
+# --- pipe16: the pipe kernel's ring with the regs GEMV's FP16 arithmetic (regs staging; its
+# configurations and shapes are defined with the regs ones, test_w4a16 / test_w4a4 cover it) -----
 
 def test_pipe16_probe_runs_and_rejects_bad_calls():
     """The loads-only probe launches (its output is meaningless); K % 64 != 0 is refused."""
@@ -429,32 +402,8 @@ def test_small_m_variants_w4a16_and_w4a4(m, n, k):
             continue
         ran += 1
         for dtype in (jnp.bfloat16, jnp.float32):
-            x = acts(rng, m, k, dtype)  # fresh inputs per call
-            y, x_eff, xs = _gemv16(x, q, None, cfg)
-            assert y.dtype == dtype and y.shape == (m, n)
-            xf = np.asarray(x.astype(jnp.float32))
-            e_eff, e_xs = stage_a16(xf)
-            np.testing.assert_array_equal(np.asarray(x_eff), e_eff)
-            np.testing.assert_array_equal(np.asarray(xs), e_xs)
-            ref = xf.astype(np.float64) @ wref.T
-            y = np.asarray(y.astype(jnp.float32))
-            assert np.isfinite(y).all()
-            if dtype == jnp.float32:
-                assert rel(y, ref) < 1e-3, cfg.name  # FP32 inputs enter the products rounded to FP16
-            else:
-                assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3, cfg.name
-
-            x = acts(rng, m, k, dtype)
-            amax = float(np.abs(np.asarray(x, np.float32)).max()) * 0.5  # half the true max: saturation
-            g_x = dispatch.act_tensor_scale(amax)
-            y, x_eff, _ = _gemv16(x, q, g_x, cfg)
-            np.testing.assert_array_equal(np.asarray(x_eff), stage_a4(np.asarray(x, np.float32), float(g_x)))
-            ref = np.asarray(fake_quantize(x, "nvfp4", jnp.float32(amax)), np.float64) @ wref.T
-            y = np.asarray(y.astype(jnp.float32))
-            if dtype == jnp.float32:
-                assert rel(y, ref) < 1e-5, cfg.name
-            else:
-                assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3, cfg.name
+            check_fp16_gemv_w4a16(acts(rng, m, k, dtype), q, wref, cfg)  # fresh inputs per call
+            check_fp16_gemv_w4a4_saturated(acts(rng, m, k, dtype), q, wref, cfg)
     assert ran >= 3
 
 
@@ -469,14 +418,10 @@ def test_small_m_variants_every_code_and_amax_operand():
     q = nvfp4.NVFP4Array(data=jnp.asarray(data), block_scale=jax.lax.bitcast_convert_type(
         jnp.asarray(sbits), jnp.float8_e4m3fn), tensor_scale=jnp.float32(0.37), shape=(n, k))
     wref = weight_f64(data, sbits, np.float32(0.37))
-    amax = 5.5
-    g_x = dispatch.act_tensor_scale(amax)
     for cfg in VARIANT_CONFIGS:
         x = acts(rng, 3, k, jnp.bfloat16)
         _check_a16(jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg))(x), x, wref)
-        a = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_tensor_scale=g_x, config=cfg))(x)
-        b = jax.jit(lambda x: ffi_nvfp4.nvfp4_gemv(x, q, act_amax=jnp.float32(amax), config=cfg))(x)
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+        check_amax_operand(x, q, 5.5, cfg)
 
 
 def test_small_m_variants_refuse_m_above_8_and_dispatch_falls_back():
