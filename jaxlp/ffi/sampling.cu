@@ -7,11 +7,14 @@
 // V % 4 == 0, all in flight at once), then works there (element j by thread j % kThreads); the
 // row is read from global memory once.
 //
-// Reductions are deterministic: thread (sequential over k) -> warp (xor butterfly: commutative
-// combines, so every lane ends with the same bits) -> CTA (warp 0 over the warps) -> cluster
-// (warp 0 of every CTA reads the C CTA partials from distributed shared memory and combines them
-// with the same butterfly), so all CTAs of a cluster hold identical results and take identical
-// branches.
+// Reductions are deterministic: thread (sequential over its elements) -> warp (xor butterfly:
+// commutative combines, so every lane ends with the same bits) -> CTA (warp 0 over the warps) ->
+// cluster (warp 0 of every CTA reads the C CTA results from distributed shared memory and combines
+// them with the same butterfly), so all CTAs of a cluster hold identical results and take
+// identical branches. Inside a CTA only plain sums (all relative to one reference max per CTA)
+// and (score, index) pairs travel; the cluster level merges sums with different reference maxima
+// as an online softmax. Few fields per shuffle matter: reductions, not the passes over the row,
+// are most of a kernel's time.
 //
 // entropy_max_kernel: H = log(s) - t / s with m = max x, s = sum exp(x - m), t = sum exp(x - m)(x - m)
 //   (an element equal to m contributes exactly 1 and 0, so a row of -inf gives H = log V, as the
@@ -22,7 +25,9 @@
 // max of the raw logits, so that ReSET reads each row once), each from softmax(y), y = x * inv_t,
 // restricted by min-p and top-p, by Gumbel-max with the counter-based noise of
 // jaxlp/sampling/noise.py (the same noise for every temperature):
-//   1. ymax = max y (with its first index: the result of a greedy row, temperature <= 1e-6).
+//   1. The max of the raw logits and its first index (a greedy temperature, <= 1e-6, takes the
+//      first argmax): over the row where needed (all temperatures greedy, min-p), else over the
+//      CTA's share, which is enough to bound the noise of the CTA's tokens (see the kernel).
 //   2. kept = (y - ymax >= log_min_p); S = sum over kept of e = exp(y - ymax); candidate c =
 //      argmax over kept of y + g (ties to the smaller index). The exact g (two logarithms) is
 //      computed only for tokens that can beat the max token's own score (see the kernel).
