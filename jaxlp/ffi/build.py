@@ -1,8 +1,9 @@
 """Build CUDA sources of ``jaxlp/ffi`` with ``nvcc`` on first use, into a cache directory.
 
 The shared library is named by a hash of everything that changes the binary (the source
-text and the shared ``*.cuh`` headers, the nvcc command line, the nvcc version, the XLA FFI headers' location), so an edited
-source or another toolchain gets a fresh build and an unchanged one is reused.
+text and the shared ``*.cuh`` headers, the nvcc command line, the nvcc version, the XLA FFI
+headers' location), so an edited source or another toolchain gets a fresh build and an
+unchanged one is reused. :class:`Library` loads a built library and registers its FFI targets.
 
 - cache: ``$JAXLP_FFI_CACHE``, else ``$XDG_CACHE_HOME/jaxlp/ffi``, else ``~/.cache/jaxlp/ffi``.
 - compiler: ``$JAXLP_NVCC``, else ``$CUDA_HOME/bin/nvcc`` (or ``$CUDA_PATH``), else ``nvcc`` on
