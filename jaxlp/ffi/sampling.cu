@@ -318,6 +318,17 @@ __device__ __forceinline__ auto argmax_group(const float* x, const RowSlice& s) 
   };
 }
 
+// x's terms of the entropy sums relative to the reference max m: s += e, t += e (x - m) with
+// e = exp(x - m); an element equal to m adds exactly 1 and 0 (so a row of -inf gives H = log V).
+__device__ __forceinline__ void add_entropy_terms(float x, float m, float& s, float& t) {
+  const float d = x == m ? 0.0f : x - m;
+  const float e = expf(d);
+  if (e > 0.0f) {
+    s += e;
+    t += e * d;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) entropy_max_kernel(const float* logits, float* entropy, float* maximum,
                                                                int v, int chunk, int cluster_size) {
   __shared__ Shared<1, 0, 1> sh_max;
@@ -330,14 +341,7 @@ __global__ void __launch_bounds__(kThreads) entropy_max_kernel(const float* logi
   const float m = reduce(load_row(x, logits + static_cast<size_t>(row) * v, s), sh_max, round, 1,
                          argmax_group(x, s)).p[0].score;
   Light<2, 0> l = light_identity<2, 0>();
-  for (int j = threadIdx.x; j < s.n; j += blockDim.x) {
-    const float d = x[j] == m ? 0.0f : x[j] - m;
-    const float e = expf(d);
-    if (e > 0.0f) {
-      l.sum[0] += e;
-      l.sum[1] += e * d;
-    }
-  }
+  for (int j = threadIdx.x; j < s.n; j += blockDim.x) add_entropy_terms(x[j], m, l.sum[0], l.sum[1]);
   const Partial r = reduce(l, sh_sums, round, cluster_size, [m](const Light<2, 0>& q) {
     Group<1> g = identity_group<1>();
     g.p[0].m = m;
@@ -459,14 +463,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   for (int j = threadIdx.x; j < s.n; j += blockDim.x) {
     const float xj = x[j];
     const int i = s.base + j;
-    if constexpr (ENTROPY) {
-      const float d = xj == top.score ? 0.0f : xj - top.score;
-      const float e = expf(d);
-      if (e > 0.0f) {
-        part.sum[NT] += e;
-        part.sum[NT + 1] += e * d;
-      }
-    }
+    if constexpr (ENTROPY) add_entropy_terms(xj, top.score, part.sum[NT], part.sum[NT + 1]);
 #pragma unroll
     for (int k = 0; k < NT; ++k) {
       const float yj = xj * inv[k];
