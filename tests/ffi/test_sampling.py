@@ -1,7 +1,8 @@
 """jaxlp.ffi.sampling: the fused sampling kernels.
 
 CPU: the layout mirrors sampling.cu; a float64 NumPy model of the kernel's top-p algorithm
-(testing Gumbel-max candidates) equals Gumbel-max over the sorted-cumsum nucleus; the XLA
+(testing Gumbel-max candidates, with and without its noise filter) equals Gumbel-max over the
+sorted-cumsum nucleus; the XLA
 reference path equals that float64 definition; the custom calls lower for CUDA. GPU (skipped
 without one): the kernels against the XLA reference and float64 NumPy.
 """
@@ -47,55 +48,44 @@ def gumbel_max_np(y, g, keep):
     return int(np.argmax(scores))
 
 
-def candidate_testing_np(y, g, top_p, log_min_p=-np.inf):
-    """The kernel's algorithm (sampling.cu, step 3), in float64; returns (token, passes)."""
-    y = np.asarray(y, np.float64)
-    ymax = y.max()
-    keep = (y - ymax) >= log_min_p
-    e = np.where(keep, np.exp(y - ymax), 0.0)
-    target = top_p * e.sum()
-    cand = gumbel_max_np(y, g, keep)
-    passes = 0
-    while top_p < 1.0:
-        passes += 1
-        above = keep & (y > y[cand])
-        if e[above].sum() < target or not above.any():
-            break
-        cand = gumbel_max_np(y, g, above)
-    return cand, passes
-
-
-def filtered_kernel_np(y, bits, top_p, log_min_p, chunk, margin=1e-3):
-    """float64 model of sample_kernel's steps 2-3 with its noise filter: CTAs of ``chunk`` tokens,
-    each skipping tokens that cannot reach the score B of its max token (the row's, with min-p);
-    returns (token, number of tokens whose exact noise was computed)."""
-    v = len(y)
+def noise_np(bits):
+    """(g, 1 - u) of the noise bits, float64 (jaxlp.sampling.noise)."""
     u = ((bits >> 9).astype(np.float64) + 0.5) * 2.0**-23
-    g = -np.log(-np.log(u))
-    one_minus_u = ((1 << 23) - (bits >> 9)).astype(np.float64) - 0.5
-    one_minus_u *= 2.0**-23
+    one_minus_u = (((1 << 23) - (bits >> 9)).astype(np.float64) - 0.5) * 2.0**-23
+    return -np.log(-np.log(u)), one_minus_u
+
+
+def kernel_model_np(y, bits, top_p, log_min_p=-np.inf, chunk=None, margin=1e-3):
+    """float64 model of sample_kernel's steps 2-3 (sampling.cu): Gumbel-max candidates tested
+    against "mass strictly above < p x total". With ``chunk``, also its noise filter: CTAs of
+    ``chunk`` tokens, each skipping tokens that cannot reach the score B of its max token (the
+    row's, with min-p). Returns (token, tests made, tokens whose exact noise was computed)."""
+    y = np.asarray(y, np.float64)
+    v = len(y)
+    g, one_minus_u = noise_np(bits)
     min_p = log_min_p > -np.inf
     keep = (y - y.max()) >= log_min_p if min_p else np.ones(v, bool)
-    may_win = np.zeros(v, bool)
-    for start in range(0, v, chunk):
+    may_win = np.ones(v, bool)
+    for start in range(0, v, chunk or v):
+        if chunk is None:
+            break
         part = np.arange(start, min(v, start + chunk))
         top = int(np.argmax(y)) if min_p else int(part[np.argmax(y[part])])
         bound = y[top] + g[top] if keep[top] else -np.inf
-        if not np.isfinite(bound):  # the kernel computes every token's noise then
-            may_win[part] = True
-            continue
-        ok = (y[part] >= bound - noise.GUMBEL_MAX - margin) & (one_minus_u[part] < np.exp(y[part] - bound + margin))
-        may_win[part] = ok
-    scores = np.where(keep & may_win, y + g, -np.inf)
-    cand = int(np.argmax(scores))
+        if np.isfinite(bound):  # else the kernel computes every token's noise
+            may_win[part] = (y[part] >= bound - noise.GUMBEL_MAX - margin) & (
+                one_minus_u[part] < np.exp(y[part] - bound + margin))
+    cand = gumbel_max_np(y, g, keep & may_win)
     e = np.where(keep, np.exp(y - y.max()), 0.0)
     target = top_p * e.sum()
-    while top_p < 1.0 and y[cand] < y.max():
+    tests = 0
+    while top_p < 1.0:
+        tests += 1
         above = keep & (y > y[cand])
-        if e[above].sum() < target:
+        if y[cand] >= y.max() or e[above].sum() < target or not above.any():
             break
-        cand = int(np.argmax(np.where(above & may_win, y + g, -np.inf)))
-    return cand, int(may_win.sum())
+        cand = gumbel_max_np(y, g, above & may_win)
+    return cand, tests, int(may_win.sum())
 
 
 def random_rows(rng, b, v):
@@ -150,10 +140,11 @@ def test_candidate_testing_equals_gumbel_max_over_the_nucleus():
         y = random_rows(rng, 4, v)[trial % 4].astype(np.float64)
         if not np.isfinite(y).any():
             continue
-        g = -np.log(-np.log(rng.uniform(2.0**-24, 1.0, v)))
+        bits = rng.integers(0, 1 << 32, v, dtype=np.uint64)
+        g = noise_np(bits)[0]
         top_p = float(rng.choice([0.05, 0.5, 0.9, 0.95, 0.999, 1.0]))
         log_min_p = float(rng.choice([-np.inf, np.log(0.05)]))
-        token, n = candidate_testing_np(y, g, top_p, log_min_p)
+        token, n, _ = kernel_model_np(y, bits, top_p, log_min_p)
         assert token == gumbel_max_np(y, g, nucleus_np(y, top_p, log_min_p)), (trial, v, top_p)
         passes.append(n)
     assert np.mean(passes) < 1.5  # each test passes with probability >= p
@@ -168,10 +159,10 @@ def test_noise_filter_never_skips_the_winner():
         if not np.isfinite(y).any():
             continue
         bits = rng.integers(0, 1 << 32, v, dtype=np.uint64)
-        g = -np.log(-np.log(((bits >> 9).astype(np.float64) + 0.5) * 2.0**-23))
+        g = noise_np(bits)[0]
         top_p = float(rng.choice([0.5, 0.95, 1.0]))
         log_min_p = float(rng.choice([-np.inf, np.log(0.01)]))
-        token, n = filtered_kernel_np(y, bits, top_p, log_min_p, chunk=int(rng.choice([1, 7, 64, 4096])))
+        token, _, n = kernel_model_np(y, bits, top_p, log_min_p, chunk=int(rng.choice([1, 7, 64, 4096])))
         assert token == gumbel_max_np(y, g, nucleus_np(y, top_p, log_min_p)), trial
         computed.append(n / v)
     assert np.median(computed) < 0.2  # the filter does skip most tokens
