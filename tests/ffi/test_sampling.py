@@ -82,8 +82,8 @@ def kernel_model_np(y, bits, top_p, log_min_p=-np.inf, chunk=None, margin=1e-3):
     while top_p < 1.0:
         tests += 1
         above = keep & (y > y[cand])
-        if y[cand] >= y.max() or e[above].sum() < target or not above.any():
-            break
+        if y[cand] >= y.max() or e[above].sum() < target or not (above & may_win).any():
+            break  # the kernel also stops when no next candidate exists (idx == INT_MAX)
         cand = gumbel_max_np(y, g, above & may_win)
     return cand, tests, int(may_win.sum())
 
