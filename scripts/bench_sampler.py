@@ -232,7 +232,7 @@ def plan(batches, vocabs, implementations):
 
 def dump(out, rows, decode, decode_source, stats, skipped, start):
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                decode_context=1024, nucleus_final=base.NUCLEUS_FINAL, nucleus_splits=base.NUCLEUS_SPLITS,
+                decode_context=1024, nucleus_splits=base.NUCLEUS_SPLITS,
                 nucleus_capacity=base.NUCLEUS_CAPACITY, nucleus_exact_fallback=base.NUCLEUS_EXACT_FALLBACK,
                 command=" ".join(["python"] + sys.argv), seconds=round(time.perf_counter() - start, 1))
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -123,21 +123,16 @@ NUCLEUS_OFFSETS = np.concatenate([
     [13.0, 14.0, 16.0, 18.0, 20.0, 24.0, 28.0, 32.0, 40.0, 56.0],
     [np.inf],
 ]).astype(np.float32)
-NUCLEUS_SPLITS = 64  # stages 2 (and 3): the bracket is cut into this many equal parts
-# Stage 3, one of: "compact" (the tokens of the stage-2 bracket, at most NUCLEUS_CAPACITY, are
-# gathered and the cut is found among them by pairwise comparison) or "refine" (a third pass
-# splits the bracket again and also finds the smallest and largest token of each part: a part
-# holding a single distinct value gives the cut). On an H200 (docs/bench_sampler.json) "refine"
-# leaves ~20% of high-entropy rows at T = 1 unresolved (two tokens within ~1e-4 of the cut), so
-# the full-sort fallback runs in most batch-32 steps; "compact" almost never needs it.
-NUCLEUS_FINAL = "compact"
-NUCLEUS_CAPACITY = 1024  # "compact": most tokens the stage-2 bracket may hold
-PREFIX_BLOCK = 256  # "compact": block length of the matmul prefix count (exact in bf16 up to 256)
-# Rows stage 3 leaves unresolved (in practice: several distinct values within ~1e-4 of the
-# cut, or for "compact" a nearly flat row with > NUCLEUS_CAPACITY tokens within ~0.01 of it)
-# are redone exactly by a full sort under lax.cond. False keeps the whole final bracket
-# instead (a superset of the nucleus) and has no lax.cond. The cond costs a device-to-host
-# sync every step: ReSET at batch 1 on an H200 took 121 us with it and 75 us without ("refine").
+NUCLEUS_SPLITS = 64  # stage 2: the bracket is cut into this many equal parts
+# Stage 3: the tokens of the stage-2 bracket, at most NUCLEUS_CAPACITY, are gathered and the cut is
+# found among them by pairwise comparison. (A third splitting pass instead, tried in session 2,
+# left ~20% of high-entropy rows unresolved on an H200, so the sort fallback ran in most steps.)
+NUCLEUS_CAPACITY = 1024  # most tokens the stage-2 bracket may hold
+PREFIX_BLOCK = 256  # block length of the matmul prefix count (exact in bf16 up to 256)
+# Rows stage 3 leaves unresolved (in practice a nearly flat row with > NUCLEUS_CAPACITY tokens
+# within ~0.01 of the cut) are redone exactly by a full sort under lax.cond. False keeps the
+# whole final bracket instead (a superset of the nucleus) and has no lax.cond. The cond costs a
+# device-to-host sync every step on XLA:GPU (session 2, H200: ~20 us at batch 1).
 NUCLEUS_EXACT_FALLBACK = True
 
 
@@ -147,15 +142,6 @@ def _mass_above(y, e, keep, cuts):
     mass = jnp.sum(jnp.where(above, e[:, :, None], 0.0), axis=1)
     count = jnp.sum(above, axis=1, dtype=jnp.int32)
     return mass, count
-
-
-def _extremes(y, keep, cuts):
-    """For each cut: (smallest kept y >= cut, largest kept y < cut) [B, J] (+-inf if none)."""
-    above = y[:, :, None] >= cuts[:, None, :]
-    kept = keep[:, :, None]
-    smallest = jnp.min(jnp.where(above & kept, y[:, :, None], jnp.inf), axis=1)
-    largest = jnp.max(jnp.where(~above & kept, y[:, :, None], -jnp.inf), axis=1)
-    return smallest, largest
 
 
 def _split(lo, hi, splits):
@@ -236,19 +222,18 @@ def nucleus_cut(y: jax.Array, row_max: jax.Array, top_p, keep: jax.Array | None 
     points ``max - NUCLEUS_OFFSETS``; the cut lies in the bracket [lo, hi) between the first
     cut point whose mass reaches p S and the one before it; every token >= hi is kept (if the
     max alone reaches p S, the cut is the max). (2) A second pass splits the bracket into
-    NUCLEUS_SPLITS equal parts the same way. (3) See NUCLEUS_FINAL. Rows stage 3 leaves
-    unresolved are redone by a full sort (see NUCLEUS_EXACT_FALLBACK).
+    NUCLEUS_SPLITS equal parts the same way. (3) The bracket's tokens (at most
+    NUCLEUS_CAPACITY) are gathered and the cut found among them. Rows stage 3 leaves unresolved
+    are redone by a full sort (see NUCLEUS_EXACT_FALLBACK).
     """
     if keep is None:
         keep = jnp.ones(y.shape, bool)
-    if NUCLEUS_FINAL not in ("refine", "compact"):
-        raise ValueError(f"NUCLEUS_FINAL must be 'refine' or 'compact', got {NUCLEUS_FINAL!r}")
-    return _nucleus_cut(y, row_max, top_p, keep, final=NUCLEUS_FINAL, capacity=NUCLEUS_CAPACITY,
-                        splits=NUCLEUS_SPLITS, block=PREFIX_BLOCK, exact_fallback=NUCLEUS_EXACT_FALLBACK)
+    return _nucleus_cut(y, row_max, top_p, keep, capacity=NUCLEUS_CAPACITY, splits=NUCLEUS_SPLITS,
+                        block=PREFIX_BLOCK, exact_fallback=NUCLEUS_EXACT_FALLBACK)
 
 
-@functools.partial(jax.jit, static_argnames=("final", "capacity", "splits", "block", "exact_fallback"))
-def _nucleus_cut(y, row_max, top_p, keep, *, final, capacity, splits, block, exact_fallback):
+@functools.partial(jax.jit, static_argnames=("capacity", "splits", "block", "exact_fallback"))
+def _nucleus_cut(y, row_max, top_p, keep, *, capacity, splits, block, exact_fallback):
     y = y.astype(jnp.float32)
     b, v = y.shape
     f32 = jnp.float32
@@ -279,28 +264,16 @@ def _nucleus_cut(y, row_max, top_p, keep, *, final, capacity, splits, block, exa
     above2 = _pick(mass2, k - 1)  # mass of the tokens >= hi2, all kept
     in_bracket = _pick(count2, k) - _pick(count2, k - 1)
 
-    if final == "refine":
-        # (3) split again; a part holding one distinct value (ties included) gives the cut.
-        sub3 = _split(lo2, hi2, splits)
-        mass3, _ = _mass_above(y, e, keep, sub3)
-        smallest, largest = _extremes(y, keep, sub3)
-        k3 = _select(mass3, target)
-        low3 = _pick(smallest, k3)  # smallest token >= lo3
-        high3 = _pick(largest, k3 - 1)  # largest token < hi3
-        resolved = low3 == high3
-        cut, fallback_cut = low3, _pick(sub3, k3)
-    else:
-        # (3) exact cut among the bracket's tokens: kept iff above2 + mass of larger ones < target.
-        capacity = min(capacity, v)
-        bracket = keep & (y >= lo2[:, None]) & (y < hi2[:, None])
-        cand = compact(y, bracket, capacity, -jnp.inf, block)
-        cand_e = jnp.exp(cand - m[:, None])  # 0 for the -inf fill
-        larger = cand[:, None, :] > cand[:, :, None]  # [b, i, j]: cand_j > cand_i
-        before = above2[:, None] + jnp.sum(jnp.where(larger, cand_e[:, None, :], 0.0), axis=-1)
-        kept = (before < target[:, None]) & (cand > -jnp.inf)
-        cut = jnp.minimum(jnp.min(jnp.where(kept, cand, inf), axis=-1), hi2)
-        resolved = (in_bracket <= capacity) | (capacity >= v)
-        fallback_cut = lo2
+    # (3) exact cut among the bracket's tokens: kept iff above2 + mass of larger ones < target.
+    capacity = min(capacity, v)
+    bracket = keep & (y >= lo2[:, None]) & (y < hi2[:, None])
+    cand = compact(y, bracket, capacity, -jnp.inf, block)
+    cand_e = jnp.exp(cand - m[:, None])  # 0 for the -inf fill
+    larger = cand[:, None, :] > cand[:, :, None]  # [b, i, j]: cand_j > cand_i
+    before = above2[:, None] + jnp.sum(jnp.where(larger, cand_e[:, None, :], 0.0), axis=-1)
+    kept = (before < target[:, None]) & (cand > -jnp.inf)
+    cut = jnp.minimum(jnp.min(jnp.where(kept, cand, inf), axis=-1), hi2)
+    resolved = (in_bracket <= capacity) | (capacity >= v)
 
     unresolved = ~resolved & ~at_max & ~unbounded
     if exact_fallback:
@@ -310,7 +283,7 @@ def _nucleus_cut(y, row_max, top_p, keep, *, final, capacity, splits, block, exa
             lambda: cut,
         )
     else:
-        cut = jnp.where(unresolved, fallback_cut, cut)
+        cut = jnp.where(unresolved, lo2, cut)
     cut = jnp.where(at_max, lo, jnp.where(unbounded, -inf, cut))
     return jnp.where(p >= 1.0, -inf, cut)
 
