@@ -55,6 +55,7 @@ LIBRARY = "nvfp4_gemv"
 MAX_M = 32  # tokens per GEMV launch
 CHUNK_K = 256  # k per warp step; the x_eff workspace is K rounded up to this
 ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+QUANTIZE_LANES = 4  # threads per 16-element block of the standalone activation quantizer
 MODES = {"w4a16": 0, "w4a4": 1}
 KERNELS = {"regs": 0, "pipe": 1, "gemm": 2, "pipe16": 3}
 GEMV_KERNELS = ("regs", "pipe16")  # the kernels behind GEMV_TARGET (FP16 x_eff staging)
@@ -377,11 +378,12 @@ def nvfp4_gemv(
 nvfp4_matmul = nvfp4_gemv
 
 
-def quantize_activations(x: jax.Array, tensor_scale: jax.Array) -> NVFP4Array:
+def quantize_activations(x: jax.Array, tensor_scale: jax.Array, *, lanes: int = QUANTIZE_LANES) -> NVFP4Array:
     """NVFP4 of ``x [M, K]`` with a static tensor scale, by the CUDA kernel (ModelOpt numerics).
 
     Bit-identical to ``nvfp4.quantize(x, tensor_scale=tensor_scale)`` for finite ``x`` and a
-    tensor scale at least ``2**-117``.
+    tensor scale at least ``2**-117``. lanes: threads per 16-element block (1, 2 or 4; a tuning
+    knob, the result does not depend on it).
     """
     if x.ndim != 2:
         raise ValueError(f"quantize_activations: x must be 2-D [M, K], got shape {x.shape}")
@@ -390,6 +392,8 @@ def quantize_activations(x: jax.Array, tensor_scale: jax.Array) -> NVFP4Array:
         raise ValueError(f"quantize_activations: K = {k} is not a positive multiple of {BLOCK_SIZE}")
     if jnp.dtype(x.dtype) not in ACT_DTYPES:
         raise ValueError(f"quantize_activations: x must be bfloat16 or float32, got {x.dtype}")
+    if lanes not in (1, 2, 4):
+        raise ValueError(f"quantize_activations: lanes must be 1, 2 or 4, got {lanes}")
     g = jnp.asarray(tensor_scale, jnp.float32).reshape(())
     if on_gpu():
         load()
@@ -397,7 +401,7 @@ def quantize_activations(x: jax.Array, tensor_scale: jax.Array) -> NVFP4Array:
         QUANTIZE_TARGET,
         (jax.ShapeDtypeStruct((m, k // 2), jnp.uint8), jax.ShapeDtypeStruct((m, k // BLOCK_SIZE), jnp.uint8)),
     )
-    codes, scale_bits = call(x, g)
+    codes, scale_bits = call(x, g, lanes=lanes)
     return NVFP4Array(
         data=codes,
         block_scale=jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn),

@@ -287,85 +287,121 @@ __global__ void __launch_bounds__(256) stage_a16_kernel(const TIn* __restrict__ 
   if ((grp & 31) == 0) xs[static_cast<int64_t>(tok) * (Kp / kChunkK) + grp / 32] = exp2_int(-shift);
 }
 
-// W4A4 / standalone quantizer: one thread per 16-element block of one token.
+// W4A4 / standalone quantizer: LANES threads (1, 2 or 4, adjacent lanes of a warp) per 16-element
+// block of one token, 16 / LANES elements each; the block's amax is shared by shuffles.
 // Writes x_eff (if xeff != nullptr; blocks in [K, Kp) as zeros) and the NVFP4 codes and scales
 // (if codes != nullptr).
-// XOUT: layout of x_eff: kXeffF16 (FP16, groups of 8 permuted, rows padded to Kp) for gemv_kernel,
-// kXeffBF16 (BF16, natural order, Kp == K) for pipe_kernel and gemm_kernel.
+// XOUT: layout of x_eff: kXeffF16 (FP16, groups of 8 permuted, rows padded to Kp; LANES <= 2) for
+// gemv_kernel, kXeffBF16 (BF16, natural order, Kp == K) for pipe_kernel and gemm_kernel.
 enum XeffLayout : int { kXeffF16 = 0, kXeffBF16 = 1 };
 
-template <typename TIn, int XOUT = kXeffF16>
+// Four consecutive activations (8-byte aligned for BF16, 16 for F32) as floats.
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&v)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  v[0] = __uint_as_float(u.x << 16);
+  v[1] = __uint_as_float(u.x & 0xFFFF0000u);
+  v[2] = __uint_as_float(u.y << 16);
+  v[3] = __uint_as_float(u.y & 0xFFFF0000u);
+}
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+}
+
+template <typename TIn, int E>
+__device__ __forceinline__ void load_elements(const TIn* p, float (&v)[E]) {
+  if constexpr (E == 4) {
+    load4(p, v);
+  } else {
+#pragma unroll
+    for (int h = 0; h < E / 8; ++h) {
+      float a[8];
+      load8(p + 8 * h, a);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[8 * h + i] = a[i];
+    }
+  }
+}
+
+template <typename TIn, int XOUT = kXeffF16, int LANES = 1>
 __global__ void __launch_bounds__(256) stage_a4_kernel(const TIn* __restrict__ x, const float* __restrict__ gptr,
                                                        uint16_t* __restrict__ xeff, uint8_t* __restrict__ codes,
                                                        uint8_t* __restrict__ scales, int M, int K, int Kp,
                                                        int g_is_amax = 0) {
+  static_assert(LANES == 1 || LANES == 2 || LANES == 4, "1, 2 or 4 threads per block");
+  static_assert(XOUT == kXeffBF16 || LANES <= 2, "the FP16 x_eff layout permutes groups of 8");
+  constexpr int E = 16 / LANES;
   pdl_launch_dependents();
   const int blocks = (xeff != nullptr ? Kp : K) / 16;
   const int gid = blockIdx.x * blockDim.x + threadIdx.x;
-  const int tok = gid / blocks, blk = gid - tok * blocks;
-  if (tok >= M) return;
-  const int k = blk * 16;
-  if (k >= K) {
+  const int bid = gid / LANES, part = gid % LANES;
+  const int tok = bid / blocks, blk = bid - tok * blocks;
+  if (tok >= M) return;  // whole blocks leave together: the shuffles below see only their own lanes
+  const int k = blk * 16 + part * E;
+  if (blk * 16 >= K) {
     const float z[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k, z);
-    store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k + 8, z);
+#pragma unroll
+    for (int h = 0; h < E / 8; ++h) store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k + 8 * h, z);
     return;
   }
   const float g = act_scale(gptr, g_is_amax);
-  float v[16];
-  {
-    float a[8], b[8];
-    load8(x + static_cast<int64_t>(tok) * K + k, a);
-    load8(x + static_cast<int64_t>(tok) * K + k + 8, b);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[i] = a[i];
-      v[i + 8] = b[i];
-    }
-  }
+  float v[E];
+  load_elements<TIn, E>(x + static_cast<int64_t>(tok) * K + k, v);
   float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int i = 0; i < E; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  if constexpr (LANES > 1) {
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned mask = ((1u << LANES) - 1u) << (lane & ~(LANES - 1u));
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, off, LANES));
+  }
   float s = __fdiv_rn(amax, __fmul_rn(6.0f, g));
   if (s == 0.f) s = 1.0f;
   s = fminf(fmaxf(s, 0.001953125f), 448.0f);  // [2^-9, 448]
   const __nv_fp8_storage_t s8 = __nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3);
   const float sf = __half2float(__half(__nv_cvt_fp8_to_halfraw(s8, __NV_E4M3)));
   const float denom = __fmul_rn(sf, g);
-  uint32_t code[16];
+  uint32_t code[E];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) code[i] = e2m1_code(__fdiv_rn(v[i], denom));
+  for (int i = 0; i < E; ++i) code[i] = e2m1_code(__fdiv_rn(v[i], denom));
   if (xeff != nullptr && XOUT == kXeffBF16) {
-    uint32_t packed[8];
+    uint32_t packed[E / 2];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {  // e2m1 * e4m3: at most 6 significant bits, exact in BF16
+    for (int i = 0; i < E / 2; ++i) {  // e2m1 * e4m3: at most 6 significant bits, exact in BF16
       const __nv_bfloat162 b = __floats2bfloat162_rn(e2m1_value(code[2 * i]) * sf, e2m1_value(code[2 * i + 1]) * sf);
       packed[i] = *reinterpret_cast<const uint32_t*>(&b);
     }
-    uint4* dst = reinterpret_cast<uint4*>(xeff + static_cast<int64_t>(tok) * Kp + k);
-    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-  } else if (xeff != nullptr) {
-    float e[16];
+    uint16_t* dst = xeff + static_cast<int64_t>(tok) * Kp + k;
+    if constexpr (E == 4) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+    } else {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) e[i] = e2m1_value(code[i]) * sf;  // exact
-    float lo[8], hi[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      lo[i] = e[i];
-      hi[i] = e[i + 8];
+      for (int h = 0; h < E / 8; ++h)
+        reinterpret_cast<uint4*>(dst)[h] = make_uint4(packed[4 * h], packed[4 * h + 1], packed[4 * h + 2], packed[4 * h + 3]);
     }
-    store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k, lo);
-    store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k + 8, hi);
+  } else if (xeff != nullptr) {
+#pragma unroll
+    for (int h = 0; h < E / 8; ++h) {
+      float e[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) e[i] = e2m1_value(code[8 * h + i]) * sf;  // exact
+      store8_permuted(xeff + static_cast<int64_t>(tok) * Kp + k + 8 * h, e);
+    }
   }
   if (codes != nullptr) {
-    uint2 packed;
-    packed.x = code[0] | code[1] << 4 | code[2] << 8 | code[3] << 12 | code[4] << 16 | code[5] << 20 |
-               code[6] << 24 | code[7] << 28;
-    packed.y = code[8] | code[9] << 4 | code[10] << 8 | code[11] << 12 | code[12] << 16 | code[13] << 20 |
-               code[14] << 24 | code[15] << 28;
-    *reinterpret_cast<uint2*>(codes + static_cast<int64_t>(tok) * (K / 2) + k / 2) = packed;
-    scales[static_cast<int64_t>(tok) * (K / 16) + blk] = s8;
+    uint32_t word[(E + 7) / 8] = {};
+#pragma unroll
+    for (int i = 0; i < E; ++i) word[i / 8] |= code[i] << (4 * (i % 8));
+    uint8_t* dst = codes + static_cast<int64_t>(tok) * (K / 2) + k / 2;
+    if constexpr (E == 16) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(word[0], word[1]);
+    } else if constexpr (E == 8) {
+      *reinterpret_cast<uint32_t*>(dst) = word[0];
+    } else {
+      *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(word[0]);
+    }
+    if (part == 0) scales[static_cast<int64_t>(tok) * (K / 16) + blk] = s8;
   }
 }
 
@@ -1319,8 +1355,8 @@ cudaError_t run_gemv(cudaStream_t stream, int mode, const T* x, const float* xg,
     stage_a16_kernel<T><<<(n + threads - 1) / threads, threads, 0, stream>>>(
         x, const_cast<uint16_t*>(p.xeff), const_cast<float*>(p.xs), p.M, p.K, p.Kp);
   } else {
-    const int n = p.M * (p.Kp / 16);
-    stage_a4_kernel<T><<<(n + threads - 1) / threads, threads, 0, stream>>>(
+    const int n = p.M * (p.Kp / 16) * 2;
+    stage_a4_kernel<T, kXeffF16, 2><<<(n + threads - 1) / threads, threads, 0, stream>>>(
         x, xg, const_cast<uint16_t*>(p.xeff), nullptr, nullptr, p.M, p.K, p.Kp, p.xg_amax);
   }
   cudaError_t e = cudaGetLastError();
@@ -1423,33 +1459,47 @@ ffi::Error GemvImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> 
   return ffi::Error::Success();
 }
 
+// The standalone quantizer: codes and scales only (no x_eff), LANES threads per 16-element block.
+template <typename T, int LANES>
+void launch_quantize(cudaStream_t stream, const T* x, const float* g, uint8_t* codes, uint8_t* scales, int M, int K) {
+  const int threads = 256;
+  const int64_t n = int64_t(M) * (K / 16) * LANES;
+  stage_a4_kernel<T, kXeffBF16, LANES><<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, stream>>>(
+      x, g, nullptr, codes, scales, M, K, K);
+}
+
+template <typename T>
+void launch_quantize(cudaStream_t stream, const T* x, const float* g, uint8_t* codes, uint8_t* scales, int M, int K,
+                     int lanes) {
+  if (lanes == 1) return launch_quantize<T, 1>(stream, x, g, codes, scales, M, K);
+  if (lanes == 2) return launch_quantize<T, 2>(stream, x, g, codes, scales, M, K);
+  return launch_quantize<T, 4>(stream, x, g, codes, scales, M, K);
+}
+
 ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> g,
-                        ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::Buffer<ffi::U8>> scales) {
+                        ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::Buffer<ffi::U8>> scales,
+                        int64_t lanes) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return bad("x must be 2-D [M, K]");
   const int64_t M = xd[0], K = xd[1];
   if (K < 16 || K % 16) return bad("K must be a positive multiple of 16, got " + std::to_string(K));
   if (M < 1 || M * K > (int64_t(1) << 31)) return bad("M * K must be in [1, 2^31]");
+  if (lanes != 1 && lanes != 2 && lanes != 4) return bad("lanes (threads per block) must be 1, 2 or 4");
   const auto cd = codes->dimensions();
   const auto sd = scales->dimensions();
   if (cd.size() != 2 || cd[0] != M || cd[1] != K / 2) return bad("codes must be [M, K/2]");
   if (sd.size() != 2 || sd[0] != M || sd[1] != K / 16) return bad("scales must be [M, K/16]");
   if (g.element_count() != 1) return bad("tensor scale must be a scalar");
   if (reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 != 0) return bad("x must be 16-byte aligned");
-  const int threads = 256;
-  const int64_t n = M * (K / 16);
-  const int grid = static_cast<int>((n + threads - 1) / threads);
   switch (x.element_type()) {
     case ffi::DataType::BF16:
-      stage_a4_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(
-          reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()), g.typed_data(), nullptr, codes->typed_data(),
-          scales->typed_data(), static_cast<int>(M), static_cast<int>(K), static_cast<int>(K));
+      launch_quantize(stream, reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()), g.typed_data(),
+                      codes->typed_data(), scales->typed_data(), static_cast<int>(M), static_cast<int>(K),
+                      static_cast<int>(lanes));
       break;
     case ffi::DataType::F32:
-      stage_a4_kernel<float><<<grid, threads, 0, stream>>>(reinterpret_cast<const float*>(x.untyped_data()),
-                                                           g.typed_data(), nullptr, codes->typed_data(),
-                                                           scales->typed_data(), static_cast<int>(M),
-                                                           static_cast<int>(K), static_cast<int>(K));
+      launch_quantize(stream, reinterpret_cast<const float*>(x.untyped_data()), g.typed_data(), codes->typed_data(),
+                      scales->typed_data(), static_cast<int>(M), static_cast<int>(K), static_cast<int>(lanes));
       break;
     default:
       return bad("activations must be bfloat16 or float32");
@@ -1615,8 +1665,8 @@ cudaError_t run_matmul(cudaStream_t stream, int mode, int kernel, const T* x, co
   bool after_stage = false;
   if (mode == kA4) {
     const int threads = 256;
-    const int64_t n = int64_t(p.M) * (p.K / 16);
-    stage_a4_kernel<T, kXeffBF16><<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, stream>>>(
+    const int64_t n = int64_t(p.M) * (p.K / 16) * 4;
+    stage_a4_kernel<T, kXeffBF16, 4><<<static_cast<unsigned>((n + threads - 1) / threads), threads, 0, stream>>>(
         x, xg, xeff, nullptr, nullptr, p.M, p.K, p.K, p.xg_amax);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
@@ -1731,7 +1781,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Quantize, jaxlp_nvfp4::QuantizeImpl,
                                   .Arg<ffi::AnyBuffer>()         // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // g_x
                                   .Ret<ffi::Buffer<ffi::U8>>()   // codes [M, K/2]
-                                  .Ret<ffi::Buffer<ffi::U8>>(),  // scales (E4M3 bits) [M, K/16]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // scales (E4M3 bits) [M, K/16]
+                                  .Attr<int64_t>("lanes"),       // threads per 16-element block: 1, 2, 4
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Matmul, jaxlp_nvfp4::MatmulImpl,

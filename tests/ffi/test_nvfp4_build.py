@@ -66,6 +66,12 @@ def test_lowering_emits_custom_call_for_cuda():
     q = jax.jit(lambda x: ffi_nvfp4.quantize_activations(x, jnp.float32(0.5)).data)
     text = q.trace(jnp.ones((2, 64), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert f"stablehlo.custom_call @{ffi_nvfp4.QUANTIZE_TARGET}" in text and "tensor<2x32xui8>" in text
+    assert f"lanes = {ffi_nvfp4.QUANTIZE_LANES} : i64" in text
+
+
+def test_quantize_activations_rejects_bad_lanes():
+    with pytest.raises(ValueError, match="lanes must be 1, 2 or 4"):
+        ffi_nvfp4.quantize_activations(jnp.ones((2, 64), jnp.bfloat16), jnp.float32(0.5), lanes=3)
 
 
 @pytest.mark.parametrize(

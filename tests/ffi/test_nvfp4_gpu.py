@@ -1,6 +1,8 @@
 """The NVFP4 CUDA kernels (regs, pipe and pipe16 GEMVs, the GEMM, the quantizer) on a GPU against
 float64 references (skipped without a CUDA GPU)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -146,8 +148,9 @@ def test_w4a4(configs, m, n, k, dtype):
         check_fp16_gemv_w4a4_saturated(acts(rng, m, k, dtype), q, wref, cfg)
 
 
+@pytest.mark.parametrize("lanes", [1, 2, 4])
 @pytest.mark.parametrize("m,k", [(1, 25600), (8, 4096), (3, 48), (32, 1040)])
-def test_quantize_activations_bit_exact(m, k):
+def test_quantize_activations_bit_exact(m, k, lanes):
     rng = np.random.default_rng(3000 + m + k)
     x = rng.standard_normal((m, k)).astype(np.float32) * 4.0
     x[0, :32] = 0.0
@@ -155,7 +158,7 @@ def test_quantize_activations_bit_exact(m, k):
     for dtype in (jnp.float32, jnp.bfloat16):
         xd = jnp.asarray(x, dtype)
         g = dispatch.act_tensor_scale(float(np.abs(x).max()) * 0.7)
-        got = jax.jit(ffi_nvfp4.quantize_activations)(xd, g)
+        got = jax.jit(functools.partial(ffi_nvfp4.quantize_activations, lanes=lanes))(xd, g)
         want = nvfp4.quantize(xd.astype(jnp.float32), tensor_scale=g)
         np.testing.assert_array_equal(np.asarray(got.data), np.asarray(want.data))
         np.testing.assert_array_equal(np.asarray(got.block_scale).view(np.uint8), np.asarray(want.block_scale).view(np.uint8))
