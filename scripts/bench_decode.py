@@ -5,7 +5,8 @@ QuantizedLinear's "auto" implementation (the kernels the measured dispatch table
 shape and M: a CUDA GEMV at decode, the CUDA GEMM or XLA dequantize-then-dot for the prefill);
 NVFP4 W4A4 with the ReSET sampler when jaxlp.sampling.reset provides it. Suffixes: ``-reset``
 (the ReSET sampler), ``-pipe`` (every "regs" GEMV choice of the table replaced by the "pipe"
-kernel: one launch per linear for W4A16).
+kernel: one launch per linear for W4A16), ``-lmhead`` (the lm_head quantized too, NVFP4 W4A16:
+it stays quantized for the later runs, so these runs come last).
 Batch 1 and 8, a short (128-token) and an 8K (8000-token) prompt.
 
 Time per token = difference of two generation lengths divided by their difference in steps,
@@ -20,6 +21,10 @@ after a warm-up call, so that prefill and compilation cancel:
   count it reports, so the difference is exact.
 
 Each timing is the median of ``--repeats`` calls. Results: a table on stdout and JSON.
+
+``--profile``: also trace both calls once more and split the GPU kernel time per token (the same
+difference) by kind of kernel (NVFP4 GEMV, activation staging, cuBLAS dots, sampling, XLA
+fusions ...) with the largest kernels by name; the sum is GPU busy time, not wall time.
 
     python scripts/bench_decode.py --out docs/bench_decode.json
 """
@@ -45,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jaxlp  # noqa: E402
 from jaxlp.models import Transformer, from_hf_config  # noqa: E402
 from jaxlp.quantization import QuantizedLinear, quantize_model, quantized_layers, set_implementation  # noqa: E402
+from jaxlp.quantization.recipes import get_recipe  # noqa: E402
 from jaxlp.quantization import nvfp4_dispatch  # noqa: E402,F401  (registers "nvfp4_cuda")
 from jaxlp.sampling.base import Categorical  # noqa: E402
 
@@ -134,7 +140,55 @@ def timed(fn, repeats):
     return statistics.median(times), out
 
 
-def per_token(model, batch, ctx, sampler, *, n1, n2, method, repeats):
+KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("nvfp4 GEMV", ("gemv_kernel", "pipe_kernel")),
+    ("nvfp4 activation staging", ("stage_a4_kernel", "stage_a16_kernel")),
+    ("nvfp4 GEMM", ("gemm_kernel",)),
+    ("sampling kernels", ("entropy_max_kernel", "sample_kernel")),
+    ("cuBLAS / cuDNN", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "cudnn", "flash")),
+    ("memcpy / memset", ("memcpy", "memset", "Memcpy", "Memset")),
+)
+
+
+def kernel_times(run) -> dict[str, float]:
+    """GPU kernel time (us) per kernel name in a profiler trace of one call of ``run``."""
+    import gzip
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(run())
+        trace = json.load(gzip.open(next(Path(d).rglob("*perfetto_trace.json.gz"))))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu = {e["pid"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name"))}
+    out: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            out[e["name"]] = out.get(e["name"], 0.0) + float(e["dur"])
+    return out
+
+
+def kernel_kind(name: str) -> str:
+    for kind, keys in KERNEL_KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "XLA fusions and other"
+
+
+def step_profile(run_long, run_short, steps: int, top: int = 12) -> dict:
+    """Per-token GPU kernel time (us) by kind and by kernel: (long call - short call) / steps."""
+    long, short = kernel_times(run_long), kernel_times(run_short)
+    per_name = {n: (long.get(n, 0.0) - short.get(n, 0.0)) / steps for n in set(long) | set(short)}
+    kinds: dict[str, float] = {}
+    for n, t in per_name.items():
+        kinds[kernel_kind(n)] = kinds.get(kernel_kind(n), 0.0) + t
+    biggest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"gpu_us_per_token": sum(per_name.values()), "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top_kernels_us": [[n[:160], t] for n, t in biggest]}
+
+
+def per_token(model, batch, ctx, sampler, *, n1, n2, method, repeats, profile=False):
     p = prompts(batch, CONTEXTS[ctx], model.config.vocab_size, seed=batch * 31 + len(ctx))
     common = dict(sampler=sampler, seed=1, kv_cache="bf16")
     t_c = time.perf_counter()
@@ -153,8 +207,14 @@ def per_token(model, batch, ctx, sampler, *, n1, n2, method, repeats):
         steps1 = int(short.num_tokens.max())
     if steps2 - steps1 < n2 // 4:
         raise RuntimeError(f"generation lengths too close to difference ({steps1} vs {steps2} steps)")
-    return {"ms_per_token": 1e3 * (t2 - t1) / (steps2 - steps1), "steps": [steps1, steps2], "t_s": [t1, t2],
-            "warmup_s": compile_s, "deterministic_prefix": bool((first.tokens == full.tokens).all())}
+    rec = {"ms_per_token": 1e3 * (t2 - t1) / (steps2 - steps1), "steps": [steps1, steps2], "t_s": [t1, t2],
+           "warmup_s": compile_s, "deterministic_prefix": bool((first.tokens == full.tokens).all())}
+    if profile and method == "stop":
+        rec["profile"] = step_profile(
+            lambda: jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=(), **common).tokens,
+            lambda: jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=stops, **common).tokens,
+            steps2 - steps1)
+    return rec
 
 
 def main(argv=None):
@@ -171,6 +231,7 @@ def main(argv=None):
                          "in place; W4A4 and W4A16 alternate freely on the same NVFP4 weights)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip runs that start after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="a small model of the same family (smoke tests)")
+    ap.add_argument("--profile", action="store_true", help="split the GPU time per token by kernel (stop method)")
     args = ap.parse_args(argv)
 
     start = time.time()
@@ -191,6 +252,7 @@ def main(argv=None):
     model = build_model(config)
     fmt_now = "bf16"
     table_now = "table"
+    lm_head_quantized = False
     print(f"# model built in {time.time() - start:.1f}s", flush=True)
     for fmt, batch, ctx in runs:
         if time.time() - start > args.budget_s:
@@ -209,11 +271,22 @@ def main(argv=None):
             elif base == "bf16":
                 raise SystemExit(f"--runs must put every bf16 run before the NVFP4 ones; got {fmt} after {fmt_now}")
             # W4A16 and W4A4 share the NVFP4 weights; W4A16 ignores the calibrated activation scale.
-            for _, layer in quantized_layers(model):
-                layer.activation = "nvfp4" if base == "w4a4" else None
+            for path, layer in quantized_layers(model):
+                layer.activation = "nvfp4" if base == "w4a4" and path != "lm_head" else None
             fmt_now = base
             print(f"# switched to {base} in {time.time() - t0:.1f}s", flush=True)
         flags = set(fmt.split("-")[1:])
+        unknown = flags - {"reset", "pipe", "lmhead"}
+        if unknown or (flags and base == "bf16"):
+            raise SystemExit(f"unknown run {fmt}: suffixes -reset, -pipe, -lmhead apply to w4a4 / w4a16")
+        if "lmhead" in flags and not lm_head_quantized:
+            t0 = time.time()
+            quantize_model(model, get_recipe("w4a16-nvfp4").replace(include="lm_head"), inplace=True)
+            set_implementation(model, "auto")
+            lm_head_quantized = True
+            print(f"# lm_head quantized (NVFP4 W4A16) in {time.time() - t0:.1f}s", flush=True)
+        elif lm_head_quantized and "lmhead" not in flags:
+            raise SystemExit(f"--runs must put every -lmhead run after the others; got {fmt} after one")
         sampler = rs if "reset" in flags else base_sampler
         want = "pipe" if "pipe" in flags else "table"
         if base != "bf16" and want != table_now:  # another GEMV for M <= 32: re-trace
@@ -232,7 +305,7 @@ def main(argv=None):
         rec = {"format": fmt, "batch": int(batch), "context": ctx, "prompt": CONTEXTS[ctx]}
         try:
             rec.update(per_token(model, int(batch), ctx, sampler, n1=args.n1, n2=args.n2, method=args.method,
-                                 repeats=args.repeats))
+                                 repeats=args.repeats, profile=args.profile))
         except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory at 8K)
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         jaxlp.generation.clear_cache_pool()
@@ -253,6 +326,17 @@ def main(argv=None):
         ref = bf16.get((r["batch"], r["context"]))
         sp = f"{ref / r['ms_per_token']:.2f}x" if ref else "-"
         print(f"{r['format']:12s} {r['batch']:5d} {r['context']:>6s} {r['ms_per_token']:8.3f} {sp:>8s}")
+    profiled = [r for r in result["runs"] if "profile" in r]
+    if profiled:
+        kinds = sorted({k for r in profiled for k in r["profile"]["by_kind_us"]},
+                       key=lambda k: -max(r["profile"]["by_kind_us"].get(k, 0.0) for r in profiled))
+        print("\n## GPU kernel time per token (us) by kind")
+        print(f"{'run':22s} {'total':>7s} " + " ".join(f"{k[:14]:>14s}" for k in kinds))
+        for r in profiled:
+            pr = r["profile"]
+            name = f"{r['format']}:{r['batch']}:{r['context']}"
+            print(f"{name:22s} {pr['gpu_us_per_token']:7.0f} "
+                  + " ".join(f"{pr['by_kind_us'].get(k, 0.0):14.0f}" for k in kinds))
     return result
 
 
