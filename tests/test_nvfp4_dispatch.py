@@ -10,6 +10,7 @@ from jaxlp.ffi import nvfp4 as ffi_nvfp4
 from jaxlp.formats import nvfp4
 from jaxlp.quantization import QuantizedLinear, implementations
 from jaxlp.quantization import nvfp4_dispatch as dispatch
+from jaxlp.pallas import nvfp4_matmul as pallas_nvfp4
 from jaxlp.quantization.activations import fake_quantize
 
 TABLE = {
@@ -41,7 +42,7 @@ def test_shipped_table_is_valid():
             if mode in e:
                 for m in (1, 2, 4, 8, 16, 32, 64, 128):
                     cfg = dispatch.plan(m, e["n"], e["k"], mode, table)
-                    assert cfg is None or isinstance(cfg, ffi_nvfp4.GemvConfig)
+                    assert cfg is None or isinstance(cfg, (ffi_nvfp4.GemvConfig, pallas_nvfp4.MatmulConfig))
     assert dispatch.plan(1, 4096, 4096, "w4a16") is not None or table["shapes"]
 
 
@@ -218,3 +219,53 @@ def test_small_m_variant_lowers_with_its_attributes(cfg):
     assert text.count(f"custom_call @{ffi_nvfp4.GEMV_TARGET}") == 1
     for attr in ("blocks_per_sm", "accumulators", "stages"):
         assert f"{attr} = {getattr(cfg, attr)}" in text
+
+
+PALLAS_CHOICE = {"kernel": "pallas", "tile_n": 64, "tile_m": 128, "tile_k": 128, "stages": 3}
+FALLBACK_TABLE = {
+    "fallback": "NVIDIA H200",
+    "devices": {
+        "NVIDIA H200": {"shapes": [
+            {"n": 4096, "k": 4096, "w4a16": [[8, {"rows_per_warp": 2, "k_split": 4}], [64, {"kernel": "gemm"}],
+                                             [512, "xla"]]}]},
+        "NVIDIA H100 80GB HBM3": {"shapes": [
+            {"n": 4096, "k": 4096, "w4a16": [[8, {"rows_per_warp": 1, "k_split": 8}], [64, "fallback"],
+                                             [128, PALLAS_CHOICE], [512, "xla"], [2048, PALLAS_CHOICE]]}]},
+    },
+}
+
+
+def test_pallas_choice_and_fallback_ranges():
+    h100 = dispatch.device_table(FALLBACK_TABLE, "NVIDIA H100 80GB HBM3")
+    p = lambda m: dispatch.plan(m, 4096, 4096, "w4a16", h100)  # noqa: E731
+    assert p(8) == ffi_nvfp4.GemvConfig(1, 8)
+    assert p(9) == p(64) == ffi_nvfp4.GemvConfig(kernel="gemm")  # "fallback": the H200's choice
+    assert p(65) == p(128) == pallas_nvfp4.MatmulConfig(tile_n=64, tile_m=128, tile_k=128, stages=3)
+    assert p(129) is None and p(512) is None
+    assert isinstance(p(2048), pallas_nvfp4.MatmulConfig)
+    assert p(4096) is None  # above this GPU's measurements: the fallback GPU's choice (XLA there)
+    # Without a fallback GPU, "fallback" means XLA and a tensor-core kernel is kept above the largest M.
+    alone = {"shapes": FALLBACK_TABLE["devices"]["NVIDIA H100 80GB HBM3"]["shapes"]}
+    assert dispatch.plan(32, 4096, 4096, "w4a16", alone) is None
+    assert isinstance(dispatch.plan(100000, 4096, 4096, "w4a16", alone), pallas_nvfp4.MatmulConfig)
+    # The table form round-trips.
+    cfg = pallas_nvfp4.MatmulConfig(tile_n=64, tile_m=256, tile_k=64, stages=4)
+    assert dispatch._choice_config(dispatch.config_choice(cfg)) == cfg
+    with pytest.raises(ValueError, match="tile_k"):
+        dispatch._choice_config({"kernel": "pallas", "tile_k": 96})
+
+
+@pytest.mark.parametrize("w4a4", [False, True])
+def test_pallas_choice_lowers_to_a_mosaic_kernel(w4a4, monkeypatch):
+    """The hook runs the Pallas kernel where the table says so (W4A4 through the CUDA quantizer);
+    FP32 activations go to XLA instead."""
+    monkeypatch.setattr(dispatch, "plan", lambda *a, **k: pallas_nvfp4.MatmulConfig(tile_k=64))
+    q = _weight(128, 256, 13)
+    layer = QuantizedLinear(q, activation="nvfp4" if w4a4 else None, act_amax=jnp.float32(3.0) if w4a4 else None)
+    x = jnp.ones((200, 256), jnp.bfloat16)
+    text = jax.jit(lambda x: dispatch.nvfp4_matmul(layer, x)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "tensor<200x128xbf16>" in text
+    assert (f"custom_call @{ffi_nvfp4.QUANTIZE_TARGET}" in text) == w4a4
+    x32 = x.astype(jnp.float32)
+    text = jax.jit(lambda x: dispatch.nvfp4_matmul(layer, x)).trace(x32).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" not in text

@@ -9,14 +9,18 @@ For an input of ``M`` tokens (all leading axes flattened) and a weight ``[N, K]`
 picks one of (see :mod:`jaxlp.ffi.nvfp4`):
 
 - a GEMV kernel (``"regs"``, ``"pipe"`` or ``"pipe16"``, ``M <= 32``) with its launch configuration;
-- the tensor-core GEMM (``"gemm"``, any ``M``);
+- the tensor-core GEMM (``"gemm"``, any ``M``; CUDA ``mma.sync``);
+- the Pallas Mosaic GPU matmul (``"pallas"``, any ``M``, BF16 activations; WGMMA with the weights
+  decoded in registers, :mod:`jaxlp.pallas.nvfp4_matmul`); W4A4 quantizes the activations with
+  the CUDA quantizer and feeds their exact BF16 decode;
 - ``"xla"``: :func:`dequantize_dot`: weights decoded to ``e2m1 * e4m3`` (exact in BF16 / FP16),
   activations as they are (W4A16) or quantized to NVFP4 and decoded the same way (W4A4), one
   XLA dot with FP32 accumulation on the tensor cores, times ``g_w`` (and ``g_x``). For NVFP4
   every product is exact, so W4A4 is emulated exactly up to summation order.
 
 A kernel that cannot take the call (``K % 64 != 0`` for ``"pipe"``, ``"pipe16"`` and ``"gemm"``, or
-FP32 W4A16 activations for ``"pipe"`` and ``"gemm"``) falls back to ``"regs"`` (``M <= 32``) or XLA.
+FP32 W4A16 activations for ``"pipe"`` and ``"gemm"``, non-BF16 activations for ``"pallas"``) falls
+back to ``"regs"`` (``M <= 32``) or XLA.
 
 The table (``jaxlp/ffi/nvfp4_dispatch.json``) holds, per GPU model (``device_kind``, e.g. ``"NVIDIA
 H200"``) and per benchmarked ``(N, K)`` and activation mode, the winner at each benchmarked M
@@ -24,9 +28,11 @@ H200"``) and per benchmarked ``(N, K)`` and activation mode, the winner at each 
 "default": rule}``. The running GPU's entry is used, else the one named ``"fallback"`` (else the
 first); an M above every M benchmarked in the running GPU's entry (for that shape) takes the
 fallback GPU's choice. For an M
-between benchmarked values the next larger one decides; above the largest, the GEMM if it won
-there (its cost grows with M like the dot's), else XLA; a shape not in the table uses the
-nearest benchmarked shape (by ``|log N - log N'| + |log K - log K'|``).
+between benchmarked values the next larger one decides; above the largest, the GEMM or the Pallas
+matmul if it won there (its cost grows with M like the dot's), else XLA; a shape not in the table
+uses the nearest benchmarked shape (by ``|log N - log N'| + |log K - log K'|``). The choice
+``"fallback"`` at some M (for the M range up to it) defers to the fallback GPU's table: a range
+this GPU's sweep did not measure.
 """
 
 from __future__ import annotations
@@ -42,12 +48,15 @@ import jax.numpy as jnp
 from jaxlp.ffi import nvfp4 as ffi_nvfp4
 from jaxlp.formats import e2m1, nvfp4
 from jaxlp.formats.nvfp4 import BLOCK_SIZE, NVFP4Array
+from jaxlp.pallas import nvfp4_matmul as pallas_nvfp4
 from jaxlp.quantization.linear import register_implementation
 
 IMPLEMENTATION = "nvfp4_cuda"
 TABLE_PATH = Path(__file__).resolve().parents[1] / "ffi" / "nvfp4_dispatch.json"
 ACTIVATIONS = (None, "nvfp4")
 XLA = "xla"
+FALLBACK = "fallback"  # a table choice: this M range was not measured here, use the fallback GPU's entry
+TENSOR_CORE_KERNELS = ("gemm", "pallas")  # costs that grow with M like the dot's: kept above the largest M
 
 
 def act_tensor_scale(amax: jax.Array) -> jax.Array:
@@ -102,6 +111,18 @@ def dequantize_dot(
     we = _decode_exact(w, compute)
     y = jnp.einsum("mk,nk->mn", xe, we, preferred_element_type=jnp.float32, precision=precision)
     return (y * scale).astype(x.dtype)
+
+
+def pallas_matmul(x: jax.Array, w: NVFP4Array, act_tensor_scale: jax.Array | None = None, *,
+                  config: pallas_nvfp4.MatmulConfig | None = None) -> jax.Array:
+    """``x [M, K] @ dequant(w).T`` by the Pallas matmul (BF16 ``x``); W4A4 when ``act_tensor_scale``
+    is given: the CUDA quantizer's NVFP4 codes of ``x``, decoded exactly to BF16, and ``g_x`` in the
+    kernel's epilogue."""
+    if act_tensor_scale is None:
+        return pallas_nvfp4.nvfp4_matmul(x, w, config=config)
+    g_x = jnp.maximum(jnp.asarray(act_tensor_scale, jnp.float32), jnp.float32(nvfp4.TENSOR_SCALE_MIN))
+    xq = ffi_nvfp4.quantize_activations(x, g_x)
+    return pallas_nvfp4.nvfp4_matmul(_decode_exact(xq, jnp.bfloat16), w, act_tensor_scale=g_x, config=config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,9 +201,14 @@ def _nearest(entries: list[dict], n: int, k: int) -> dict | None:
 DEFAULT_RULE = [[16, {"rows_per_warp": 1, "k_split": 8}], [128, XLA]]
 
 
-def _choice_config(choice) -> ffi_nvfp4.GemvConfig | None:
+PALLAS_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "wg_split", "grid_minor", "grid_tile_width")
+
+
+def _choice_config(choice) -> ffi_nvfp4.GemvConfig | pallas_nvfp4.MatmulConfig | None:
     if choice == XLA:
         return None
+    if choice.get("kernel") == "pallas":
+        return pallas_nvfp4.MatmulConfig(**{f: choice[f] for f in PALLAS_FIELDS if f in choice})
     return ffi_nvfp4.GemvConfig(
         rows_per_warp=int(choice.get("rows_per_warp", 1)),
         k_split=int(choice.get("k_split", 8)),
@@ -196,10 +222,12 @@ def _choice_config(choice) -> ffi_nvfp4.GemvConfig | None:
     )
 
 
-def config_choice(cfg: ffi_nvfp4.GemvConfig | None):
+def config_choice(cfg: ffi_nvfp4.GemvConfig | pallas_nvfp4.MatmulConfig | None):
     """The table's JSON form of a configuration (None: ``"xla"``)."""
     if cfg is None:
         return XLA
+    if isinstance(cfg, pallas_nvfp4.MatmulConfig):
+        return {"kernel": "pallas", **{f: getattr(cfg, f) for f in PALLAS_FIELDS}}
     # The M <= 8 variants' fields only where set, so that older entries read the same.
     extra = {key: getattr(cfg, key) for key, default in (("blocks_per_sm", 0), ("accumulators", 1), ("stages", 0))
              if getattr(cfg, key) != default}
@@ -210,7 +238,8 @@ def config_choice(cfg: ffi_nvfp4.GemvConfig | None):
     return {"rows_per_warp": cfg.rows_per_warp, "k_split": cfg.k_split, **extra}
 
 
-def plan(m: int, n: int, k: int, mode: str, table: dict | None = None) -> ffi_nvfp4.GemvConfig | None:
+def plan(m: int, n: int, k: int, mode: str, table: dict | None = None
+         ) -> ffi_nvfp4.GemvConfig | pallas_nvfp4.MatmulConfig | None:
     """The kernel configuration for ``M`` tokens of an ``[N, K]`` weight, or None for XLA.
 
     mode: ``"w4a16"`` or ``"w4a4"``. The table's choice as it is: :func:`nvfp4_matmul` checks
@@ -229,10 +258,13 @@ def plan(m: int, n: int, k: int, mode: str, table: dict | None = None) -> ffi_nv
             choice = c
             break
     else:
-        if rule and rule[-1][1] != XLA and rule[-1][1].get("kernel") == "gemm":
-            choice = rule[-1][1]
+        last = rule[-1][1] if rule else XLA
+        if isinstance(last, dict) and last.get("kernel") in TENSOR_CORE_KERNELS:
+            choice = last
+    if choice == FALLBACK:
+        return plan(m, n, k, mode, table["beyond"]) if "beyond" in table else None
     cfg = _choice_config(choice)
-    if cfg is not None and cfg.kernel != "gemm" and m > ffi_nvfp4.MAX_M:
+    if isinstance(cfg, ffi_nvfp4.GemvConfig) and cfg.kernel != "gemm" and m > ffi_nvfp4.MAX_M:
         return None
     return cfg
 
@@ -260,10 +292,14 @@ def nvfp4_matmul(layer, x: jax.Array, *, config: ffi_nvfp4.GemvConfig | None = N
         cfg = config or ffi_nvfp4.GemvConfig()
     else:
         cfg = plan(m, n, k, mode)
-    if cfg is not None and cfg.unsupported(m, k, x2.dtype, w4a4):
+    if isinstance(cfg, pallas_nvfp4.MatmulConfig) and x2.dtype != jnp.bfloat16:
+        cfg = None  # the Pallas kernel multiplies BF16 activations
+    if isinstance(cfg, ffi_nvfp4.GemvConfig) and cfg.unsupported(m, k, x2.dtype, w4a4):
         fallback = ffi_nvfp4.GemvConfig()  # the regs GEMV takes any K % 16 == 0 and FP32
         cfg = None if fallback.unsupported(m, k, x2.dtype, w4a4) else fallback
-    if cfg is not None:  # W4A4: the kernels derive g_x from the amax (no XLA op per call)
+    if isinstance(cfg, pallas_nvfp4.MatmulConfig):
+        y = pallas_matmul(x2, w, act_tensor_scale(layer.act_amax[...]) if w4a4 else None, config=cfg)
+    elif cfg is not None:  # W4A4: the kernels derive g_x from the amax (no XLA op per call)
         y = ffi_nvfp4.nvfp4_gemv(x2, w, act_amax=layer.act_amax[...] if w4a4 else None, config=cfg)
     else:
         y = dequantize_dot(x2, w, act_tensor_scale(layer.act_amax[...]) if w4a4 else None)

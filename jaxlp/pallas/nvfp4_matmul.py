@@ -1,0 +1,428 @@
+"""NVFP4 x BF16 matmul for large M on Hopper (Pallas Mosaic GPU, WGMMA with in-register FP4 decode).
+
+Computes ``y[M, N] = x[M, K] @ (e2m1(q) * e4m3(s)).T * g_w`` (W4A16) with FP32 accumulation and
+the output in ``x.dtype`` (BF16), for ``w`` an :class:`~jaxlp.formats.nvfp4.NVFP4Array` of shape
+``[N, K]`` (codes ``q``, one E4M3 scale ``s`` per 16 elements along K, FP32 tensor scale ``g_w``).
+
+Design (operands swapped, ``Y^T = W X^T``): weight rows fill WGMMA's M (64 per instruction), tokens
+its N. Per K step, TMA brings the packed codes (as int4, ``[N, K]``), the block scales (transposed to
+``[K/16, N]`` so that a tile's rows are 16-byte aligned) and the BF16 activations into shared
+memory; each of two consumer warpgroups loads its codes into registers, decodes them exactly to BF16
+and feeds them as WGMMA's register A operand, with the activations (K-major) as the shared-memory B
+operand. A third warpgroup issues the copies (``emit_pipeline_warp_specialized``).
+
+Exact decode (every product ``e2m1 * e4m3`` has at most 6 significant bits, so it is exact in BF16):
+
+- nibble ``n`` -> BF16 bits ``((n & 8) << 12) | ((n & 7) << 6)``, the value ``e2m1(n) * 2**-126``
+  (the E2M1 exponent/mantissa land in BF16's lowest exponent bits; code 1 is a BF16 subnormal);
+- scale byte ``s`` -> ``e4m3(s) * 2**119`` in BF16 (through FP16 and FP32, exact: 448 * 2**119 < 2**128);
+- their BF16 product is ``e2m1(n) * e4m3(s) * 2**-7`` exactly (no rounding, no underflow: the
+  smallest nonzero product is ``0.5 * 2**-9 * 2**-7``); the epilogue multiplies the FP32
+  accumulator by ``2**7 * g_w`` before the cast.
+
+:func:`decode_e2m1_bits` and :func:`scale_to_bf16` state the two factors in jnp (tested on CPU
+against a float64 decode, their BF16 product with ml_dtypes: XLA:CPU flushes the subnormal factor
+2**-127 of code 1 in arithmetic, the GPU's ``mul.rn.bf16x2`` does not); the kernel performs the
+same bit operations in PTX (``prmt``, ``shl``, ``lop3``, ``cvt.rn.f16x2.e4m3x2``,
+``mul.rn.bf16x2``) on the registers of the WGMMA layout.
+:func:`reference` is the pure-jnp FP32 definition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxlp.formats.nvfp4 import BLOCK_SIZE, NVFP4Array
+
+DECODE_EXP_SHIFT = 126  # nibble bits read as BF16 are e2m1(n) * 2**-126
+SCALE_EXP_SHIFT = 119  # the block scale enters as e4m3(s) * 2**119
+OUTPUT_FACTOR = 2.0 ** (DECODE_EXP_SHIFT - SCALE_EXP_SHIFT)  # 2**7, restored in the epilogue
+_WGMMA_ROWS = 64
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA can use
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tiling of :func:`nvfp4_matmul`.
+
+    tile_n: weight rows per consumer warpgroup (WGMMA M; a multiple of 64).
+    tile_m: tokens per consumer warpgroup (WGMMA N; 64, 128, 192 or 256).
+    tile_k: K per pipeline step (64 or 128).
+    stages: pipeline depth (shared-memory buffers per operand).
+    wg_split: how the two consumer warpgroups share the CTA tile: ``"n"`` (each its own weight
+        rows, both the same tokens: CTA tile ``tile_m x 2*tile_n``) or ``"m"`` (the same weight
+        rows, each its own tokens: CTA tile ``2*tile_m x tile_n``).
+    grid_minor: ``"m"`` or ``"n"``: the tile dimension that varies fastest in the persistent
+        loop; grid_tile_width: width of the snake over the other dimension (L2 reuse).
+    """
+
+    tile_n: int = 64
+    tile_m: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    wg_split: str = "n"
+    grid_minor: str = "m"
+    grid_tile_width: int = 8
+
+    def __post_init__(self):
+        if self.tile_n % _WGMMA_ROWS or not 64 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256, got {self.tile_n}")
+        if self.tile_m % 64 or not 64 <= self.tile_m <= 256:
+            raise ValueError(f"tile_m must be 64, 128, 192 or 256, got {self.tile_m}")
+        if self.tile_k not in (64, 128):
+            raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
+        if not 2 <= self.stages <= 8:
+            raise ValueError(f"stages must be in [2, 8], got {self.stages}")
+        if self.wg_split not in ("n", "m"):
+            raise ValueError(f"wg_split must be 'n' or 'm', got {self.wg_split!r}")
+        if self.grid_minor not in ("n", "m"):
+            raise ValueError(f"grid_minor must be 'n' or 'm', got {self.grid_minor!r}")
+        if self.grid_tile_width < 1:
+            raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
+
+    @property
+    def cta_tile_n(self) -> int:
+        return self.tile_n * (2 if self.wg_split == "n" else 1)
+
+    @property
+    def cta_tile_m(self) -> int:
+        return self.tile_m * (2 if self.wg_split == "m" else 1)
+
+    @property
+    def name(self) -> str:
+        return (f"N{self.tile_n}M{self.tile_m}K{self.tile_k}S{self.stages}{self.wg_split}"
+                f"{self.grid_minor}{self.grid_tile_width}")
+
+    def smem_bytes(self) -> int:
+        """Shared memory: pipeline buffers plus the output tile."""
+        per_stage = self.cta_tile_n * self.tile_k // 2 + self.cta_tile_n * self.tile_k // 16
+        per_stage += self.cta_tile_m * self.tile_k * 2
+        return self.stages * per_stage + self.cta_tile_m * self.cta_tile_n * 2
+
+
+def default_config(m: int) -> MatmulConfig:
+    """The fastest configuration of the H100 sweep (Qwen3-8B shapes, docs/bench_nvfp4_pallas_h100.json)."""
+    if m <= 256:
+        return MatmulConfig(tile_n=64, tile_m=128, tile_k=128, stages=3)
+    return MatmulConfig(tile_n=64, tile_m=256, tile_k=64, stages=4)
+
+
+# --- The decode arithmetic, in jnp (the specification the kernel's PTX follows). ---------------
+
+
+def decode_e2m1_bits(codes: jax.Array) -> jax.Array:
+    """BF16 ``e2m1(n) * 2**-126`` of 4-bit codes ``n`` (any integer dtype, low 4 bits used), exact.
+
+    The bits ``((n & 8) << 12) | ((n & 7) << 6)`` put the sign at bit 15 and the E2M1
+    exponent/mantissa (3 bits) at BF16 bits 6-8: exponent field ``e`` (2 bits), mantissa ``m``
+    (1 bit) read as ``2**(e - 127) * (1 + m/2)`` for ``e > 0`` and ``2**-126 * m/2`` (subnormal)
+    for ``e = 0``: ``e2m1(n) * 2**-126`` in both cases.
+    """
+    n = codes.astype(jnp.uint16) & jnp.uint16(0xF)
+    bits = ((n & jnp.uint16(8)) << jnp.uint16(12)) | ((n & jnp.uint16(7)) << jnp.uint16(6))
+    return lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def scale_to_bf16(block_scale: jax.Array) -> jax.Array:
+    """BF16 ``e4m3(s) * 2**119`` of E4M3 block scales, exact (the product is at most 448 * 2**119)."""
+    s = block_scale.astype(jnp.float32) * jnp.float32(2.0**SCALE_EXP_SHIFT)
+    return s.astype(jnp.bfloat16)
+
+
+def reference(x: jax.Array, w: NVFP4Array) -> jax.Array:
+    """``x @ dequant(w).T`` in FP32 arithmetic (HIGHEST precision), cast to ``x.dtype``."""
+    wf = w.dequantize(jnp.float32)
+    y = jnp.dot(x.astype(jnp.float32), wf.T, precision=lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+# --- Argument checks and layout of the kernel operands. -----------------------------------------
+
+
+def _check(x: jax.Array, w: NVFP4Array) -> None:
+    if not isinstance(w, NVFP4Array):
+        raise ValueError(f"nvfp4_matmul: w must be an NVFP4Array, got {type(w).__name__}")
+    if len(w.shape) != 2:
+        raise ValueError(f"nvfp4_matmul: w must be 2-D [N, K], got shape {w.shape}")
+    if x.ndim != 2:
+        raise ValueError(f"nvfp4_matmul: x must be 2-D [M, K], got shape {x.shape}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"nvfp4_matmul: K mismatch: x {x.shape} vs w {w.shape}")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"nvfp4_matmul: x must be bfloat16 (W4A16 on BF16 tensor cores), got {x.dtype}")
+    if x.shape[0] == 0:
+        raise ValueError("nvfp4_matmul: x has no rows (M = 0)")
+
+
+def _round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+def kernel_operands(w: NVFP4Array, n_pad: int, k_pad: int):
+    """(int4 codes ``[N', K']``, uint8 scales ``[K'/64, N'/64, 256]``): the layouts the kernel reads.
+
+    The packed bytes reinterpreted as int4 keep the element order (even k in the low nibble, as
+    XLA packs int4). The scales are permuted per (64 k, 64 rows) tile so that each thread of the
+    WGMMA layout finds its 8 scale bytes contiguous: rows ``16w + l`` and ``16w + l + 8``
+    (warp ``w``, lane group ``l``) at offset ``8 * (8w + l)``, ordered (block, row half).
+    Padding rows/columns get code 0 and scale 1.0 (they contribute zeros).
+    """
+    n, k = w.shape
+    data, scale = w.data, lax.bitcast_convert_type(w.block_scale, jnp.uint8)
+    if (n_pad, k_pad) != (n, k):
+        data = jnp.pad(data, ((0, n_pad - n), (0, (k_pad - k) // 2)))
+        scale = jnp.pad(scale, ((0, n_pad - n), (0, (k_pad - k) // BLOCK_SIZE)), constant_values=0x38)
+    codes = lax.bitcast_convert_type(data, jnp.int4).reshape(n_pad, k_pad)
+    s = scale.reshape(n_pad // 64, 4, 2, 8, k_pad // 64, 4)  # [slab, warp, half, lane group, k tile, block]
+    s = s.transpose(4, 0, 1, 3, 5, 2).reshape(k_pad // 64, n_pad // 64, 256)
+    return codes, s
+
+
+# --- The kernel. ---------------------------------------------------------------------------------
+
+
+def _decode_registers(codes_4x, scale_ref):
+    """Mosaic GPU code: int4 codes ``[R, C]`` (layout WGMMA_UPCAST_4X) and the shared-memory
+    scales ``[C/64, R/64, 256]`` (uint8 E4M3 bits, see :func:`kernel_operands`) -> BF16
+    ``e2m1 * e4m3 * 2**-7`` ``[R, C]`` in the WGMMA layout (the register A operand)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, vector
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    i8, i16, i32 = (ir.IntegerType.get_signless(b) for b in (8, 16, 32))
+    bf16 = ir.BF16Type.get()
+    index = ir.IndexType.get()
+    layout = fa.WGMMA_LAYOUT
+    q = codes_4x.to_layout(layout)  # 2 shuffles + prmt per 8 nibbles, on the packed codes
+    rows, cols = q.shape
+
+    def const(v, ty=i32):
+        return arith.constant(ty, v)
+
+    # Thread offset of the layout (row r0, column c0 < 8) and each register's static offset.
+    tile_strides = layout.tiling.tile_strides(tuple(mu.get_contiguous_strides(q.shape)))
+    static_offsets = {}
+    for idx in np.ndindex(q.registers.shape):
+        lin = sum(i * s for i, s in zip(idx, tile_strides))
+        static_offsets[idx] = divmod(lin, cols)
+    lane = arith.remui(mu.thread_idx(), const(32))
+    warp = arith.remui(arith.divui(mu.thread_idx(), const(32)), const(4))
+    r0 = arith.addi(arith.muli(warp, const(16)), arith.divui(lane, const(4)))
+    r0 = arith.index_castui(index, r0)
+
+    # Scales: per (64-row slab, 64-k tile) each thread loads its 8 bytes (rows r0 and r0 + 8 of
+    # 4 blocks, see kernel_operands) and converts pairs to BF16x2 {s(r0), s(r0 + 8)} * 2**119.
+    pair = arith.index_castui(
+        index, arith.addi(arith.muli(warp, const(8)), arith.divui(lane, const(4))))
+    byte_off = arith.muli(pair, arith.constant(index, 8))
+    scale_words, scale_pairs, scale_splats = {}, {}, {}
+
+    def scale_splat(row_off, col_off):
+        slab, half = row_off // 64, (row_off % 64) // 8
+        ktile, block = col_off // 64, (col_off % 64) // BLOCK_SIZE
+        if (slab, ktile) not in scale_words:
+            vec = vector.load(ir.VectorType.get((8,), i8), scale_ref,
+                              [arith.constant(index, ktile), arith.constant(index, slab), byte_off],
+                              alignment=8)
+            vec = vector.bitcast(ir.VectorType.get((2,), i32), vec)
+            scale_words[slab, ktile] = [vector.extract(vec, [], [i]) for i in range(2)]
+        if (slab, ktile, block) not in scale_pairs:
+            word = scale_words[slab, ktile][block // 2]
+            scale_pairs[slab, ktile, block] = mu.inline_ptx(
+                "{ .reg .b32 h; .reg .f32 lo, hi; .reg .b16 w0, w1, hl, hh;\n"
+                "mov.b32 {w0, w1}, $1;\n"
+                f"cvt.rn.f16x2.e4m3x2 h, w{block % 2};\n"
+                "mov.b32 {hl, hh}, h;\n"
+                "cvt.f32.f16 lo, hl;\n"
+                "cvt.f32.f16 hi, hh;\n"
+                "mul.f32 lo, lo, 0f7B000000;\n"  # 2**119
+                "mul.f32 hi, hi, 0f7B000000;\n"
+                "cvt.rn.bf16x2.f32 $0, hi, lo; }",
+                word, result_types=i32)
+        key = (slab, ktile, block, half)
+        if key not in scale_splats:
+            s2 = scale_pairs[slab, ktile, block]
+            scale_splats[key] = mu.prmt(s2, s2, const(0x3232 if half else 0x1010))
+        return scale_splats[key]
+
+    # Codes: each 32-bit source word holds 8 nibbles; A = even nibbles, B = odd nibbles per byte.
+    word_cache = []
+
+    def split_word(word):
+        for w_, ab in word_cache:
+            if w_ == word:
+                return ab
+        a = arith.andi(word, const(0x0F0F0F0F))
+        b = arith.andi(arith.shrui(word, const(4)), const(0x0F0F0F0F))
+        word_cache.append((word, (a, b)))
+        return a, b
+
+    out = np.empty(q.registers.shape, dtype=object)
+    for idx, reg in np.ndenumerate(q.registers):
+        owner = getattr(reg.owner, "opview", None)
+        if (isinstance(owner, vector.ExtractStridedSliceOp) and mu.bitwidth(owner.source.type) == 32
+                and owner.strides[0].value == 1):
+            word = mu.bitcast(owner.source, i32)
+            byte = owner.offsets[0].value // 2
+        else:
+            word = arith.extui(i32, mu.bitcast(reg, i8))
+            byte = 0
+        a, b = split_word(word)
+        row_off, col_off = static_offsets[idx]
+        s2 = scale_splat(row_off, col_off)
+        sel = byte | ((8 | byte) << 4) | ((4 + byte) << 8) | ((12 + byte) << 12)
+        v = mu.inline_ptx(
+            "{ .reg .b32 s, t1, t2, v;\n"
+            f"prmt.b32 s, $1, $2, {sel};\n"
+            "shl.b32 t1, s, 6;\n"
+            "shl.b32 t2, s, 12;\n"
+            "lop3.b32 v, t1, t2, 0x71C071C0, 0xE4;\n"
+            "mul.rn.bf16x2 $0, v, $3; }",
+            a, b, s2, result_types=i32)
+        out[idx] = mu.bitcast(v, ir.VectorType.get((2,), bf16))
+    return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+
+
+def _num_sms() -> int:
+    dev = jax.devices()[0]
+    return getattr(dev, "core_count", None) or 132
+
+
+def _pallas_call(codes, scales_t, x, g, *, config: MatmulConfig, num_sms: int):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m, k = x.shape
+    n = codes.shape[0]
+    cfg = config
+    tn, tm, tk = cfg.tile_n, cfg.tile_m, cfg.tile_k
+    ctn, ctm = cfg.cta_tile_n, cfg.cta_tile_m
+    m_iters, n_iters, k_iters = m // ctm, n // ctn, k // tk
+
+    q_swizzle = plgpu.find_swizzle(tk * 4, "codes")
+    x_swizzle = plgpu.find_swizzle(tk * 16, "activations")
+    out_swizzle = plgpu.find_swizzle(tn * 16, "output")
+    q_transforms = (plgpu.TilingTransform((8, q_swizzle * 2)), plgpu.SwizzleTransform(q_swizzle))
+    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
+
+    decode = plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((tn, tk), jnp.bfloat16, plgpu.Layout.WGMMA),
+    )(lambda ctx, q4, s_ref: _decode_registers(q4, s_ref))
+
+    split_n = cfg.wg_split == "n"
+    grid_minor = 1 if cfg.grid_minor == "n" else 0
+
+    def kernel(q_gmem, s_gmem, x_gmem, g_gmem, y_gmem, out_smem):
+        def get_pipeline(body, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(k_iters,),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec((ctn, tk), lambda kk: (0, kk), transforms=q_transforms,
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((tk // 64, ctn // 64, 256), lambda kk: (kk, 0, 0),
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((ctm, tk), lambda kk: (0, kk), transforms=x_transforms,
+                                    memory_space=plgpu.SMEM),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=2,
+                max_concurrent_steps=cfg.stages,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=get_pipeline(ignore, ignore).get_allocations(q_gmem, s_gmem, x_gmem),
+            collective_axes="wg",
+        )
+        def _scope(allocs):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            def _tiles(info):
+                (lin,) = info.index
+                mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), grid_minor, cfg.grid_tile_width)
+                cta_m = pl.ds(mi * ctm, ctm)
+                cta_n = pl.ds(ni * ctn, ctn)
+                cta_slabs = pl.ds(ni * (ctn // 64), ctn // 64)
+                wg_n = pl.ds(wg * tn, tn) if split_n else pl.ds(0, tn)
+                wg_slabs = pl.ds(wg * (tn // 64), tn // 64) if split_n else pl.ds(0, tn // 64)
+                wg_m = pl.ds(0, tm) if split_n else pl.ds(wg * tm, tm)
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
+                    def _acc(acc_ref):
+                        eval_pipeline(acc_ref)
+                        g = g_gmem[0]
+                        y = (acc_ref[...] * g).astype(jnp.bfloat16)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem.at[wg].T[...] = y
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg], y_gmem.at[cta_m, cta_n].at[wg_m, wg_n])
+
+                def mma_body(_, q_smem, s_smem, x_smem, acc_ref):
+                    q4 = plgpu.layout_cast(q_smem.at[wg_n][...], plgpu.Layout.WGMMA_UPCAST_4X)
+                    a = decode(q4, s_smem.at[:, wg_slabs])
+                    plgpu.wgmma(acc_ref, a, x_smem.at[wg_m].T)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                get_pipeline(mma_body, compute_context)(
+                    q_gmem.at[cta_n, :], s_gmem.at[:, cta_slabs], x_gmem.at[cta_m, :], allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    f = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=dict(out_smem=plgpu.SMEM((2, tm, tn), jnp.bfloat16, transforms=out_transforms)),
+    )
+    return f(codes, scales_t, x, g)
+
+
+def nvfp4_matmul(x: jax.Array, w: NVFP4Array, *, act_tensor_scale: jax.Array | None = None,
+                 config: MatmulConfig | None = None, num_sms: int | None = None) -> jax.Array:
+    """``x [M, K] @ dequant(w).T`` on Hopper tensor cores; BF16 in and out, FP32 sums, one rounding.
+
+    act_tensor_scale: W4A4's ``g_x``: ``x`` then holds the NVFP4-decoded activations ``e2m1 * e4m3``
+    (exact in BF16) and the epilogue multiplies by ``g_x`` too (``acc * (2**7 * g_w * g_x)``).
+    Any M; N and K (a multiple of 16, as NVFP4 requires) are padded to the CTA tile when they
+    are not multiples of it (a copy of the weights per call: pick tiles that divide the shape).
+    config: tiling (default :func:`default_config` of M); num_sms: persistent CTAs (default: the
+    device's SM count).
+    """
+    _check(x, w)
+    cfg = config or default_config(x.shape[0])
+    if cfg.smem_bytes() > SMEM_LIMIT:
+        raise ValueError(f"nvfp4_matmul: config {cfg.name} needs {cfg.smem_bytes()} bytes of shared memory "
+                         f"(> {SMEM_LIMIT}): fewer stages or smaller tiles")
+    m, k = x.shape
+    n = w.shape[0]
+    m_pad, n_pad, k_pad = _round_up(m, cfg.cta_tile_m), _round_up(n, cfg.cta_tile_n), _round_up(k, cfg.tile_k)
+    codes, scales_t = kernel_operands(w, n_pad, k_pad)
+    xp = x if (m_pad, k_pad) == (m, k) else jnp.pad(x, ((0, m_pad - m), (0, k_pad - k)))
+    g = w.tensor_scale.astype(jnp.float32) * jnp.float32(OUTPUT_FACTOR)
+    if act_tensor_scale is not None:
+        g = g * jnp.asarray(act_tensor_scale, jnp.float32).reshape(())
+    y = _pallas_call(codes, scales_t, xp, g.reshape(1), config=cfg, num_sms=num_sms or _num_sms())
+    return y if (m_pad, n_pad) == (m, n) else y[:m, :n]

@@ -1,0 +1,178 @@
+"""Benchmark the Pallas NVFP4 matmul (WGMMA, in-register FP4 decode) at large M against XLA and the
+CUDA "gemm" kernel, on the Qwen3-8B projection shapes.
+
+Columns per (shape, M): XLA BF16 dot, XLA dequantize-then-dot (``nvfp4_dispatch.dequantize_dot``),
+the CUDA ``mma.sync`` GEMM (best of ``GemvConfig(kernel="gemm", block_m, block_n, split)``) and the
+Pallas kernel (best of a small :class:`~jaxlp.pallas.nvfp4_matmul.MatmulConfig` sweep), in
+microseconds of device time and TFLOP/s; a correctness spot check per shape (relative error of the
+Pallas kernel and the CUDA GEMM against XLA dequantize-then-dot on FP32 activations).
+
+Method: scripts/bench_nvfp4.py's (imported, not copied): each timed function makes one call per
+weight buffer inside one jit (buffers together > 4x the 50 MB L2, so weights stream from HBM),
+every call with its own activations; device time = union of the call's GPU kernel intervals from a
+profiler trace, per call (``bench_nvfp4.Jobs``).
+
+    python scripts/bench_nvfp4_pallas.py --out docs/bench_nvfp4_pallas_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_nvfp4 as bn  # noqa: E402
+
+from jaxlp.ffi import nvfp4 as ffi_nvfp4  # noqa: E402
+from jaxlp.pallas import nvfp4_matmul as nm  # noqa: E402
+from jaxlp.quantization import nvfp4_dispatch as dispatch  # noqa: E402
+
+MS = (128, 512, 2048, 8192)
+C = ffi_nvfp4.GemvConfig
+GEMM = [C(kernel="gemm", block_m=bm, block_n=bn_, split=s) for bm in (64, 128) for bn_ in (64, 128) for s in (1, 2)]
+P = nm.MatmulConfig
+PALLAS = {  # name -> config; the sweep
+    c.name: c for c in (
+        P(tile_n=64, tile_m=128, tile_k=64, stages=4),
+        P(tile_n=64, tile_m=256, tile_k=64, stages=4),
+        P(tile_n=128, tile_m=128, tile_k=64, stages=4),
+        P(tile_n=64, tile_m=128, tile_k=128, stages=3),
+        P(tile_n=128, tile_m=64, tile_k=128, stages=3, wg_split="m"),
+        P(tile_n=64, tile_m=256, tile_k=64, stages=4, grid_minor="n"),
+    )
+}
+
+
+
+
+def shapes_8b():
+    return [s for s in bn.qwen3_shapes() if s[0].startswith("Qwen3-8B")]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="docs/bench_nvfp4_pallas.json")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--shapes", default="all", help="comma-separated indices into the Qwen3-8B shapes, or 'all'")
+    ap.add_argument("--pallas", default="all",
+                    help="comma-separated MatmulConfig names, 'all', or 'auto' (one per M: nvfp4_matmul.default_config)")
+    ap.add_argument("--gemm", default="all", help="comma-separated GemvConfig names, 'all' or 'none'")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new (shape, M) after this many seconds")
+    args = ap.parse_args(argv)
+
+    start = time.time()
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        sys.exit("bench_nvfp4_pallas needs a GPU")
+    ms = [int(v) for v in args.ms.split(",")]
+    shapes = shapes_8b() if args.shapes == "all" else [shapes_8b()[int(i)] for i in args.shapes.split(",")]
+    if args.pallas == "auto":
+        pallas = list({nm.default_config(m).name: nm.default_config(m) for m in MS}.values())
+    else:
+        pallas = list(PALLAS.values()) if args.pallas == "all" else [PALLAS[n] for n in args.pallas.split(",")]
+    gemm = [] if args.gemm == "none" else GEMM if args.gemm == "all" else [C.from_name(n) for n in args.gemm.split(",")]
+    if gemm:
+        try:
+            t0 = time.time()
+            ffi_nvfp4.load()
+            print(f"# CUDA kernels built/loaded in {time.time() - t0:.0f}s", flush=True)
+        except Exception as e:  # noqa: BLE001 - the other columns still run
+            print(f"!! CUDA kernels unavailable: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            gemm = []
+
+    result = {
+        "device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "method": "bench_nvfp4.Jobs: one call per weight buffer (> 4x L2) per jit, distinct activations; "
+                  "device time = union of GPU kernel intervals per call from a profiler trace",
+        "pallas_configs": [c.name for c in pallas], "gemm_configs": [c.name for c in gemm], "rows": [], "checks": [],
+    }
+    result["bf16_matmul_TFLOPs"] = bn.bf16_peak()
+    print(f"# {dev.device_kind}: BF16 matmul {result['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+
+    def save():
+        result["elapsed_s"] = time.time() - start
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(bn._finite(result), indent=1))
+
+    for si, (name, n, k) in enumerate(shapes):
+        sh = bn.Shape(n, k, si, target_bytes=4 * bn.L2_BYTES)
+        # Correctness spot check against XLA dequantize-then-dot on FP32 activations.
+        x = jax.random.normal(jax.random.key(7), (256, k), jnp.bfloat16)
+        ref = jax.jit(dispatch.dequantize_dot)(x.astype(jnp.float32), sh.q[0])
+        check = {"shape": name, "m": 256}
+        for cfg in pallas:
+            try:
+                y = jax.jit(lambda x, q, cfg=cfg: nm.nvfp4_matmul(x, q, config=cfg))(x, sh.q[0])
+                check[f"pallas_{cfg.name}"] = bn.rel_err(y.astype(jnp.float32), ref)
+            except Exception as e:  # noqa: BLE001
+                check[f"pallas_{cfg.name}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        if gemm:
+            y = ffi_nvfp4.nvfp4_gemv(x, sh.q[0], config=gemm[0])
+            check[f"gemm_{gemm[0].name}"] = bn.rel_err(y.astype(jnp.float32), ref)
+        result["checks"].append(check)
+        print(f"# check {name}: " + ", ".join(f"{kk} {v:.2e}" if isinstance(v, float) else f"{kk} {v}"
+                                             for kk, v in check.items() if kk not in ("shape", "m")), flush=True)
+
+        for m in ms:
+            if time.time() - start > args.budget_s:
+                print(f"# budget reached: skipping {name} M={m}", flush=True)
+                continue
+            jobs = bn.Jobs(args.reps)
+            jobs.add(("bf16",), lambda x, w: x @ w.T, sh.w, m, k)
+            jobs.add(("xla_dq",), lambda x, q: dispatch.dequantize_dot(x, q), sh.q, m, k)
+            for cfg in gemm:
+                if cfg.unsupported(m, k, jnp.bfloat16, False) is None:
+                    jobs.add(("gemm", cfg.name), lambda x, q, cfg=cfg: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg), sh.q, m, k)
+            for cfg in ([nm.default_config(m)] if args.pallas == "auto" else pallas):
+                jobs.add(("pallas", cfg.name), lambda x, q, cfg=cfg: nm.nvfp4_matmul(x, q, config=cfg), sh.q, m, k)
+            t = jobs.run()
+            flops = 2 * m * n * k
+            rec = {"shape": name, "n": n, "k": k, "m": m}
+            for key, (dev_s, wall_s) in t.items():
+                label = "_".join(key)
+                rec[f"{label}_us"] = bn._us(dev_s if dev_s is not None else wall_s)
+            for fam in ("gemm", "pallas"):
+                cands = {key[1]: rec[f"{fam}_{key[1]}_us"] for key in t if key[0] == fam}
+                if cands:
+                    best = min(cands, key=cands.get)
+                    rec[f"{fam}_us"], rec[f"{fam}_config"] = cands[best], best
+            for col in ("bf16", "xla_dq", "gemm", "pallas"):
+                if f"{col}_us" in rec:
+                    rec[f"{col}_TFLOPs"] = flops / (rec[f"{col}_us"] * 1e-6) / 1e12
+            result["rows"].append(rec)
+            print(f"{name:18s} M={m:5d} " + "  ".join(
+                f"{col} {rec[col + '_us']:9.1f}us {rec[col + '_TFLOPs']:5.0f}TF" for col in ("bf16", "xla_dq", "gemm", "pallas")
+                if col + "_us" in rec) + f"  [{rec.get('gemm_config', '-')}, {rec.get('pallas_config', '-')}]", flush=True)
+            save()
+        sh.free()
+    save()
+    summary(result)
+    return result
+
+
+def summary(result):
+    print(f"\n## {result['device']} ({result['date']}), device us (TFLOP/s); BF16 matmul peak "
+          f"{result['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    print(f"{'shape':18s} {'M':>5s} {'bf16':>14s} {'xla-dq':>14s} {'cuda-gemm':>14s} {'pallas':>14s}  pallas/dq  configs")
+    for r in result["rows"]:
+        cells = []
+        for col in ("bf16", "xla_dq", "gemm", "pallas"):
+            cells.append(f"{r[col + '_us']:7.1f} ({r[col + '_TFLOPs']:4.0f})" if col + "_us" in r else f"{'-':>14s}")
+        ratio = r["xla_dq_us"] / r["pallas_us"] if "pallas_us" in r else float("nan")
+        print(f"{r['shape']:18s} {r['m']:5d} " + " ".join(cells) + f"  {ratio:9.2f}  {r.get('gemm_config', '-')} "
+              f"{r.get('pallas_config', '-')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The Pallas NVFP4 matmul on a GPU against float64 NumPy (skipped without a CUDA GPU)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxlp.formats import nvfp4
+from jaxlp.formats.nvfp4 import NVFP4Array
+from jaxlp.pallas import nvfp4_matmul as nm
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a CUDA GPU"),
+]
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+EXTREME_SCALES = np.array([2.0**-9, 5 * 2.0**-9, 2.0**-6, 0.75, 1.0, 27.0, 448.0], np.float32)
+
+
+def weight_f64(w: NVFP4Array) -> np.ndarray:
+    data = np.asarray(w.data).astype(np.int64)
+    codes = np.stack([data & 15, data >> 4], axis=-1).reshape(w.shape)
+    vals = np.where(codes & 8, -1.0, 1.0) * E2M1[codes & 7]
+    s = np.asarray(w.block_scale).astype(np.float64)
+    return vals * np.repeat(s, 16, axis=1) * float(w.tensor_scale)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def random_weight(rng, n, k, *, extreme=False, zero_blocks=6):
+    if extreme:  # random codes, scales from the E4M3 extremes (incl. the subnormal 2**-9 and 448)
+        data = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+        sb = rng.choice(EXTREME_SCALES, (n, k // 16)).astype(ml_dtypes.float8_e4m3fn)
+        for r, c in zip(rng.integers(0, n, zero_blocks), rng.integers(0, k // 16, zero_blocks)):
+            data[r, 8 * c: 8 * c + 8] = 0  # all-zero blocks
+        return NVFP4Array(data=jnp.asarray(data), block_scale=jnp.asarray(sb),
+                          tensor_scale=jnp.float32(0.37), shape=(n, k))
+    w = rng.standard_normal((n, k)).astype(np.float32) * np.exp(rng.uniform(-4, 4, (n, 1))).astype(np.float32)
+    for r, c in zip(rng.integers(0, n, zero_blocks), rng.integers(0, k // 16, zero_blocks)):
+        w[r, 16 * c: 16 * c + 16] = 0.0
+    return nvfp4.quantize(jnp.asarray(w))
+
+
+def check(x, w, config):
+    y = jax.jit(lambda x, w: nm.nvfp4_matmul(x, w, config=config))(x, w)
+    assert y.dtype == jnp.bfloat16 and y.shape == (x.shape[0], w.shape[0])
+    ref = np.asarray(x, np.float64) @ weight_f64(w).T
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    assert np.isfinite(y).all()
+    err = rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64))
+    assert err <= 2e-3, (config.name, x.shape, w.shape, err)
+    return err
+
+
+def test_every_code_and_scale_is_decoded_exactly():
+    """x = I reads the decoded weights back: y[m, n] = w[n, m] * g exactly (one nonzero term, g a
+    power of two), for every code in every position of a 64-k tile and scales from 2**-9 to 448."""
+    n, k = 256, 128
+    codes = (np.arange(n)[:, None] * 7 + np.arange(k)[None, :]) % 16
+    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    sweep = np.array([2.0**-9, 3 * 2.0**-9, 2.0**-7, 2.0**-6, 0.5, 1.0, 1.125, 15.0, 240.0, 448.0], np.float32)
+    sb = sweep[(np.arange(n)[:, None] + 3 * np.arange(k // 16)[None, :]) % len(sweep)]
+    w = NVFP4Array(data=jnp.asarray(data), block_scale=jnp.asarray(sb.astype(ml_dtypes.float8_e4m3fn)),
+                   tensor_scale=jnp.float32(2.0), shape=(n, k))
+    x = jnp.eye(k, dtype=jnp.bfloat16)
+    for config in (nm.MatmulConfig(), nm.MatmulConfig(tile_n=128, tile_k=128, wg_split="m", tile_m=64)):
+        y = np.asarray(nm.nvfp4_matmul(x, w, config=config).astype(jnp.float32), np.float64)
+        np.testing.assert_array_equal(y, weight_f64(w).T, err_msg=config.name)
+
+
+CASES = [  # (M, N, K, config): M, N, K multiples of the tiles and not (padded)
+    (128, 256, 512, nm.MatmulConfig()),
+    (256, 512, 1024, nm.MatmulConfig(tile_n=128, tile_m=128)),
+    (512, 256, 2048, nm.MatmulConfig(tile_m=256)),
+    (256, 256, 1024, nm.MatmulConfig(wg_split="m", grid_minor="n", grid_tile_width=2)),
+    (384, 384, 1024, nm.MatmulConfig(tile_k=128, stages=3)),
+    (200, 320, 1040, nm.MatmulConfig()),  # M, N, K not multiples of the tile (K % 64 != 0)
+    (1, 128, 64, nm.MatmulConfig()),
+    (37, 1000, 4112, nm.MatmulConfig(tile_n=128, tile_m=64, tile_k=128)),
+    (1024, 2048, 4096, nm.MatmulConfig(tile_n=64, tile_m=256, stages=4)),
+]
+
+
+@pytest.mark.parametrize("m, n, k, config", CASES, ids=[f"{m}x{n}x{k}-{c.name}" for m, n, k, c in CASES])
+def test_matches_float64(m, n, k, config):
+    rng = np.random.default_rng(m * 7 + n + k)
+    x = rng.standard_normal((m, k)) * np.exp(rng.uniform(-2, 2, (m, 1)))
+    x[rng.integers(0, m), : min(k, 48)] = 0.0
+    check(jnp.asarray(x, jnp.bfloat16), random_weight(rng, n, k), config)
+
+
+@pytest.mark.parametrize("config", [nm.MatmulConfig(), nm.MatmulConfig(tile_k=128, tile_n=128, tile_m=64)],
+                         ids=lambda c: c.name)
+def test_extreme_scales_and_zero_blocks(config):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((256, 1024)), jnp.bfloat16)
+    check(x, random_weight(rng, 512, 1024, extreme=True), config)
+
+
+def test_all_zero_weight_gives_zeros():
+    w = nvfp4.quantize(jnp.zeros((256, 512)))
+    y = nm.nvfp4_matmul(jnp.ones((128, 512), jnp.bfloat16), w)
+    assert (np.asarray(y.astype(jnp.float32)) == 0).all()
+
+
+def test_w4a4_exact_activations():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((128, 512)).astype(np.float32)
+    xq = nvfp4.quantize(jnp.asarray(x))
+    unit = NVFP4Array(data=xq.data, block_scale=xq.block_scale, tensor_scale=jnp.float32(1.0), shape=xq.shape)
+    x_dq = unit.dequantize(jnp.bfloat16)  # e2m1 * e4m3: exact in BF16
+    w = random_weight(rng, 256, 512)
+    y = nm.nvfp4_matmul(x_dq, w, act_tensor_scale=xq.tensor_scale)
+    ref = np.asarray(xq.dequantize(jnp.float32), np.float64) @ weight_f64(w).T
+    assert rel(np.asarray(y.astype(jnp.float32)), ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
