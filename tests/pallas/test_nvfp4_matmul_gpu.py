@@ -118,3 +118,23 @@ def test_w4a4_exact_activations():
     y = nm.nvfp4_matmul(x_dq, w, act_tensor_scale=xq.tensor_scale)
     ref = np.asarray(xq.dequantize(jnp.float32), np.float64) @ weight_f64(w).T
     assert rel(np.asarray(y.astype(jnp.float32)), ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
+
+
+@pytest.mark.parametrize("w4a4", [False, True])
+def test_dispatch_runs_the_pallas_choice_exactly(w4a4, monkeypatch):
+    """QuantizedLinear through the dispatch hook with the table's choice forced to the Pallas kernel:
+    W4A16 and W4A4 (CUDA quantizer, exact BF16 decode, g_x in the epilogue) against float64."""
+    from jaxlp.quantization import QuantizedLinear
+    from jaxlp.quantization import nvfp4_dispatch as dispatch
+    from jaxlp.quantization.activations import fake_quantize
+
+    monkeypatch.setattr(dispatch, "plan", lambda *a, **k: nm.MatmulConfig(tile_k=128, stages=3))
+    rng = np.random.default_rng(11)
+    w = random_weight(rng, 384, 1024)
+    x = jnp.asarray(rng.standard_normal((160, 1024)) * 2, jnp.bfloat16)
+    amax = jnp.float32(np.abs(np.asarray(x, np.float32)).max() * 0.7) if w4a4 else None  # some saturate
+    layer = QuantizedLinear(w, activation="nvfp4" if w4a4 else None, act_amax=amax)
+    y = np.asarray(jax.jit(lambda x: dispatch.nvfp4_matmul(layer, x))(x).astype(jnp.float32), np.float64)
+    xq = np.asarray(fake_quantize(x, "nvfp4", amax) if w4a4 else x.astype(jnp.float32), np.float64)
+    ref = xq @ weight_f64(w).T
+    assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
