@@ -262,12 +262,24 @@ def main(argv=None):
     ap.add_argument("--custom-shapes", default=None, help="'N:K,N:K' instead of the Qwen3 shapes")
     ap.add_argument("--kernels", default="regs,pipe,pipe16,gemm", help="kernel families to time")
     ap.add_argument("--probe", action="store_true", help="also time the loads-only probes at M = 1")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated configuration names (GemvConfig.name): time only these (and probes, "
+                         "spot checks) of the GEMV families; the gemm family is not restricted")
+    ap.add_argument("--no-act-quant", action="store_true", help="skip the standalone activation quantizer")
     ap.add_argument("--merge", action="store_true",
                     help="keep the --table file's other shapes (measured on the same device)")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # smoke tests of this script
     args = ap.parse_args(argv)
 
     start = time.time()
+    if args.configs:
+        keep = set(args.configs.split(","))
+        for name in keep:
+            C.from_name(name)  # a typo fails here, not silently
+        for fam in ("regs", "pipe", "pipe16"):
+            FAMILIES[fam][:] = [c for c in FAMILIES[fam] if c.name in keep]
+            if fam in PROBES:
+                PROBES[fam][:] = [c for c in PROBES[fam] if c.name in keep]
     dev = jax.devices()[0]
     if dev.platform != "gpu" and not args.allow_cpu:
         sys.exit("bench_nvfp4 needs a GPU")
@@ -296,7 +308,7 @@ def main(argv=None):
     # Standalone activation quantization, one launch per call.
     jobs = Jobs(args.reps)
     g_act = jnp.float32(0.01)
-    for k in sorted({k for _, _, k in qwen3_shapes()}) if dev.platform == "gpu" else ():
+    for k in sorted({k for _, _, k in qwen3_shapes()}) if dev.platform == "gpu" and not args.no_act_quant else ():
         for m in (1, 8):
             jobs.add(f"{m}x{k}", lambda x, _w: ffi_nvfp4.quantize_activations(x, g_act).data, [None] * 16, m, k)
     aq = {key: {"device_us": _us(t[0]), "wall_us": _us(t[1])} for key, t in jobs.run().items()}
@@ -314,8 +326,11 @@ def main(argv=None):
         g_x = jnp.float32(0.004)
         checks = []
         variants = [c for c in REGS + PIPE16 if c.is_small_m_variant]
-        for m, cfgs in ((1, [REGS[0], PIPE[0], PIPE16[0]] + variants), (8, [REGS[1], PIPE[3], PIPE16[3]] + variants),
-                        (64, [GEMM[0], GEMM[2]])):
+        if args.configs:  # the named configurations only
+            base = ([c for c in REGS + PIPE + PIPE16 if not c.is_small_m_variant],) * 2
+        else:
+            base = ([REGS[0], PIPE[0], PIPE16[0]], [REGS[1], PIPE[3], PIPE16[3]])
+        for m, cfgs in ((1, base[0] + variants), (8, base[1] + variants), (64, [GEMM[0], GEMM[2]])):
             if m not in ms or dev.platform != "gpu":
                 continue
             x = jax.random.normal(jax.random.key(7), (m, k), jnp.bfloat16)
