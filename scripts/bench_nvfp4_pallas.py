@@ -13,6 +13,15 @@ every call with its own activations; device time = union of the call's GPU kerne
 profiler trace, per call (``bench_nvfp4.Jobs``).
 
     python scripts/bench_nvfp4_pallas.py --out docs/bench_nvfp4_pallas_h100.json
+
+Small-M mode (``--small-m``, issue #5: is the Pallas kernel a competitive NVFP4 GEMV?): M = 1 and 8
+on Qwen3-8B and Qwen3-32B gate_up and down (W4A16), columns XLA BF16 dot, the CUDA GEMVs' named
+configurations (``--gemv``) and Pallas small-M configurations (``tile_m = 8``, split-K chosen by
+``nvfp4_matmul.gemv_config``; weights in the kernel layout prepared ahead, and the first one also
+with the per-call layout ops, "+layout"); a table of us, % of copy bandwidth on the NVFP4 bytes and
+x BF16; JSON with --out.
+
+    python scripts/bench_nvfp4_pallas.py --small-m --out /tmp/small_m.json
 """
 
 from __future__ import annotations
@@ -54,6 +63,157 @@ PALLAS = {  # name -> config; the sweep
 
 
 
+SMALL_MS = (1, 8)
+SMALL_SHAPES = ("Qwen3-8B gate_up", "Qwen3-8B down", "Qwen3-32B gate_up", "Qwen3-32B down")
+GEMV_BEST = "R1KS8A2,R2KS8,P2C1,H1C2S2,H2C1S2"
+
+
+def small_m_pallas(n, k, spec):
+    """Pallas candidates for an [N, K] GEMV: 'auto' = gemv_config with tile_k 256, 128 and a lower
+    per-item overhead (more splits), deduplicated; or comma-separated MatmulConfig-like names
+    'tk:stages:split' (tile_m 8, tile_n 64)."""
+    if spec == "auto":
+        cands = [nm.gemv_config(n, k, tile_k=256), nm.gemv_config(n, k, tile_k=256, item_overhead_steps=0.5),
+                 nm.gemv_config(n, k, tile_k=128)]
+    else:
+        cands = []
+        for item in spec.split(","):
+            tk, st, sp = (int(v) for v in item.split(":"))
+            cands.append(P(tile_n=64, tile_m=8, tile_k=tk, stages=st, split_k=sp))
+    return list({c.name: c for c in cands if (k // c.tile_k) % c.split_k == 0 or c.split_k == 1}.values())
+
+
+def main_small_m(args, argv):
+    start = time.time()
+    dev = jax.devices()[0]
+    ms = [int(v) for v in args.ms.split(",")] if args.ms != ",".join(map(str, MS)) else list(SMALL_MS)
+    allshapes = {s[0]: s for s in bn.qwen3_shapes()}
+    names = SMALL_SHAPES if args.shapes == "all" else [SMALL_SHAPES[int(i)] for i in args.shapes.split(",")]
+    gemv = [] if args.gemv == "none" else [C.from_name(v) for v in args.gemv.split(",")]
+    if gemv:
+        try:
+            t0 = time.time()
+            ffi_nvfp4.load()
+            print(f"# CUDA kernels built/loaded in {time.time() - t0:.0f}s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"!! CUDA kernels unavailable: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            gemv = []
+    bw = bn.copy_bandwidth()
+    result = {
+        "device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "method": "bench_nvfp4.Jobs: one call per weight buffer (> 4x L2) per jit, distinct activations; "
+                  "device time = union of GPU kernel intervals per call from a profiler trace",
+        "copy_bandwidth": bw, "gemv_configs": [c.name for c in gemv], "rows": [], "checks": [],
+    }
+    print(f"# {dev.device_kind}: copy {bw['copy_TBps']:.2f} TB/s, read {bw['read_TBps']:.2f} TB/s", flush=True)
+
+    def save():
+        result["elapsed_s"] = time.time() - start
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(bn._finite(result), indent=1))
+
+    for si, name in enumerate(names):
+        _, n, k = allshapes[name]
+        if time.time() - start > args.budget_s:
+            print(f"# budget reached: skipping {name}", flush=True)
+            continue
+        sh = bn.Shape(n, k, si, target_bytes=4 * bn.L2_BYTES)
+        pallas = small_m_pallas(n, k, args.pallas_small)
+        ops = {}  # padded shape -> per-buffer operands (the kernel layout, prepared once)
+        for cfg in pallas:
+            _, n_pad, k_pad = nm.padded_shape(cfg, 8, n, k)
+            if (n_pad, k_pad) not in ops:
+                prep = jax.jit(lambda w, n_pad=n_pad, k_pad=k_pad: nm.kernel_operands(w, n_pad, k_pad))
+                ops[n_pad, k_pad] = [prep(q) for q in sh.q]
+        # Correctness spot check (M = 8) against float64 of the dequantized weights.
+        x = jax.random.normal(jax.random.key(7), (8, k), jnp.bfloat16)
+        import numpy as np
+        ref = np.asarray(x, np.float64) @ np.asarray(sh.q[0].dequantize(jnp.float32), np.float64).T
+        check = {"shape": name, "m": 8}
+        for cfg in pallas:
+            try:
+                y = jax.jit(lambda x, q, cfg=cfg: nm.nvfp4_matmul(x, q, config=cfg))(x, sh.q[0])
+                check[f"pallas_{cfg.name}"] = bn.rel_err(np.asarray(y.astype(jnp.float32)), ref)
+            except Exception as e:  # noqa: BLE001
+                check[f"pallas_{cfg.name}"] = f"{type(e).__name__}: {str(e)[:300]}"
+        for cfg in gemv[:1]:
+            y = ffi_nvfp4.nvfp4_gemv(x, sh.q[0], config=cfg)
+            check[f"gemv_{cfg.name}"] = bn.rel_err(np.asarray(y.astype(jnp.float32)), ref)
+        result["checks"].append(check)
+        print(f"# check {name} (M = 8, rel. err. vs float64): " + ", ".join(
+            f"{kk} {v:.2e}" if isinstance(v, float) else f"{kk} {v}" for kk, v in check.items()
+            if kk not in ("shape", "m")), flush=True)
+        nbytes = bn.nvfp4_bytes(n, k)
+        for m in ms:
+            if time.time() - start > args.budget_s:
+                print(f"# budget reached: skipping {name} M={m}", flush=True)
+                continue
+            jobs = bn.Jobs(args.reps)
+            jobs.add(("bf16",), lambda x, w: x @ w.T, sh.w, m, k)
+            for cfg in gemv:
+                if cfg.unsupported(m, k, jnp.bfloat16, False) is None:
+                    jobs.add(("gemv", cfg.name), lambda x, q, cfg=cfg: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg), sh.q, m, k)
+            for i, cfg in enumerate(pallas):
+                _, n_pad, k_pad = nm.padded_shape(cfg, m, n, k)
+                wo = list(zip(sh.q, ops[n_pad, k_pad]))
+                jobs.add(("pallas", cfg.name),
+                         lambda x, qo, cfg=cfg: nm.nvfp4_matmul(x, qo[0], config=cfg, operands=qo[1]), wo, m, k)
+                if i == 0:
+                    jobs.add(("pallas", cfg.name + "+layout"),
+                             lambda x, q, cfg=cfg: nm.nvfp4_matmul(x, q, config=cfg), sh.q, m, k)
+            t = jobs.run()
+            rec = {"shape": name, "n": n, "k": k, "m": m, "nvfp4_bytes": nbytes}
+            for key, (dev_s, wall_s) in t.items():
+                rec["_".join(key) + "_us"] = bn._us(dev_s if dev_s is not None else wall_s)
+                rec["_".join(key) + "_wall_us"] = bn._us(wall_s)
+            for fam in ("gemv", "pallas"):
+                cands = {key[1]: rec[f"{fam}_{key[1]}_us"] for key in t if key[0] == fam and "+" not in key[1]}
+                if cands:
+                    best = min(cands, key=cands.get)
+                    rec[f"{fam}_us"], rec[f"{fam}_config"] = cands[best], best
+            for col in ("gemv", "pallas"):
+                if f"{col}_us" in rec:
+                    rec[f"{col}_pct_copy"] = 100 * nbytes / (rec[f"{col}_us"] * 1e-6) / (bw["copy_TBps"] * 1e12)
+                    if "bf16_us" in rec:
+                        rec[f"{col}_x_bf16"] = rec["bf16_us"] / rec[f"{col}_us"]
+            result["rows"].append(rec)
+            print(f"{name:18s} M={m} " + "  ".join(f"{kk[:-3]} {v:.1f}" for kk, v in rec.items()
+                                                    if kk.endswith("_us") and not kk.endswith("wall_us")
+                                                    and kk not in ("gemv_us", "pallas_us")), flush=True)
+            save()
+        sh.free()
+        del ops
+    save()
+    summary_small_m(result)
+    return result
+
+
+def summary_small_m(result):
+    bw = result["copy_bandwidth"]["copy_TBps"]
+    print(f"\n## {result['device']} ({result['date']}), device us per call; % copy = NVFP4 bytes / time / "
+          f"copy bandwidth ({bw:.2f} TB/s); x BF16 = BF16 dot time / time")
+    print(f"{'shape':18s} {'M':>2s} {'bf16':>7s} {'cuda gemv (cfg)':>24s} {'%copy':>6s} {'xbf16':>6s}"
+          f" {'pallas (cfg)':>30s} {'%copy':>6s} {'xbf16':>6s} {'pallas+layout':>14s}")
+    for r in result["rows"]:
+        lay = [v for kk, v in r.items() if kk.endswith("+layout_us")]
+        g = f"{r['gemv_us']:6.1f} ({r['gemv_config']})" if "gemv_us" in r else "-"
+        p = f"{r['pallas_us']:6.1f} ({r['pallas_config']})" if "pallas_us" in r else "-"
+        print(f"{r['shape']:18s} {r['m']:2d} {r.get('bf16_us', float('nan')):7.1f} {g:>24s} "
+              f"{r.get('gemv_pct_copy', float('nan')):6.1f} {r.get('gemv_x_bf16', float('nan')):6.2f} {p:>30s} "
+              f"{r.get('pallas_pct_copy', float('nan')):6.1f} {r.get('pallas_x_bf16', float('nan')):6.2f} "
+              f"{(lay[0] if lay else float('nan')):14.1f}")
+    print("\nall Pallas configs (us): " + "; ".join(
+        f"{r['shape']} M={r['m']}: " + ", ".join(f"{kk[7:-3]} {v:.1f}" for kk, v in r.items()
+                                               if kk.startswith("pallas_N") and kk.endswith("_us") and "wall" not in kk)
+        for r in result["rows"]))
+    print("all CUDA GEMV configs (us): " + "; ".join(
+        f"{r['shape']} M={r['m']}: " + ", ".join(f"{kk[5:-3]} {v:.1f}" for kk, v in r.items()
+                                               if kk.startswith("gemv_") and kk.endswith("_us") and "wall" not in kk
+                                               and kk != "gemv_us")
+        for r in result["rows"]))
+
+
 def shapes_8b():
     return [s for s in bn.qwen3_shapes() if s[0].startswith("Qwen3-8B")]
 
@@ -68,7 +228,14 @@ def main(argv=None):
     ap.add_argument("--gemm", default="all", help="comma-separated GemvConfig names, 'all' or 'none'")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new (shape, M) after this many seconds")
+    ap.add_argument("--small-m", action="store_true", help="the small-M (GEMV) comparison, see the module doc")
+    ap.add_argument("--gemv", default=GEMV_BEST, help="--small-m: CUDA GemvConfig names, or 'none'")
+    ap.add_argument("--pallas-small", default="auto", help="--small-m: 'auto' or 'tile_k:stages:split_k,...'")
     args = ap.parse_args(argv)
+    if args.small_m:
+        if jax.devices()[0].platform != "gpu":
+            sys.exit("bench_nvfp4_pallas needs a GPU")
+        return main_small_m(args, argv)
 
     start = time.time()
     dev = jax.devices()[0]

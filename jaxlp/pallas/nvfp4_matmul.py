@@ -11,6 +11,11 @@ memory; each of two consumer warpgroups loads its codes into registers, decodes 
 and feeds them as WGMMA's register A operand, with the activations (K-major) as the shared-memory B
 operand. A third warpgroup issues the copies (``emit_pipeline_warp_specialized``).
 
+Small M (GEMV, M <= 8-32): ``tile_m`` 8, 16 or 32 (WGMMA N), ``tile_k`` up to 256 with deeper
+pipelines (the activation tile is tiny), and ``split_k``: the persistent loop runs ``split_k``
+work items per output tile, each over K / split_k, writing FP32 partials ``[split_k, N, M]``
+(the accumulator's layout, no transposed store) that one XLA reduction sums and scales.
+
 Exact decode (every product ``e2m1 * e4m3`` has at most 6 significant bits, so it is exact in BF16):
 
 - nibble ``n`` -> BF16 bits ``((n & 8) << 12) | ((n & 7) << 6)``, the value ``e2m1(n) * 2**-126``
@@ -45,6 +50,7 @@ SCALE_EXP_SHIFT = 119  # the block scale enters as e4m3(s) * 2**119
 OUTPUT_FACTOR = 2.0 ** (DECODE_EXP_SHIFT - SCALE_EXP_SHIFT)  # 2**7, restored in the epilogue
 _WGMMA_ROWS = 64
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA can use
+SMALL_TILE_M = (8, 16, 32)  # WGMMA N below 64: the small-M (GEMV) tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +58,17 @@ class MatmulConfig:
     """Tiling of :func:`nvfp4_matmul`.
 
     tile_n: weight rows per consumer warpgroup (WGMMA M; a multiple of 64).
-    tile_m: tokens per consumer warpgroup (WGMMA N; 64, 128, 192 or 256).
-    tile_k: K per pipeline step (64 or 128).
+    tile_m: tokens per consumer warpgroup (WGMMA N; 8, 16, 32 (small M: GEMV), 64, 128, 192 or 256).
+    tile_k: K per pipeline step (64, 128 or 256).
     stages: pipeline depth (shared-memory buffers per operand).
     wg_split: how the two consumer warpgroups share the CTA tile: ``"n"`` (each its own weight
         rows, both the same tokens: CTA tile ``tile_m x 2*tile_n``) or ``"m"`` (the same weight
         rows, each its own tokens: CTA tile ``2*tile_m x tile_n``).
     grid_minor: ``"m"`` or ``"n"``: the tile dimension that varies fastest in the persistent
         loop; grid_tile_width: width of the snake over the other dimension (L2 reuse).
+    split_k: K is split into this many equal parts, each a work item of the persistent loop (more
+        items than output tiles at small M: 96 tiles of 128 rows leave SMs idle); each part writes
+        FP32 partial sums ``[split_k, N, M]`` that one XLA reduction adds (then ``* 2**7 g``, BF16).
     """
 
     tile_n: int = 64
@@ -69,14 +78,17 @@ class MatmulConfig:
     wg_split: str = "n"
     grid_minor: str = "m"
     grid_tile_width: int = 8
+    split_k: int = 1
 
     def __post_init__(self):
         if self.tile_n % _WGMMA_ROWS or not 64 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be 64, 128, 192 or 256, got {self.tile_n}")
-        if self.tile_m % 64 or not 64 <= self.tile_m <= 256:
-            raise ValueError(f"tile_m must be 64, 128, 192 or 256, got {self.tile_m}")
-        if self.tile_k not in (64, 128):
-            raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
+        if self.tile_m not in SMALL_TILE_M and (self.tile_m % 64 or not 64 <= self.tile_m <= 256):
+            raise ValueError(f"tile_m must be 8, 16, 32, 64, 128, 192 or 256, got {self.tile_m}")
+        if self.tile_k not in (64, 128, 256):
+            raise ValueError(f"tile_k must be 64, 128 or 256, got {self.tile_k}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
         if not 2 <= self.stages <= 8:
             raise ValueError(f"stages must be in [2, 8], got {self.stages}")
         if self.wg_split not in ("n", "m"):
@@ -97,13 +109,14 @@ class MatmulConfig:
     @property
     def name(self) -> str:
         return (f"N{self.tile_n}M{self.tile_m}K{self.tile_k}S{self.stages}{self.wg_split}"
-                f"{self.grid_minor}{self.grid_tile_width}")
+                f"{self.grid_minor}{self.grid_tile_width}" + (f"x{self.split_k}" if self.split_k > 1 else ""))
 
     def smem_bytes(self) -> int:
         """Shared memory: pipeline buffers plus the output tile."""
         per_stage = self.cta_tile_n * self.tile_k // 2 + self.cta_tile_n * self.tile_k // 16
         per_stage += self.cta_tile_m * self.tile_k * 2
-        return self.stages * per_stage + self.cta_tile_m * self.cta_tile_n * 2
+        out_bytes = 4 if self.split_k > 1 else 2
+        return self.stages * per_stage + self.cta_tile_m * self.cta_tile_n * out_bytes
 
 
 def default_config(m: int) -> MatmulConfig:
@@ -111,6 +124,24 @@ def default_config(m: int) -> MatmulConfig:
     if m <= 256:
         return MatmulConfig(tile_n=64, tile_m=128, tile_k=128, stages=3)
     return MatmulConfig(tile_n=64, tile_m=256, tile_k=64, stages=4)
+
+
+def gemv_config(n: int, k: int, *, tile_m: int = 8, tile_n: int = 64, tile_k: int = 256, stages: int = 8,
+                num_sms: int = 132, item_overhead_steps: float = 2.0) -> MatmulConfig:
+    """A small-M configuration for ``[N, K]`` weights: ``split_k`` chosen to balance the persistent
+    loop over ``num_sms`` (a divisor of the K steps minimising ``rounds * (steps per item +
+    item_overhead_steps)``, rounds = ceil(items / SMs): the pipeline refills at every item)."""
+    base = MatmulConfig(tile_n=tile_n, tile_m=tile_m, tile_k=tile_k, stages=stages)
+    tiles = -(-n // base.cta_tile_n)
+    steps = -(-k // tile_k)
+    best = None
+    for s in range(1, steps + 1):
+        if steps % s:
+            continue
+        cost = -(-tiles * s // num_sms) * (steps // s + item_overhead_steps)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, s)
+    return dataclasses.replace(base, split_k=best[1])
 
 
 # --- The decode arithmetic, in jnp (the specification the kernel's PTX follows). ---------------
@@ -306,14 +337,19 @@ def _pallas_call(codes, scales_t, x, g, *, config: MatmulConfig, num_sms: int):
     cfg = config
     tn, tm, tk = cfg.tile_n, cfg.tile_m, cfg.tile_k
     ctn, ctm = cfg.cta_tile_n, cfg.cta_tile_m
-    m_iters, n_iters, k_iters = m // ctm, n // ctn, k // tk
+    splits = cfg.split_k
+    k_len = k // splits  # K per work item
+    m_iters, n_iters, k_iters = m // ctm, n // ctn, k_len // tk
+    out_dtype = jnp.float32 if splits > 1 else jnp.bfloat16
+    out_bits = jnp.finfo(out_dtype).bits
 
     q_swizzle = plgpu.find_swizzle(tk * 4, "codes")
     x_swizzle = plgpu.find_swizzle(tk * 16, "activations")
-    out_swizzle = plgpu.find_swizzle(tn * 16, "output")
+    # Split K: FP32 partials stored as in the accumulator, [split_k, N, M] (no transposed store).
+    out_swizzle = plgpu.find_swizzle((tm if splits > 1 else tn) * out_bits, "output")
     q_transforms = (plgpu.TilingTransform((8, q_swizzle * 2)), plgpu.SwizzleTransform(q_swizzle))
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
 
     decode = plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType()),
@@ -353,10 +389,13 @@ def _pallas_call(codes, scales_t, x, g, *, config: MatmulConfig, num_sms: int):
         def _scope(allocs):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            @plgpu.nd_loop((splits * m_iters * n_iters,), collective_axes="sm")
             def _tiles(info):
-                (lin,) = info.index
+                (item,) = info.index
+                ks, lin = item // (m_iters * n_iters), item % (m_iters * n_iters)
                 mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), grid_minor, cfg.grid_tile_width)
+                k_part = pl.ds(ks * k_len, k_len)
+                k_tiles = pl.ds(ks * (k_len // 64), k_len // 64)
                 cta_m = pl.ds(mi * ctm, ctm)
                 cta_n = pl.ds(ni * ctn, ctn)
                 cta_slabs = pl.ds(ni * (ctn // 64), ctn // 64)
@@ -368,12 +407,20 @@ def _pallas_call(codes, scales_t, x, g, *, config: MatmulConfig, num_sms: int):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
                     def _acc(acc_ref):
                         eval_pipeline(acc_ref)
-                        g = g_gmem[0]
-                        y = (acc_ref[...] * g).astype(jnp.bfloat16)
+                        if splits > 1:  # FP32 partial sums; the scale comes after the reduction
+                            y = acc_ref[...]
+                            y_dst = y_gmem.at[ks].at[cta_n, cta_m].at[wg_n, wg_m]
+                        else:
+                            g = g_gmem[0] * OUTPUT_FACTOR  # exact (a power of two)
+                            y = (acc_ref[...] * g).astype(jnp.bfloat16)
+                            y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem.at[wg].T[...] = y
+                        if splits > 1:
+                            out_smem.at[wg][...] = y
+                        else:
+                            out_smem.at[wg].T[...] = y
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg], y_gmem.at[cta_m, cta_n].at[wg_m, wg_n])
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg], y_dst)
 
                 def mma_body(_, q_smem, s_smem, x_smem, acc_ref):
                     q4 = plgpu.layout_cast(q_smem.at[wg_n][...], plgpu.Layout.WGMMA_UPCAST_4X)
@@ -383,25 +430,37 @@ def _pallas_call(codes, scales_t, x, g, *, config: MatmulConfig, num_sms: int):
                     return acc_ref
 
                 get_pipeline(mma_body, compute_context)(
-                    q_gmem.at[cta_n, :], s_gmem.at[:, cta_slabs], x_gmem.at[cta_m, :], allocations=allocs)
+                    q_gmem.at[cta_n, k_part], s_gmem.at[k_tiles, cta_slabs], x_gmem.at[cta_m, k_part],
+                    allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     f = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        out_type=jax.ShapeDtypeStruct(((splits, n, m) if splits > 1 else (m, n)), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=dict(out_smem=plgpu.SMEM((2, tm, tn), jnp.bfloat16, transforms=out_transforms)),
+        scratch_types=dict(out_smem=plgpu.SMEM((2, tn, tm) if splits > 1 else (2, tm, tn), out_dtype,
+                                               transforms=out_transforms)),
     )
     return f(codes, scales_t, x, g)
 
 
+def padded_shape(config: MatmulConfig, m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(M', N', K'): the shape the kernel runs (multiples of the CTA tile; K' of tile_k * split_k)."""
+    return (_round_up(m, config.cta_tile_m), _round_up(n, config.cta_tile_n),
+            _round_up(k, config.tile_k * config.split_k))
+
+
+# One jit per (shapes, config): a model's many call sites share one lowered kernel (lowering the
+# Mosaic GPU kernel at every call site cost ~0.16 s of Python and ~0.14 MB of StableHLO each).
+@functools.partial(jax.jit, static_argnames=("config", "num_sms"))
 def nvfp4_matmul(x: jax.Array, w: NVFP4Array, *, act_tensor_scale: jax.Array | None = None,
-                 config: MatmulConfig | None = None, num_sms: int | None = None) -> jax.Array:
+                 config: MatmulConfig | None = None, num_sms: int | None = None,
+                 operands: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """``x [M, K] @ dequant(w).T`` on Hopper tensor cores; BF16 in and out, FP32 sums, one rounding.
 
     act_tensor_scale: W4A4's ``g_x``: ``x`` then holds the NVFP4-decoded activations ``e2m1 * e4m3``
@@ -409,7 +468,9 @@ def nvfp4_matmul(x: jax.Array, w: NVFP4Array, *, act_tensor_scale: jax.Array | N
     Any M; N and K (a multiple of 16, as NVFP4 requires) are padded to the CTA tile when they
     are not multiples of it (a copy of the weights per call: pick tiles that divide the shape).
     config: tiling (default :func:`default_config` of M); num_sms: persistent CTAs (default: the
-    device's SM count).
+    device's SM count). operands: ``kernel_operands(w, *padded_shape(config, M, N, K)[1:])``
+    computed once ahead (the weights' kernel layout, as a loader would store it): saves the
+    per-call int4 view and scale permutation (an XLA op over the scales, ~2 us at M = 1).
     """
     _check(x, w)
     cfg = config or default_config(x.shape[0])
@@ -418,11 +479,19 @@ def nvfp4_matmul(x: jax.Array, w: NVFP4Array, *, act_tensor_scale: jax.Array | N
                          f"(> {SMEM_LIMIT}): fewer stages or smaller tiles")
     m, k = x.shape
     n = w.shape[0]
-    m_pad, n_pad, k_pad = _round_up(m, cfg.cta_tile_m), _round_up(n, cfg.cta_tile_n), _round_up(k, cfg.tile_k)
-    codes, scales_t = kernel_operands(w, n_pad, k_pad)
+    m_pad, n_pad, k_pad = padded_shape(cfg, m, n, k)
+    if operands is None:
+        codes, scales_t = kernel_operands(w, n_pad, k_pad)
+    else:
+        codes, scales_t = operands
+        if codes.shape != (n_pad, k_pad) or scales_t.shape != (k_pad // 64, n_pad // 64, 256):
+            raise ValueError(f"nvfp4_matmul: operands {codes.shape}, {scales_t.shape} are not "
+                             f"kernel_operands(w, {n_pad}, {k_pad}) (padded_shape of {cfg.name})")
     xp = x if (m_pad, k_pad) == (m, k) else jnp.pad(x, ((0, m_pad - m), (0, k_pad - k)))
-    g = w.tensor_scale.astype(jnp.float32) * jnp.float32(OUTPUT_FACTOR)
+    g = w.tensor_scale.astype(jnp.float32)  # the kernel multiplies by 2**7 (no XLA op per call)
     if act_tensor_scale is not None:
         g = g * jnp.asarray(act_tensor_scale, jnp.float32).reshape(())
     y = _pallas_call(codes, scales_t, xp, g.reshape(1), config=cfg, num_sms=num_sms or _num_sms())
-    return y if (m_pad, n_pad) == (m, n) else y[:m, :n]
+    if cfg.split_k > 1:  # FP32 partials [split_k, N', M']: one small XLA reduction, scale, one rounding
+        y = (jnp.sum(y[:, :n, :m], axis=0).T * (g * jnp.float32(OUTPUT_FACTOR))).astype(jnp.bfloat16)
+    return y if y.shape == (m, n) else y[:m, :n]

@@ -115,7 +115,8 @@ def test_reference_matches_float64():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(tile_n=96), "tile_n"), (dict(tile_m=32), "tile_m"), (dict(tile_k=32), "tile_k"),
+    (dict(tile_n=96), "tile_n"), (dict(tile_m=24), "tile_m"), (dict(tile_m=48), "tile_m"),
+    (dict(tile_k=32), "tile_k"), (dict(split_k=0), "split_k"),
     (dict(stages=1), "stages"), (dict(wg_split="k"), "wg_split"), (dict(grid_minor="x"), "grid_minor"),
     (dict(grid_tile_width=0), "grid_tile_width"),
 ])
@@ -143,7 +144,12 @@ def test_rejects_bad_inputs():
     nm.MatmulConfig(),
     nm.MatmulConfig(tile_n=128, tile_m=64, tile_k=128, stages=3, wg_split="m"),
     nm.MatmulConfig(tile_n=64, tile_m=256, grid_minor="n"),
-])
+    nm.MatmulConfig(tile_m=8),  # small M (GEMV): WGMMA N = 8, 16, 32
+    nm.MatmulConfig(tile_m=8, tile_k=256, stages=8, split_k=2),  # FP32 partials [2, N, M]
+    nm.MatmulConfig(tile_m=16, tile_k=128, stages=6, split_k=4),
+    nm.MatmulConfig(tile_n=128, tile_m=32, tile_k=256, stages=3, split_k=2),
+    nm.MatmulConfig(tile_n=128, tile_m=8, wg_split="m", split_k=2),
+], ids=lambda c: c.name)
 def test_kernel_lowers_for_cuda(config):
     """Tracing and lowering for a CUDA target runs Mosaic GPU's layout inference and our
     in-register decode (inline_mgpu) on the CPU: shape errors and unsupported layouts show here."""
@@ -154,3 +160,36 @@ def test_kernel_lowers_for_cuda(config):
     f = jax.jit(lambda x, w: nm.nvfp4_matmul(x, w, config=config, num_sms=132))
     text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_small_m_config_properties():
+    c = nm.MatmulConfig(tile_n=64, tile_m=8, tile_k=256, stages=8, split_k=4)
+    assert c.name == "N64M8K256S8nm8x4" and nm.MatmulConfig(tile_m=8).name == "N64M8K64S4nm8"
+    assert (c.cta_tile_n, c.cta_tile_m) == (128, 8)
+    # 8 stages of (128 x 256 codes, scales, 8 x 256 BF16 tokens) + the FP32 output tile.
+    assert c.smem_bytes() == 8 * (128 * 128 + 128 * 16 + 8 * 256 * 2) + 8 * 128 * 4 <= nm.SMEM_LIMIT
+    assert nm.padded_shape(c, 1, 12288, 4096) == (8, 12288, 4096)
+    assert nm.padded_shape(c, 3, 100, 1040) == (8, 128, 2048)  # K to tile_k * split_k
+
+
+def test_operands_argument_is_checked():
+    w = jax.eval_shape(nvfp4.quantize, jax.ShapeDtypeStruct((128, 256), jnp.float32))
+    x = jax.ShapeDtypeStruct((1, 256), jnp.bfloat16)
+    bad = (jax.ShapeDtypeStruct((128, 128), jnp.int4), jax.ShapeDtypeStruct((2, 2, 256), jnp.uint8))
+    with pytest.raises(ValueError, match="kernel_operands"):
+        jax.eval_shape(lambda x, w, o: nm.nvfp4_matmul(x, w, config=nm.MatmulConfig(tile_m=8), operands=o),
+                       x, w, bad)
+
+
+def test_small_m_lowers_with_prepared_operands():
+    """M = 1 with operands prepared ahead (the weights in the kernel layout): no int4 view or scale
+    permutation in the lowered module."""
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401
+
+    cfg = nm.MatmulConfig(tile_m=8, tile_k=256, stages=8, split_k=2)
+    w = jax.eval_shape(nvfp4.quantize, jax.ShapeDtypeStruct((256, 1024), jnp.float32))
+    ops = jax.eval_shape(lambda w: nm.kernel_operands(w, 256, 1024), w)
+    f = jax.jit(lambda x, w, o: nm.nvfp4_matmul(x, w, config=cfg, operands=o, num_sms=132))
+    text = f.trace(jax.ShapeDtypeStruct((1, 1024), jnp.bfloat16), w, ops).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "transpose" not in text.split("mosaic_gpu")[0]

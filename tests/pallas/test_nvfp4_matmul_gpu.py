@@ -138,3 +138,55 @@ def test_dispatch_runs_the_pallas_choice_exactly(w4a4, monkeypatch):
     xq = np.asarray(fake_quantize(x, "nvfp4", amax) if w4a4 else x.astype(jnp.float32), np.float64)
     ref = xq @ weight_f64(w).T
     assert rel(y, ref.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3
+
+
+# --- Small M (GEMV): tile_m = 8, 16, 32, deeper pipelines, split-K with FP32 partials. ---------
+
+SMALL = [
+    nm.MatmulConfig(tile_m=8),
+    nm.MatmulConfig(tile_m=8, tile_k=256, stages=6),
+    nm.MatmulConfig(tile_m=8, tile_k=256, stages=8, split_k=2),
+    nm.MatmulConfig(tile_m=8, tile_k=128, stages=6, split_k=4),
+    nm.MatmulConfig(tile_m=16, tile_k=128, stages=4, split_k=2),
+    nm.MatmulConfig(tile_n=128, tile_m=32, tile_k=128, stages=4),
+]
+SMALL_CASES = [(m, n, k, c) for c in SMALL for m, n, k in ((1, 256, 2048), (3, 384, 1024), (8, 512, 4096))]
+SMALL_CASES += [(5, 1000, 4112, SMALL[2]), (1, 320, 1040, SMALL[3])]  # N, K padded (K to tile_k * split_k)
+
+
+@pytest.mark.parametrize("m, n, k, config", SMALL_CASES, ids=[f"{m}x{n}x{k}-{c.name}" for m, n, k, c in SMALL_CASES])
+def test_small_m_matches_float64(m, n, k, config):
+    rng = np.random.default_rng(m * 13 + n + k)
+    x = rng.standard_normal((m, k)) * np.exp(rng.uniform(-2, 2, (m, 1)))
+    check(jnp.asarray(x, jnp.bfloat16), random_weight(rng, n, k), config)
+
+
+@pytest.mark.parametrize("config", [SMALL[0], SMALL[2]], ids=lambda c: c.name)
+def test_small_m_extreme_scales_and_prepared_operands(config):
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
+    w = random_weight(rng, 512, 2048, extreme=True)
+    err = check(x, w, config)
+    ops = nm.kernel_operands(w, *nm.padded_shape(config, 8, 512, 2048)[1:])
+    y = jax.jit(lambda x, w, o: nm.nvfp4_matmul(x, w, config=config, operands=o))(x, w, ops)
+    ref = np.asarray(x, np.float64) @ weight_f64(w).T
+    assert rel(np.asarray(y.astype(jnp.float32)), ref.astype(ml_dtypes.bfloat16).astype(np.float64)) == pytest.approx(err)
+
+
+@pytest.mark.parametrize("config", [SMALL[0], SMALL[2], SMALL[4]], ids=lambda c: c.name)
+def test_small_m_reads_back_every_code_exactly(config):
+    """x = 8 rows of the identity reads 8 weight columns back exactly (one nonzero term; with
+    split-K the other partials are exact zeros), for every column of two 256-k tiles."""
+    n, k = 256, 512
+    codes = (np.arange(n)[:, None] * 7 + np.arange(k)[None, :]) % 16
+    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    sweep = np.array([2.0**-9, 3 * 2.0**-9, 2.0**-7, 2.0**-6, 0.5, 1.0, 1.125, 15.0, 240.0, 448.0], np.float32)
+    sb = sweep[(np.arange(n)[:, None] + 3 * np.arange(k // 16)[None, :]) % len(sweep)]
+    w = NVFP4Array(data=jnp.asarray(data), block_scale=jnp.asarray(sb.astype(ml_dtypes.float8_e4m3fn)),
+                   tensor_scale=jnp.float32(2.0), shape=(n, k))
+    f = jax.jit(lambda x, w: nm.nvfp4_matmul(x, w, config=config))
+    eye = np.eye(k, dtype=np.float32)
+    wt = weight_f64(w).T
+    for j in range(0, k, 8):
+        y = np.asarray(f(jnp.asarray(eye[j:j + 8], jnp.bfloat16), w).astype(jnp.float32), np.float64)
+        np.testing.assert_array_equal(y, wt[j:j + 8], err_msg=f"{config.name} columns {j}..{j + 7}")
