@@ -128,19 +128,10 @@ def time_fn(fn, init_state, pool, iters: int, unroll: int, device_time: bool = F
 def gpu_busy_us(run, iters: int) -> float | None:
     """GPU kernel time per step: the sum of the durations of the device's kernels in a profiler
     trace of one call of ``run`` (host gaps between launches excluded), divided by ``iters``."""
-    import gzip
-    import tempfile
+    from bench_decode import kernel_times
 
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            jax.block_until_ready(run())
-        trace = json.load(gzip.open(next(Path(d).rglob("*perfetto_trace.json.gz"))))
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    gpu = {e["pid"] for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name"))}
-    if not gpu:
-        return None
-    return sum(e["dur"] for e in events if e.get("ph") == "X" and e.get("pid") in gpu) / iters
+    times = kernel_times(run)
+    return sum(times.values()) / iters if times else None
 
 
 def entropy_stats(pool) -> dict:

@@ -57,16 +57,21 @@ def check(x, w, config):
     return err
 
 
-def test_every_code_and_scale_is_decoded_exactly():
-    """x = I reads the decoded weights back: y[m, n] = w[n, m] * g exactly (one nonzero term, g a
-    power of two), for every code in every position of a 64-k tile and scales from 2**-9 to 448."""
-    n, k = 256, 128
+def code_sweep_weight(n: int, k: int) -> NVFP4Array:
+    """Every code in every position of each 16-row group, scales from 2**-9 to 448 (g = 2: exact)."""
     codes = (np.arange(n)[:, None] * 7 + np.arange(k)[None, :]) % 16
     data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     sweep = np.array([2.0**-9, 3 * 2.0**-9, 2.0**-7, 2.0**-6, 0.5, 1.0, 1.125, 15.0, 240.0, 448.0], np.float32)
     sb = sweep[(np.arange(n)[:, None] + 3 * np.arange(k // 16)[None, :]) % len(sweep)]
-    w = NVFP4Array(data=jnp.asarray(data), block_scale=jnp.asarray(sb.astype(ml_dtypes.float8_e4m3fn)),
-                   tensor_scale=jnp.float32(2.0), shape=(n, k))
+    return NVFP4Array(data=jnp.asarray(data), block_scale=jnp.asarray(sb.astype(ml_dtypes.float8_e4m3fn)),
+                      tensor_scale=jnp.float32(2.0), shape=(n, k))
+
+
+def test_every_code_and_scale_is_decoded_exactly():
+    """x = I reads the decoded weights back: y[m, n] = w[n, m] * g exactly (one nonzero term, g a
+    power of two), for every code in every position of a 64-k tile and scales from 2**-9 to 448."""
+    w = code_sweep_weight(256, 128)
+    k = w.shape[1]
     x = jnp.eye(k, dtype=jnp.bfloat16)
     for config in (nm.MatmulConfig(), nm.MatmulConfig(tile_n=128, tile_k=128, wg_split="m", tile_m=64)):
         y = np.asarray(nm.nvfp4_matmul(x, w, config=config).astype(jnp.float32), np.float64)
@@ -177,13 +182,8 @@ def test_small_m_extreme_scales_and_prepared_operands(config):
 def test_small_m_reads_back_every_code_exactly(config):
     """x = 8 rows of the identity reads 8 weight columns back exactly (one nonzero term; with
     split-K the other partials are exact zeros), for every column of two 256-k tiles."""
-    n, k = 256, 512
-    codes = (np.arange(n)[:, None] * 7 + np.arange(k)[None, :]) % 16
-    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
-    sweep = np.array([2.0**-9, 3 * 2.0**-9, 2.0**-7, 2.0**-6, 0.5, 1.0, 1.125, 15.0, 240.0, 448.0], np.float32)
-    sb = sweep[(np.arange(n)[:, None] + 3 * np.arange(k // 16)[None, :]) % len(sweep)]
-    w = NVFP4Array(data=jnp.asarray(data), block_scale=jnp.asarray(sb.astype(ml_dtypes.float8_e4m3fn)),
-                   tensor_scale=jnp.float32(2.0), shape=(n, k))
+    w = code_sweep_weight(256, 512)
+    k = w.shape[1]
     f = jax.jit(lambda x, w: nm.nvfp4_matmul(x, w, config=config))
     eye = np.eye(k, dtype=np.float32)
     wt = weight_f64(w).T
