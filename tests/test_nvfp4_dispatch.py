@@ -249,8 +249,9 @@ def test_pallas_choice_and_fallback_ranges():
     assert dispatch.plan(32, 4096, 4096, "w4a16", alone) is None
     assert isinstance(dispatch.plan(100000, 4096, 4096, "w4a16", alone), pallas_nvfp4.MatmulConfig)
     # The table form round-trips.
-    cfg = pallas_nvfp4.MatmulConfig(tile_n=64, tile_m=256, tile_k=64, stages=4)
-    assert dispatch._choice_config(dispatch.config_choice(cfg)) == cfg
+    for cfg in (pallas_nvfp4.MatmulConfig(tile_n=64, tile_m=256, tile_k=64, stages=4),
+                pallas_nvfp4.MatmulConfig(tile_m=8, tile_k=256, stages=8, split_k=4)):
+        assert dispatch._choice_config(dispatch.config_choice(cfg)) == cfg
     with pytest.raises(ValueError, match="tile_k"):
         dispatch._choice_config({"kernel": "pallas", "tile_k": 96})
 

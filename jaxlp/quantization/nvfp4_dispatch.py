@@ -201,7 +201,7 @@ def _nearest(entries: list[dict], n: int, k: int) -> dict | None:
 DEFAULT_RULE = [[16, {"rows_per_warp": 1, "k_split": 8}], [128, XLA]]
 
 
-PALLAS_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "wg_split", "grid_minor", "grid_tile_width")
+PALLAS_FIELDS = ("tile_n", "tile_m", "tile_k", "stages", "wg_split", "grid_minor", "grid_tile_width", "split_k")
 
 
 def _choice_config(choice) -> ffi_nvfp4.GemvConfig | pallas_nvfp4.MatmulConfig | None:
@@ -273,7 +273,8 @@ def plan(m: int, n: int, k: int, mode: str, table: dict | None = None
 # QuantizedLinear hooks
 
 
-def nvfp4_matmul(layer, x: jax.Array, *, config: ffi_nvfp4.GemvConfig | None = None, force: str | None = None):
+def nvfp4_matmul(layer, x: jax.Array, *, config: ffi_nvfp4.GemvConfig | pallas_nvfp4.MatmulConfig | None = None,
+                 force: str | None = None):
     """The product of a QuantizedLinear with NVFP4 weights (``out_scale`` applied, no bias).
 
     force: ``"gemv"`` or ``"xla"`` to bypass the table (benchmarks); config overrides the table's
