@@ -68,6 +68,11 @@ SMALL_SHAPES = ("Qwen3-8B gate_up", "Qwen3-8B down", "Qwen3-32B gate_up", "Qwen3
 GEMV_BEST = "R1KS8A2,R2KS8,P2C1,H1C2S2,H2C1S2"
 
 
+def print_check(title: str, check: dict) -> None:
+    print(f"# check {title}: " + ", ".join(f"{kk} {v:.2e}" if isinstance(v, float) else f"{kk} {v}"
+                                          for kk, v in check.items() if kk not in ("shape", "m")), flush=True)
+
+
 def small_m_pallas(n, k, spec):
     """Pallas candidates for an [N, K] GEMV: 'auto' = gemv_config with tile_k 256, 128 and a lower
     per-item overhead (more splits), deduplicated; or comma-separated MatmulConfig-like names
@@ -141,9 +146,7 @@ def main_small_m(args, argv):
             y = ffi_nvfp4.nvfp4_gemv(x, sh.q[0], config=cfg)
             check[f"gemv_{cfg.name}"] = bn.rel_err(np.asarray(y.astype(jnp.float32)), ref)
         result["checks"].append(check)
-        print(f"# check {name} (M = 8, rel. err. vs float64): " + ", ".join(
-            f"{kk} {v:.2e}" if isinstance(v, float) else f"{kk} {v}" for kk, v in check.items()
-            if kk not in ("shape", "m")), flush=True)
+        print_check(f"{name} (M = 8, rel. err. vs float64)", check)
         nbytes = bn.nvfp4_bytes(n, k)
         for m in ms:
             if time.time() - start > args.budget_s:
@@ -288,8 +291,7 @@ def main(argv=None):
             y = ffi_nvfp4.nvfp4_gemv(x, sh.q[0], config=gemm[0])
             check[f"gemm_{gemm[0].name}"] = bn.rel_err(y.astype(jnp.float32), ref)
         result["checks"].append(check)
-        print(f"# check {name}: " + ", ".join(f"{kk} {v:.2e}" if isinstance(v, float) else f"{kk} {v}"
-                                             for kk, v in check.items() if kk not in ("shape", "m")), flush=True)
+        print_check(name, check)
 
         for m in ms:
             if time.time() - start > args.budget_s:
