@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlp.ffi import build
+from jaxlp.sampling.base import inverse_temperature
 
 ENTROPY_TARGET = "jaxlp_entropy_max"
 SAMPLE_TARGET = "jaxlp_sample"
@@ -41,7 +42,6 @@ MAX_CLUSTER = 16  # CTAs per row where the device allows it (kMaxCluster)
 PORTABLE_CLUSTER = 8  # elsewhere (kPortableCluster)
 MAX_CHUNK = 48 * 1024  # floats of a row per CTA (kMaxChunk)
 MAX_VOCAB = PORTABLE_CLUSTER * MAX_CHUNK
-GREEDY_TEMPERATURE = 1e-6
 
 
 def layout(vocab: int, max_cluster: int = MAX_CLUSTER) -> tuple[int, int]:
@@ -84,9 +84,8 @@ def entropy_and_max(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _temperature_inputs(temperature, shape):
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), shape)
-    greedy = temperature <= GREEDY_TEMPERATURE
-    # The scale is computed here, by XLA, exactly as the reference computes it.
-    return temperature, jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature))
+    # The scale is computed here, by XLA, as the reference computes it.
+    return temperature, inverse_temperature(temperature)
 
 
 def _check_words(key_words):

@@ -328,6 +328,13 @@ def filter_logits(
     return jnp.where(keep.reshape(shape), logits, neg_inf)
 
 
+def inverse_temperature(temperature: jax.Array) -> jax.Array:
+    """``1 / T`` per row, 1 for greedy rows (``T <= GREEDY_TEMPERATURE``): the scale both
+    implementations multiply the logits by (the kernels take it from here, so it is bit-identical)."""
+    greedy = temperature <= GREEDY_TEMPERATURE
+    return jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature))
+
+
 def sample_with_temperature(
     logits: jax.Array,
     temperature: jax.Array,
@@ -363,7 +370,7 @@ def sample_with_temperature(
         from jaxlp.ffi import sampling as kernels
 
         return kernels.sample(logits, temperature, words, top_p=top_p, min_p=min_p)
-    inv_t = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature))
+    inv_t = inverse_temperature(temperature)
     y = logits * inv_t[:, None]
     if row_max is None:
         row_max = jnp.max(logits, axis=-1)
