@@ -222,31 +222,30 @@ def test_small_m_variant_lowers_with_its_attributes(cfg):
 
 
 PALLAS_CHOICE = {"kernel": "pallas", "tile_n": 64, "tile_m": 128, "tile_k": 128, "stages": 3}
-FALLBACK_TABLE = {
+PALLAS_TABLE = {
     "fallback": "NVIDIA H200",
     "devices": {
         "NVIDIA H200": {"shapes": [
             {"n": 4096, "k": 4096, "w4a16": [[8, {"rows_per_warp": 2, "k_split": 4}], [64, {"kernel": "gemm"}],
                                              [512, "xla"]]}]},
         "NVIDIA H100 80GB HBM3": {"shapes": [
-            {"n": 4096, "k": 4096, "w4a16": [[8, {"rows_per_warp": 1, "k_split": 8}], [64, "fallback"],
+            {"n": 4096, "k": 4096, "w4a16": [[8, {"rows_per_warp": 1, "k_split": 8}], [64, {"kernel": "gemm"}],
                                              [128, PALLAS_CHOICE], [512, "xla"], [2048, PALLAS_CHOICE]]}]},
     },
 }
 
 
-def test_pallas_choice_and_fallback_ranges():
-    h100 = dispatch.device_table(FALLBACK_TABLE, "NVIDIA H100 80GB HBM3")
+def test_pallas_choices():
+    h100 = dispatch.device_table(PALLAS_TABLE, "NVIDIA H100 80GB HBM3")
     p = lambda m: dispatch.plan(m, 4096, 4096, "w4a16", h100)  # noqa: E731
     assert p(8) == ffi_nvfp4.GemvConfig(1, 8)
-    assert p(9) == p(64) == ffi_nvfp4.GemvConfig(kernel="gemm")  # "fallback": the H200's choice
+    assert p(9) == p(64) == ffi_nvfp4.GemvConfig(kernel="gemm")
     assert p(65) == p(128) == pallas_nvfp4.MatmulConfig(tile_n=64, tile_m=128, tile_k=128, stages=3)
     assert p(129) is None and p(512) is None
     assert isinstance(p(2048), pallas_nvfp4.MatmulConfig)
     assert p(4096) is None  # above this GPU's measurements: the fallback GPU's choice (XLA there)
-    # Without a fallback GPU, "fallback" means XLA and a tensor-core kernel is kept above the largest M.
-    alone = {"shapes": FALLBACK_TABLE["devices"]["NVIDIA H100 80GB HBM3"]["shapes"]}
-    assert dispatch.plan(32, 4096, 4096, "w4a16", alone) is None
+    # Without a fallback GPU a tensor-core kernel is kept above the largest M.
+    alone = {"shapes": PALLAS_TABLE["devices"]["NVIDIA H100 80GB HBM3"]["shapes"]}
     assert isinstance(dispatch.plan(100000, 4096, 4096, "w4a16", alone), pallas_nvfp4.MatmulConfig)
     # The table form round-trips.
     for cfg in (pallas_nvfp4.MatmulConfig(tile_n=64, tile_m=256, tile_k=64, stages=4),

@@ -30,9 +30,7 @@ first); an M above every M benchmarked in the running GPU's entry (for that shap
 fallback GPU's choice. For an M
 between benchmarked values the next larger one decides; above the largest, the GEMM or the Pallas
 matmul if it won there (its cost grows with M like the dot's), else XLA; a shape not in the table
-uses the nearest benchmarked shape (by ``|log N - log N'| + |log K - log K'|``). The choice
-``"fallback"`` at some M (for the M range up to it) defers to the fallback GPU's table: a range
-this GPU's sweep did not measure.
+uses the nearest benchmarked shape (by ``|log N - log N'| + |log K - log K'|``).
 """
 
 from __future__ import annotations
@@ -55,7 +53,6 @@ IMPLEMENTATION = "nvfp4_cuda"
 TABLE_PATH = Path(__file__).resolve().parents[1] / "ffi" / "nvfp4_dispatch.json"
 ACTIVATIONS = (None, "nvfp4")
 XLA = "xla"
-FALLBACK = "fallback"  # a table choice: this M range was not measured here, use the fallback GPU's entry
 TENSOR_CORE_KERNELS = ("gemm", "pallas")  # costs that grow with M like the dot's: kept above the largest M
 
 
@@ -261,8 +258,6 @@ def plan(m: int, n: int, k: int, mode: str, table: dict | None = None
         last = rule[-1][1] if rule else XLA
         if isinstance(last, dict) and last.get("kernel") in TENSOR_CORE_KERNELS:
             choice = last
-    if choice == FALLBACK:
-        return plan(m, n, k, mode, table["beyond"]) if "beyond" in table else None
     cfg = _choice_config(choice)
     if isinstance(cfg, ffi_nvfp4.GemvConfig) and cfg.kernel != "gemm" and m > ffi_nvfp4.MAX_M:
         return None
