@@ -15,7 +15,7 @@ Four kernels (``GemvConfig.kernel``), all exact products with FP32 sums:
 - ``"pipe16"`` (M <= 32): the ``"pipe"`` kernel's memory pipeline with the ``"regs"`` kernel's
   arithmetic (FP16 decode, 11 integer ops per 8 nibbles instead of 16, FP16 tensor cores on the
   staged FP16 activations, one staging kernel per call). Needs ``K % 64 == 0``; BF16 or FP32 ``x``.
-- Variants of ``"regs"`` and ``"pipe16"`` for M <= 8 (session 4; ``GemvConfig`` fields, name suffixes):
+- Variants of ``"regs"`` and ``"pipe16"`` for M <= 8 (session 3; ``GemvConfig`` fields, name suffixes):
   ``blocks_per_sm=3`` (``B3``, regs with R = 1: a register budget of 80 for 3 CTAs = 24 warps per
   SM instead of 2), ``accumulators=2`` (``A2``: two independent MMA chains per item instead of one
   chain of 16), ``stages=2`` (``S2``, pipe16: a 2-stage ring, 4 CTAs per SM at R = 1, 2 at R = 2).

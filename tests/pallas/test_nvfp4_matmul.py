@@ -193,3 +193,14 @@ def test_small_m_lowers_with_prepared_operands():
     text = f.trace(jax.ShapeDtypeStruct((1, 1024), jnp.bfloat16), w, ops).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "transpose" not in text.split("mosaic_gpu")[0]
+
+
+def test_gemv_config_balances_the_persistent_loop():
+    """split_k minimises rounds * (K steps per item + overhead), rounds = ceil(tiles * split / SMs)."""
+    # 12288 rows = 96 CTA tiles of 128, 16 steps of 256 k: split 1 costs 1 * 18, 4 costs 3 * 6 (a tie:
+    # the smaller split), 2 costs 2 * 10; with an overhead of 0.5 steps split 4 (3 * 4.5) wins.
+    assert nm.gemv_config(12288, 4096).split_k == 1
+    assert nm.gemv_config(12288, 4096, item_overhead_steps=0.5).split_k == 4
+    # 4096 rows = 32 tiles, 48 steps: split 4 (1 round of 12 + 2) beats 1 (50) and 8 (2 * 8).
+    c = nm.gemv_config(4096, 12288)
+    assert c.split_k == 4 and (c.tile_m, c.tile_k, c.stages) == (8, 256, 8)
