@@ -35,6 +35,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -59,8 +60,6 @@ PALLAS = {  # name -> config; the sweep
         P(tile_n=64, tile_m=256, tile_k=64, stages=4, grid_minor="n"),
     )
 }
-
-
 
 
 SMALL_MS = (1, 8)
@@ -133,7 +132,6 @@ def main_small_m(args, argv):
                 ops[n_pad, k_pad] = [prep(q) for q in sh.q]
         # Correctness spot check (M = 8) against float64 of the dequantized weights.
         x = jax.random.normal(jax.random.key(7), (8, k), jnp.bfloat16)
-        import numpy as np
         ref = np.asarray(x, np.float64) @ np.asarray(sh.q[0].dequantize(jnp.float32), np.float64).T
         check = {"shape": name, "m": 8}
         for cfg in pallas:
