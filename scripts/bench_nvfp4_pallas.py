@@ -67,6 +67,22 @@ SMALL_SHAPES = ("Qwen3-8B gate_up", "Qwen3-8B down", "Qwen3-32B gate_up", "Qwen3
 GEMV_BEST = "R1KS8A2,R2KS8,P2C1,H1C2S2,H2C1S2"
 
 
+def within_budget(ms, start: float, budget_s: float, name: str):
+    """The Ms to time, announcing those skipped once ``budget_s`` seconds have passed since ``start``."""
+    for m in ms:
+        if time.time() - start > budget_s:
+            print(f"# budget reached: skipping {name} M={m}", flush=True)
+            continue
+        yield m
+
+
+def bf16_jobs(reps: int, sh, m: int, k: int):
+    """A ``bench_nvfp4.Jobs`` holding XLA's BF16 dot (the reference column)."""
+    jobs = bn.Jobs(reps)
+    jobs.add(("bf16",), lambda x, w: x @ w.T, sh.w, m, k)
+    return jobs
+
+
 def print_check(title: str, check: dict) -> None:
     print(f"# check {title}: " + ", ".join(f"{kk} {v:.2e}" if isinstance(v, float) else f"{kk} {v}"
                                           for kk, v in check.items() if kk not in ("shape", "m")), flush=True)
@@ -146,12 +162,8 @@ def main_small_m(args, argv):
         result["checks"].append(check)
         print_check(f"{name} (M = 8, rel. err. vs float64)", check)
         nbytes = bn.nvfp4_bytes(n, k)
-        for m in ms:
-            if time.time() - start > args.budget_s:
-                print(f"# budget reached: skipping {name} M={m}", flush=True)
-                continue
-            jobs = bn.Jobs(args.reps)
-            jobs.add(("bf16",), lambda x, w: x @ w.T, sh.w, m, k)
+        for m in within_budget(ms, start, args.budget_s, name):
+            jobs = bf16_jobs(args.reps, sh, m, k)
             for cfg in gemv:
                 if cfg.unsupported(m, k, jnp.bfloat16, False) is None:
                     jobs.add(("gemv", cfg.name), lambda x, q, cfg=cfg: ffi_nvfp4.nvfp4_gemv(x, q, config=cfg), sh.q, m, k)
@@ -291,12 +303,8 @@ def main(argv=None):
         result["checks"].append(check)
         print_check(name, check)
 
-        for m in ms:
-            if time.time() - start > args.budget_s:
-                print(f"# budget reached: skipping {name} M={m}", flush=True)
-                continue
-            jobs = bn.Jobs(args.reps)
-            jobs.add(("bf16",), lambda x, w: x @ w.T, sh.w, m, k)
+        for m in within_budget(ms, start, args.budget_s, name):
+            jobs = bf16_jobs(args.reps, sh, m, k)
             jobs.add(("xla_dq",), lambda x, q: dispatch.dequantize_dot(x, q), sh.q, m, k)
             for cfg in gemm:
                 if cfg.unsupported(m, k, jnp.bfloat16, False) is None:
