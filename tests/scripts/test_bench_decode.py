@@ -53,7 +53,8 @@ def test_tiny_run_with_every_suffix(bd, tmp_path):
                       "--runs", "bf16:1:short,w4a16:1:short,w4a4-pipe:1:short,w4a4-lmhead:1:short"])
     runs = {r["format"]: r for r in result["runs"]}
     assert set(runs) == {"bf16", "w4a16", "w4a4-pipe", "w4a4-lmhead"}
-    assert all(r["ms_per_token"] > 0 for r in runs.values()) and out.is_file()
+    # Each run timed two generation lengths (the time difference of a tiny CPU model is noise, not checked).
+    assert all("ms_per_token" in r and r["steps"][1] > r["steps"][0] for r in runs.values()) and out.is_file()
     with pytest.raises(SystemExit, match="unknown run"):
         bd.main(["--tiny", "--layers", "1", "--runs", "w4a4-fast:1:short", "--out", str(out)])
     with pytest.raises(SystemExit, match="after the others"):
