@@ -7,7 +7,8 @@ NVFP4 W4A4 with the ReSET sampler when jaxlp.sampling.reset provides it. Suffixe
 (the ReSET sampler), ``-pipe`` (every "regs" GEMV choice of the table replaced by the "pipe"
 kernel: one launch per linear for W4A16), ``-lmhead`` (the lm_head quantized too, NVFP4 W4A16:
 it stays quantized for the later runs, so these runs come last).
-Batch 1 and 8, a short (128-token) and an 8K (8000-token) prompt.
+Batch 1 and 8, a short (128-token) and an 8K (8000-token) prompt. ``--fused``: every run with
+fused q/k/v and gate/up projections (one linear each, BF16 included).
 
 Time per token = difference of two generation lengths divided by their difference in steps,
 after a warm-up call, so that prefill and compilation cancel:
@@ -32,6 +33,7 @@ fusions ...) with the largest kernels by name; the sum is GPU busy time, not wal
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -232,6 +234,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip runs that start after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="a small model of the same family (smoke tests)")
     ap.add_argument("--profile", action="store_true", help="split the GPU time per token by kernel (stop method)")
+    ap.add_argument("--fused", action="store_true",
+                    help="fused q/k/v and gate/up projections (jaxlp.models.fuse_projections) in every run")
     args = ap.parse_args(argv)
 
     start = time.time()
@@ -239,11 +243,13 @@ def main(argv=None):
     if args.tiny:
         cfg_dict.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=64, vocab_size=2048)
-    config = from_hf_config(cfg_dict)
+    config = dataclasses.replace(from_hf_config(cfg_dict), fused_projections=args.fused)
     dev = jax.devices()[0]
     result = {"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "model": f"Qwen3-8B shape, {args.layers} layers, random weights", "method": args.method,
+              "model": f"Qwen3-8B shape, {args.layers} layers, random weights"
+                       + (", fused q/k/v and gate/up projections" if args.fused else ""),
+              "fused_projections": args.fused, "method": args.method,
               "n1": args.n1, "n2": args.n2, "runs": []}
     base_sampler = Categorical(temperature=0.6, top_p=0.95)
     rs = reset_sampler()

@@ -48,7 +48,7 @@ from jaxlp.quantization import nvfp4_dispatch as dispatch  # noqa: E402
 
 
 def qwen3_shapes() -> list[tuple[str, int, int]]:
-    """(name, N, K) of qkv (fused), o, gate/up (one of the two), down for Qwen3-8B/14B/32B."""
+    """(name, N, K) of qkv (fused), o, gate/up (one of the two), down for Qwen3-8B/14B/32B, then gate_up fused."""
     configs = {  # hidden, intermediate, heads, kv heads, head_dim (public HF configs)
         "Qwen3-8B": (4096, 12288, 32, 8, 128),
         "Qwen3-14B": (5120, 17408, 40, 8, 128),
@@ -62,6 +62,9 @@ def qwen3_shapes() -> list[tuple[str, int, int]]:
             (f"{name} gate_up", inter, h),
             (f"{name} down", h, inter),
         ]
+    # Appended (indices 12-14), so that the indices above stay: gate and up as one linear
+    # (jaxlp.models.fuse_projections), as the decode runs them with --fused.
+    out += [(f"{name} gate_up fused", 2 * inter, h) for name, (h, inter, *_) in configs.items()]
     return out
 
 

@@ -228,7 +228,7 @@ def summary_small_m(result):
 
 
 def shapes_8b():
-    return [s for s in bn.qwen3_shapes() if s[0].startswith("Qwen3-8B")]
+    return [s for s in bn.qwen3_shapes() if s[0].startswith("Qwen3-8B") and not s[0].endswith("fused")]
 
 
 def main(argv=None):

@@ -98,6 +98,44 @@ def quantize(x: jax.Array, fmt: str, **options) -> QuantizedArray:
     return _FORMATS[fmt][0](x, **options)
 
 
+def concatenate_rows(arrays: list[QuantizedArray]) -> QuantizedArray:
+    """Stack quantized ``[N_i, K]`` arrays of one format into ``[sum N_i, K]``, bit-exact.
+
+    Row-wise fields (leading axis ``N_i``: packed data, block or channel scales) are
+    concatenated; every other field (a tensor scale) and every format option must be equal
+    across the inputs, since one array has one of each: NVFP4 weights to be fused must share
+    their tensor scale (ModelOpt and llm-compressor export fused q/k/v and gate/up that way).
+    """
+    if not arrays:
+        raise ValueError("concatenate_rows needs at least one array")
+    first = arrays[0]
+    for a in arrays:
+        if type(a) is not type(first):
+            raise ValueError(f"cannot concatenate {first.format} with {getattr(a, 'format', type(a).__name__)}")
+        if len(a.shape) != 2 or a.shape[1] != first.shape[1]:
+            raise ValueError(f"{first.format}: concatenate_rows needs [N, K] arrays of one K, got {[x.shape for x in arrays]}")
+        options = {k: v for k, v in a.static_fields().items() if k != "shape"}
+        if options != {k: v for k, v in first.static_fields().items() if k != "shape"}:
+            raise ValueError(f"{first.format}: format options differ ({options} vs {first.static_fields()})")
+    fields = {}
+    for f in dataclasses.fields(first):
+        if f.metadata.get("static"):
+            continue
+        leaves = [getattr(a, f.name) for a in arrays]
+        if all(leaf.ndim >= 1 and leaf.shape[0] == a.shape[0] for leaf, a in zip(leaves, arrays)):
+            fields[f.name] = jnp.concatenate(leaves, axis=0)
+        elif all(leaf.shape == leaves[0].shape and bool(jnp.all(leaf == leaves[0])) for leaf in leaves):
+            fields[f.name] = leaves[0]
+        else:
+            raise ValueError(
+                f"{first.format}: field {f.name!r} is per tensor and differs between the arrays; they cannot "
+                "share one (quantize the concatenated weight instead, which gives them one tensor scale)"
+            )
+    out = dataclasses.replace(first, **fields, shape=(sum(a.shape[0] for a in arrays), first.shape[1]))
+    out.check()
+    return out
+
+
 def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
     """Reverse :func:`quantize` (up to the format's rounding) into a dense array of ``dtype``."""
     if not isinstance(q, QuantizedArray):

@@ -200,6 +200,8 @@ def fold_rpn(model, factors: Sequence) -> None:
     config = model.config
     if len(factors) != config.num_layers:
         raise ValueError(f"{len(factors)} factor sets for {config.num_layers} layers")
+    if config.fused_projections:
+        raise ValueError("fold_rpn scales q_proj and k_proj rows: fold before jaxlp.models.fuse_projections")
     if config.qk_norm and any(f is not None for f in factors):
         raise ValueError("cannot fold RPN into q_proj/k_proj of a model with q/k norms; apply it online via channel_scales")
     g = config.num_heads // config.num_kv_heads
@@ -226,6 +228,8 @@ def collect_keys(model, input_ids) -> list[tuple[np.ndarray, np.ndarray]]:
     from jaxlp.models.layers import apply_rope, rope_cos_sin
 
     c = model.config
+    if c.fused_projections:
+        raise ValueError("collect_keys needs k_proj: calibrate before jaxlp.models.fuse_projections")
     ids = jnp.asarray(input_ids)
     if ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {ids.shape}")

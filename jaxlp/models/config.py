@@ -70,6 +70,10 @@ class ModelConfig:
       query_scale: attention scores are ``q . k * query_scale``.
       layer_types: per layer ``"full_attention"`` or ``"sliding_attention"``.
       rope: per layer type, its :class:`RopeConfig` (a tuple of pairs, to stay hashable).
+
+    Layout (not architecture): ``fused_projections`` holds q/k/v as one ``qkv_proj`` and
+    gate/up as one ``gate_up_proj`` linear (rows concatenated; see
+    :func:`jaxlp.models.fuse_projections`). Hugging Face checkpoints always hold them apart.
     """
 
     model_type: str
@@ -100,6 +104,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    fused_projections: bool = False
 
     def __post_init__(self):
         if not self.layer_types:

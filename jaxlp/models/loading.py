@@ -122,6 +122,9 @@ def shard_model(model: Transformer, mesh: Mesh) -> Transformer:
             raise ValueError(f"mesh needs an axis named 'tp' (axes: {mesh.axis_names})")
         mesh = Mesh(mesh.devices, ("tp",))
     tp = mesh.shape["tp"]
+    if model.config.fused_projections and tp > 1:
+        raise ValueError("shard_model splits q/k/v and gate/up by heads and rows: shard an unfused model "
+                         "(fused qkv_proj / gate_up_proj rows cannot be split per device)")
     state = nnx.state(model)
     flat = nnx.to_flat_state(state)
     for path, var in flat:

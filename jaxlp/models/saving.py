@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlp.models.config import FULL, SLIDING, ModelConfig, from_hf_config
+from jaxlp.models.fusion import split_fused
 from jaxlp.models.loading import _hf_name
 
 _ARCHITECTURES = {
@@ -112,7 +113,7 @@ def hf_config_dict(config: ModelConfig, dtype=jnp.float32) -> dict:
             d.update(use_sliding_window=sliding, sliding_window=c.sliding_window,
                      max_window_layers=first, layer_types=list(c.layer_types))
     back = from_hf_config(d)
-    diff = _differences(c, back)
+    diff = _differences(dataclasses.replace(c, fused_projections=False), back)  # a layout, not in config.json
     if diff:
         raise ValueError(f"a {c.model_type} config.json cannot express this model: {', '.join(diff)} would change")
     return d
@@ -140,7 +141,8 @@ def _tensors(model, dtype) -> dict[str, jax.Array]:
         name = _hf_name(path)
         if not isinstance(value, jax.Array) or not jnp.issubdtype(value.dtype, jnp.floating):
             raise ValueError(f"parameter {name} is not a floating-point array (a quantized layer?)")
-        out[name] = jnp.asarray(value, dtype if dtype is not None else value.dtype)
+        for hf_name, part in split_fused(name, value, model.config).items():
+            out[hf_name] = jnp.asarray(part, dtype if dtype is not None else part.dtype)
     return out
 
 

@@ -22,13 +22,22 @@ from jaxlp.models.layers import Embedding, Linear, RMSNorm, apply_rope, rope_cos
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
+def qkv_sizes(config: ModelConfig) -> tuple[int, int, int]:
+    """Output features of q_proj, k_proj, v_proj (the row split of a fused qkv_proj)."""
+    kv = config.num_kv_heads * config.head_dim
+    return config.num_heads * config.head_dim, kv, kv
+
+
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         c = config
         self.config, self.layer = c, layer
-        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        if c.fused_projections:
+            self.qkv_proj = Linear(c.hidden_size, sum(qkv_sizes(c)), bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (
+                Linear(c.hidden_size, n, bias=c.qkv_bias, dtype=dtype, rngs=rngs) for n in qkv_sizes(c)
+            )
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias, dtype=dtype, rngs=rngs)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, offset=c.norm_offset, dtype=dtype)
@@ -37,9 +46,14 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, cache_layer):
         c = self.config
         b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, c.num_heads, c.head_dim)
-        k = self.k_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+        if c.fused_projections:
+            nq, nk, _ = qkv_sizes(c)
+            q, k, v = jnp.split(self.qkv_proj(x), [nq, nq + nk], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, s, c.num_heads, c.head_dim)
+        k = k.reshape(b, s, c.num_kv_heads, c.head_dim)
+        v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin(positions, c.rope_for(c.layer_types[self.layer]), c.head_dim, x.dtype)
@@ -57,13 +71,20 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         c = config
-        self.act = c.hidden_act
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        self.act, self.fused = c.hidden_act, c.fused_projections
+        if self.fused:
+            self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        else:
+            self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+            self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(_ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(_ACTIVATIONS[self.act](gate) * up)
 
 
 class DecoderLayer(nnx.Module):

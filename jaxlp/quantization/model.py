@@ -104,20 +104,30 @@ def _fold_norm(norm, s: jax.Array):
 
 
 def _apply_cas(model, weights: dict[str, jax.Array]) -> None:
-    """FireQ CAS on the MLPs: scale gate/up columns and down columns; fold the inverses."""
+    """FireQ CAS on the MLPs: scale gate/up columns and down columns; fold the inverses.
+
+    With fused projections the up rows are the second half of ``gate_up_proj``."""
+    inter = model.config.intermediate_size
     for i, layer in enumerate(model.layers):
-        gate, up, down = (f"layers.{i}.mlp.{n}_proj" for n in ("gate", "up", "down"))
-        if gate in weights and up in weights:
-            s = int4_fp8.cas_scales([weights[gate], weights[up]], CAS_CONSTANTS["gate_up"])
-            weights[gate], weights[up] = weights[gate] * s, weights[up] * s
+        mlp = f"layers.{i}.mlp"
+        down = f"{mlp}.down_proj"
+        if layer.mlp.fused:
+            # (path, rows of up within it) for the up projection; gate and up are scaled together.
+            gate_up, up, up_rows, up_module = [f"{mlp}.gate_up_proj"], f"{mlp}.gate_up_proj", slice(inter, None), layer.mlp.gate_up_proj
+        else:
+            gate_up, up, up_rows, up_module = [f"{mlp}.gate_proj", f"{mlp}.up_proj"], f"{mlp}.up_proj", slice(None), layer.mlp.up_proj
+        if all(p in weights for p in gate_up):
+            s = int4_fp8.cas_scales([weights[p] for p in gate_up], CAS_CONSTANTS["gate_up"])
+            for p in gate_up:
+                weights[p] = weights[p] * s
             _fold_norm(layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm, s)
         if down in weights and up in weights:
             s = int4_fp8.cas_scales([weights[down]], CAS_CONSTANTS["down"])
             weights[down] = weights[down] * s
-            weights[up] = weights[up] / s[:, None]
-            if layer.mlp.up_proj.bias is not None:
-                b = layer.mlp.up_proj.bias
-                b.set_value((b[...].astype(jnp.float32) / s).astype(b[...].dtype))
+            weights[up] = weights[up].at[up_rows].divide(s[:, None])
+            if up_module.bias is not None:
+                b = up_module.bias[...]
+                up_module.bias.set_value(b.at[up_rows].set((b[up_rows].astype(jnp.float32) / s).astype(b.dtype)))
 
 
 def quantize_model(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-DECODER_LINEARS = r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+DECODER_LINEARS = r"layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,132 @@
+"""Fused projections: q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` per layer.
+
+    model = jaxlp.models.fuse_projections(model)        # BF16: rows concatenated, exact
+    qmodel = jaxlp.quantize_model(model, "w4a16-nvfp4")  # one NVFP4 tensor scale per fused linear
+
+At decode time every linear is one kernel launch streaming its weight; one launch over the
+concatenated rows instead of three (or two) saves the launch, ramp-up and tail of the small
+ones (Qwen3-8B's k_proj and v_proj are 2.4 MB each in NVFP4). The outputs are the same: each
+output row is the same dot product (XLA and the NVFP4 kernels may sum it in another order).
+
+Fusing works on high-precision :class:`~jaxlp.models.layers.Linear` layers (rows concatenated)
+and on quantized ones (:func:`jaxlp.formats.concatenate_rows`, bit-exact), which must then
+share every per-tensor quantity: format, tensor scale, activation quantizer and its calibrated
+amax, output scale. Quantizing a fused model gives that by construction (ModelOpt and
+llm-compressor export NVFP4 checkpoints with shared q/k/v and gate/up tensor scales, for this
+reason). ``save_pretrained`` writes fused models with the Hugging Face names (split again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlp.formats import concatenate_rows
+from jaxlp.models.layers import Linear
+from jaxlp.models.transformer import qkv_sizes
+
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def _concat_bias(parts):
+    biases = [p.bias for p in parts]
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        raise ValueError("cannot fuse linears of which only some have a bias")
+    return jnp.concatenate([b[...] for b in biases], axis=0)
+
+
+def _fuse_linears(parts: list, where: str):
+    """One module computing the concatenated outputs of ``parts`` (all Linear or all QuantizedLinear)."""
+    from jaxlp.quantization.linear import QuantizedLinear
+
+    if all(type(p) is Linear for p in parts):
+        w = jnp.concatenate([p.weight[...] for p in parts], axis=0)
+        fused = nnx.eval_shape(lambda: Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None,
+                                              dtype=w.dtype, rngs=nnx.Rngs(0)))
+        fused.weight = nnx.Param(w)
+        bias = _concat_bias(parts)
+        fused.bias = None if bias is None else nnx.Param(bias)
+        return fused
+    if not all(isinstance(p, QuantizedLinear) for p in parts):
+        kinds = sorted({type(p).__name__ for p in parts})
+        raise ValueError(f"{where}: cannot fuse a mix of {kinds} (quantize all of them or none)")
+    first = parts[0]
+    for p in parts[1:]:
+        same = (p.activation == first.activation and p.out_scale == first.out_scale and p.mode == first.mode
+                and p.implementation == first.implementation)
+        if not same:
+            raise ValueError(f"{where}: the linears differ in activation quantizer, output scale, mode or implementation")
+        amax = [None if q.act_amax is None else float(q.act_amax[...]) for q in (first, p)]
+        if amax[0] != amax[1]:
+            raise ValueError(f"{where}: the linears have different calibrated activation amax {amax}")
+    try:
+        weight = concatenate_rows([p.weight.get_value() for p in parts])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return QuantizedLinear(weight, _concat_bias(parts), activation=first.activation,
+                           act_amax=None if first.act_amax is None else first.act_amax[...],
+                           out_scale=first.out_scale, implementation=first.implementation, mode=first.mode)
+
+
+def fuse_projections(model, *, inplace: bool = False):
+    """Return ``model`` (a copy unless ``inplace``) with fused q/k/v and gate/up projections.
+
+    A model that is already fused is returned as it is. Raises ValueError naming the layer
+    when its projections cannot share one linear (see the module docstring).
+    """
+    if model.config.fused_projections:
+        return model
+    if not inplace:
+        model = nnx.clone(model)
+    config = dataclasses.replace(model.config, fused_projections=True)
+    fused = []
+    for i, layer in enumerate(model.layers):  # build everything first: a failure leaves the model as it was
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _fuse_linears([getattr(attn, n) for n in QKV], f"layers.{i}.self_attn")
+        gate_up = _fuse_linears([getattr(mlp, n) for n in GATE_UP], f"layers.{i}.mlp")
+        fused.append((qkv, gate_up))
+    for layer, (qkv, gate_up) in zip(model.layers, fused):
+        attn, mlp = layer.self_attn, layer.mlp
+        for n in QKV:
+            delattr(attn, n)
+        for n in GATE_UP:
+            delattr(mlp, n)
+        attn.qkv_proj, attn.config = qkv, config
+        mlp.gate_up_proj, mlp.fused = gate_up, True
+    model.config = config
+    report = getattr(model, "quantization", None)
+    if report is not None:
+        quantized = tuple(dict.fromkeys(fused_path(p) for p in report.quantized))
+        kept = tuple({fused_path(p): (fused_path(p), why) for p, why in report.kept}.values())
+        model.quantization = dataclasses.replace(report, quantized=quantized, kept=kept)
+    return model
+
+
+def fused_path(path: str) -> str:
+    """A layer's path after fusion: ``...q_proj`` / ``k_proj`` / ``v_proj`` -> ``...qkv_proj``, likewise gate/up."""
+    head, _, name = path.rpartition(".")
+    if name in QKV:
+        return f"{head}.qkv_proj"
+    if name in GATE_UP:
+        return f"{head}.gate_up_proj"
+    return path
+
+
+def split_fused(name: str, value, config) -> dict:
+    """Hugging Face tensors of one parameter: ``...qkv_proj.weight`` -> q/k/v rows, likewise gate/up."""
+    module, _, leaf = name.rpartition(".")
+    head, _, proj = module.rpartition(".")
+    if proj == "qkv_proj":
+        sizes, names = qkv_sizes(config), QKV
+    elif proj == "gate_up_proj":
+        sizes, names = (config.intermediate_size,) * 2, GATE_UP
+    else:
+        return {name: value}
+    bounds = [int(b) for b in np.cumsum(sizes)[:-1]]
+    return {f"{head}.{n}.{leaf}": part for n, part in zip(names, jnp.split(value, bounds, axis=0))}

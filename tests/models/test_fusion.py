@@ -1,0 +1,177 @@
+"""fuse_projections: one qkv_proj and one gate_up_proj per layer, the same model function."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxlp
+from jaxlp import formats
+from jaxlp.formats import nvfp4
+from jaxlp.models import ModelConfig, Transformer, fuse_projections
+from jaxlp.quantization import quantize_model, save_quantized
+from jaxlp.quantization.recipes import get_recipe
+
+CONFIGS = {
+    "qwen3": ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True),
+    "qwen2_bias": ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=128, intermediate_size=256,
+                              num_layers=2, num_heads=4, num_kv_heads=1, head_dim=32, qkv_bias=True, mlp_bias=True),
+    "gemma3": ModelConfig(model_type="gemma3_text", vocab_size=128, hidden_size=128, intermediate_size=256,
+                          num_layers=2, num_heads=4, num_kv_heads=1, head_dim=32, qk_norm=True, norm_offset=True,
+                          sandwich_norm=True, hidden_act="gelu_pytorch_tanh", embed_scale=128**0.5),
+}
+
+
+def _random(config, seed, dtype=jnp.float32):
+    """Every parameter random (biases too), so a row put in the wrong place cannot go unnoticed."""
+    model = Transformer(config, dtype=dtype, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    flat = nnx.to_flat_state(nnx.state(model))
+    for _, var in flat:
+        v = var.get_value()
+        var.set_value(jnp.asarray(0.5 + 0.1 * rng.standard_normal(v.shape) if v.ndim == 1 else
+                                  0.1 * rng.standard_normal(v.shape), dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
+    return model
+
+
+def _ids(seed, shape=(2, 9)):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 128, shape))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_model_computes_the_same_logits(name):
+    model = _random(CONFIGS[name], seed=3)
+    fused = fuse_projections(model)
+    assert fused.config.fused_projections and not model.config.fused_projections  # a copy by default
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    assert not hasattr(attn, "q_proj") and not hasattr(mlp, "gate_proj")
+    nq, nkv = CONFIGS[name].num_heads * 32, CONFIGS[name].num_kv_heads * 32
+    assert attn.qkv_proj.weight.shape == (nq + 2 * nkv, 128) and mlp.gate_up_proj.weight.shape == (512, 128)
+    np.testing.assert_array_equal(np.asarray(attn.qkv_proj.weight[...][nq : nq + nkv]),
+                                  np.asarray(model.layers[0].self_attn.k_proj.weight[...]))
+    ids = _ids(1)
+    np.testing.assert_allclose(np.asarray(fused(ids)), np.asarray(model(ids)), rtol=1e-5, atol=1e-5)
+    assert fuse_projections(fused) is fused
+
+
+def test_fused_generation_gives_the_same_tokens():
+    model = _random(CONFIGS["qwen3"], seed=5, dtype=jnp.bfloat16)
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    a = jaxlp.generate(model, prompts, max_new_tokens=6, stop_tokens=[])
+    b = jaxlp.generate(fuse_projections(model), prompts, max_new_tokens=6, stop_tokens=[])
+    assert [list(t) for t in a.tokens] == [list(t) for t in b.tokens]
+
+
+def test_quantizing_a_fused_model_shares_the_nvfp4_tensor_scale():
+    """Fuse then quantize == quantize q, k, v with one tensor scale (amax over the three), as ModelOpt exports."""
+    model = _random(CONFIGS["qwen3"], seed=7)
+    q = quantize_model(fuse_projections(model), "w4a16-nvfp4")
+    assert "layers.1.self_attn.qkv_proj" in q.quantization.quantized
+    attn = model.layers[1].self_attn
+    parts = [attn.q_proj.weight[...], attn.k_proj.weight[...], attn.v_proj.weight[...]]
+    amax = max(float(jnp.max(jnp.abs(w))) for w in parts)
+    expected = formats.concatenate_rows([nvfp4.quantize(w, amax=amax) for w in parts])
+    got = q.layers[1].self_attn.qkv_proj.weight.get_value()
+    for field in ("data", "block_scale", "tensor_scale"):
+        np.testing.assert_array_equal(np.atleast_1d(np.asarray(getattr(got, field))).view(np.uint8),
+                                      np.atleast_1d(np.asarray(getattr(expected, field))).view(np.uint8))
+
+
+@pytest.mark.parametrize("recipe", ["w4a16-mxfp4", "w8a16-fp8", "w4a4-dialect"])
+def test_fusing_a_quantized_model_is_exact(recipe):
+    """Formats without a tensor scale fuse after quantization: the same codes, the same logits."""
+    model = _random(CONFIGS["qwen2_bias"], seed=11)
+    q = quantize_model(model, recipe, calibration=np.arange(32).reshape(2, 16))
+    fused = fuse_projections(q)
+    expected = {f"layers.{i}.{p}" for i in range(2)
+                for p in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    assert set(fused.quantization.quantized) == expected and len(fused.quantization.quantized) == 8
+    w = fused.layers[0].mlp.gate_up_proj.weight.get_value()
+    ref = jnp.concatenate([q.layers[0].mlp.gate_proj.weight.get_value().dequantize(),
+                           q.layers[0].mlp.up_proj.weight.get_value().dequantize()])
+    np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(ref))
+    ids = _ids(2)
+    np.testing.assert_allclose(np.asarray(fused(ids)), np.asarray(q(ids)), rtol=1e-5, atol=1e-5)
+
+
+def test_fusing_refuses_what_cannot_share_one_linear():
+    model = _random(CONFIGS["qwen3"], seed=13)
+    q = quantize_model(model, "w4a16-nvfp4")  # q, k, v quantized apart: three tensor scales
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn: nvfp4: field 'tensor_scale' is per tensor"):
+        fuse_projections(q)
+    assert hasattr(q.layers[0].self_attn, "q_proj")  # left as it was
+    mixed = quantize_model(model, get_recipe("w4a16-mxfp4").replace(exclude=r".*\.k_proj"))
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn: cannot fuse a mix"):
+        fuse_projections(mixed)
+
+
+def test_concatenate_rows_checks_its_inputs():
+    rng = np.random.default_rng(0)
+    a = nvfp4.quantize(jnp.asarray(rng.standard_normal((16, 64)), jnp.float32), amax=3.0)
+    b = nvfp4.quantize(jnp.asarray(rng.standard_normal((8, 64)), jnp.float32), amax=3.0)
+    ab = formats.concatenate_rows([a, b])
+    assert ab.shape == (24, 64)
+    np.testing.assert_array_equal(np.asarray(ab.dequantize()), np.concatenate([a.dequantize(), b.dequantize()]))
+    with pytest.raises(ValueError, match="one K"):
+        formats.concatenate_rows([a, nvfp4.quantize(jnp.ones((8, 32)), amax=3.0)])
+    with pytest.raises(ValueError, match="cannot concatenate nvfp4 with mxfp4"):
+        formats.concatenate_rows([a, formats.quantize(jnp.ones((8, 64)), "mxfp4")])
+    with pytest.raises(ValueError, match="at least one"):
+        formats.concatenate_rows([])
+
+
+def test_fused_fireq_cas_matches_the_unfused_transform():
+    """CAS scales gate/up columns together and divides the up rows: the same weights either way."""
+    from jaxlp.quantization.model import _apply_cas
+
+    model = _random(CONFIGS["qwen3"], seed=17)
+    fused = fuse_projections(model)
+    w = {f"layers.0.mlp.{n}": m.weight[...] for n, m in (("gate_proj", model.layers[0].mlp.gate_proj),
+                                                          ("up_proj", model.layers[0].mlp.up_proj),
+                                                          ("down_proj", model.layers[0].mlp.down_proj))}
+    wf = {"layers.0.mlp.gate_up_proj": fused.layers[0].mlp.gate_up_proj.weight[...],
+          "layers.0.mlp.down_proj": fused.layers[0].mlp.down_proj.weight[...]}
+    _apply_cas(model, w)
+    _apply_cas(fused, wf)
+    np.testing.assert_allclose(np.asarray(wf["layers.0.mlp.gate_up_proj"]),
+                               np.concatenate([w["layers.0.mlp.gate_proj"], w["layers.0.mlp.up_proj"]]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(wf["layers.0.mlp.down_proj"]), np.asarray(w["layers.0.mlp.down_proj"]),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(fused.layers[0].post_attention_layernorm.weight[...]),
+                               np.asarray(model.layers[0].post_attention_layernorm.weight[...]), rtol=1e-6)
+
+
+def test_fused_checkpoints_round_trip(tmp_path):
+    model = _random(CONFIGS["qwen3"], seed=19, dtype=jnp.bfloat16)
+    fused = fuse_projections(model)
+    jaxlp.save_pretrained(fused, tmp_path / "hf")  # Hugging Face names: split again
+    back = jaxlp.from_pretrained(tmp_path / "hf", dtype=jnp.bfloat16)
+    assert not back.config.fused_projections
+    ids = _ids(3)
+    np.testing.assert_array_equal(np.asarray(back(ids)), np.asarray(model(ids)))
+
+    q = quantize_model(fused, "w4a4-nvfp4", calibration=np.arange(64).reshape(2, 32))
+    save_quantized(q, tmp_path / "q")
+    loaded = jaxlp.from_pretrained(tmp_path / "q")
+    assert loaded.config.fused_projections and hasattr(loaded.layers[0].self_attn, "qkv_proj")
+    np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(q(ids)))
+
+
+def test_fused_models_refuse_per_projection_rewrites():
+    from jax.sharding import Mesh
+
+    from jaxlp.kvcache import fireq
+    from jaxlp.models import shard_model
+
+    fused = fuse_projections(_random(CONFIGS["qwen3"], seed=23))
+    with pytest.raises(ValueError, match="fold before"):
+        fireq.fold_rpn(fused, [None, None])
+    with pytest.raises(ValueError, match="calibrate before"):
+        fireq.collect_keys(fused, _ids(4))
+    if jax.device_count() < 2:
+        pytest.skip("needs two (simulated) devices for a tensor-parallel mesh")
+    with pytest.raises(ValueError, match="shard an unfused model"):
+        shard_model(fused, Mesh(np.array(jax.devices()[:2]), ("tp",)))
