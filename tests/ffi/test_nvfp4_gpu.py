@@ -187,6 +187,22 @@ def test_quantized_linear_dispatch_matches_reference(activation, m):
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: auto(x))(x).astype(jnp.float32)), y)
 
 
+@pytest.mark.parametrize("activation", [None, "nvfp4"])
+@pytest.mark.parametrize("m", [1, 3, 6, 8])
+@pytest.mark.parametrize("n,k", [(512, 256), (1536, 256), (256, 768)])
+def test_dispatch_of_small_layers_matches_exact(activation, m, n, k):
+    """Layers far from the table's shapes (a tiny model's fused qkv / gate_up, K = 256 is one chunk)."""
+    rng = np.random.default_rng(5000 + m + n + k)
+    q, _ = weight(rng, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    amax = jnp.float32(np.abs(np.asarray(x, np.float32)).max() * 0.8) if activation else None
+    layer = QuantizedLinear(q, activation=activation, act_amax=amax, implementation="auto")
+    y = np.asarray(jax.jit(lambda x: layer(x))(x).astype(jnp.float32))
+    xq = np.asarray(fake_quantize(x, "nvfp4", amax) if activation else x.astype(jnp.float32), np.float64)
+    exact = xq @ np.asarray(q.dequantize(jnp.float32), np.float64).T
+    assert rel(y, exact.astype(ml_dtypes.bfloat16).astype(np.float64)) < 1e-3, dispatch.plan(m, n, k, "w4a4" if activation else "w4a16")
+
+
 @pytest.mark.parametrize("m,k", [(300, 4096), (2048, 1040)])
 def test_large_m_cuda_activation_quantizer_matches_xla(m, k):
     """The XLA large-M W4A4 path with the CUDA activation quantizer: bit-exact codes, same product."""

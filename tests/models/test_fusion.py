@@ -175,3 +175,39 @@ def test_fused_models_refuse_per_projection_rewrites():
         pytest.skip("needs two (simulated) devices for a tensor-parallel mesh")
     with pytest.raises(ValueError, match="shard an unfused model"):
         shard_model(fused, Mesh(np.array(jax.devices()[:2]), ("tp",)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["w4a16-nvfp4", "w4a4-nvfp4"])
+def test_fused_nvfp4_model_on_the_gpu_kernels_matches_the_reference(recipe):
+    """The fused qkv / gate_up linears through the NVFP4 kernels ("auto") against float64, layer by layer,
+    and for W4A16 the whole model against the pure-JAX path. (A W4A4 model is compared per layer only:
+    a last-bit difference of one BF16 output flips FP4 activation codes downstream, measured 17% apart
+    in logits at M = 6 with every kernel exact per layer.)"""
+    import ml_dtypes
+
+    from jaxlp.quantization import nvfp4_dispatch  # noqa: F401  (registers the kernels)
+    from jaxlp.quantization import set_implementation
+    from jaxlp.quantization.activations import fake_quantize
+
+    config = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
+    model = fuse_projections(_random(config, seed=29, dtype=jnp.bfloat16))
+    q = set_implementation(quantize_model(model, recipe, calibration=np.arange(256).reshape(2, 128)), "auto")
+    rng = np.random.default_rng(31)
+    for layer in (q.layers[1].self_attn.qkv_proj, q.layers[1].mlp.gate_up_proj):
+        w = layer.weight.get_value()
+        amax = None if layer.act_amax is None else layer.act_amax[...]
+        for m in (1, 6, 40):
+            x = jnp.asarray(rng.standard_normal((m, w.shape[1])), jnp.bfloat16)
+            y = np.asarray(jax.jit(lambda x: layer(x))(x), np.float64)
+            xq = np.asarray(fake_quantize(x, "nvfp4", amax) if amax is not None else x.astype(jnp.float32), np.float64)
+            exact = (xq @ np.asarray(w.dequantize(jnp.float32), np.float64).T).astype(ml_dtypes.bfloat16)
+            assert np.linalg.norm(y - exact) / np.linalg.norm(exact.astype(np.float64)) < 1e-3, (m, w.shape)
+    if recipe == "w4a16-nvfp4":
+        for shape in ((1, 1), (2, 3), (1, 40)):  # M = 1, 6 (GEMVs), 40
+            ids = jnp.asarray(np.random.default_rng(sum(shape)).integers(0, 512, shape))
+            got = np.asarray(nnx.jit(lambda m, i: m(i))(q, ids), np.float64)
+            ref = np.asarray(set_implementation(nnx.clone(q), "xla")(ids), np.float64)
+            assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, shape
