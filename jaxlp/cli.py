@@ -68,6 +68,8 @@ def cmd_generate(args) -> int:
     with console.status(f"loading {args.model}"):
         model = jaxlp.from_pretrained(args.model, dtype=jnp.dtype(args.dtype))
         tokenizer = load_tokenizer(args.model)
+    if args.fuse_projections:
+        model = _fused(model)
     if args.nestedfp_mode != "fp16":
         from jaxlp.quantization import set_mode
 
@@ -154,6 +156,15 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _fused(model):
+    from jaxlp.models import fuse_projections
+
+    try:
+        return fuse_projections(model, inplace=True)
+    except ValueError as e:
+        raise UserError(f"cannot fuse the projections of this checkpoint: {e}") from None
+
+
 def cmd_quantize(args) -> int:
     import jax.numpy as jnp
 
@@ -174,6 +185,8 @@ def cmd_quantize(args) -> int:
     if recipe.activation in ("nvfp4",):
         calibration = token_windows(tokenizer, args.calibration_sequences, args.calibration_length)
         console.print(f"calibrating on {calibration.shape[0]} x {calibration.shape[1]} tokens of offline text")
+    if args.fuse_projections:
+        model = _fused(model)
     quantized = jaxlp.quantize_model(model, recipe, calibration=calibration)
     with console.status(f"saving to {out}"):
         save_quantized(quantized, out, tokenizer_from=args.model, overwrite=args.overwrite)
@@ -236,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     g.add_argument("--kv-cache", default="bf16")
+    g.add_argument("--fuse-projections", action="store_true",
+                   help="one q/k/v and one gate/up linear per layer (faster decode; see jaxlp.models.fuse_projections)")
     g.add_argument("--nestedfp-mode", default="fp16", choices=("fp16", "fp8"),
                    help="for NestedFP checkpoints: compute with the FP16 or the FP8 model")
     g.set_defaults(func=cmd_generate)
@@ -252,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calibration-sequences", type=int, default=8)
     q.add_argument("--calibration-length", type=int, default=512)
     q.add_argument("--overwrite", action="store_true")
+    q.add_argument("--fuse-projections", action="store_true",
+                   help="fuse q/k/v and gate/up before quantizing: one linear and one NVFP4 tensor scale each "
+                        "(as ModelOpt exports them); the checkpoint keeps the fused layout")
     q.set_defaults(func=cmd_quantize)
 
     c = sub.add_parser("calibrate-tau0", help="ReSET's tau0: 80th percentile of token entropies on calibration prompts")

@@ -115,6 +115,26 @@ def test_quantize_then_generate_and_info(model_dir, tmp_path, capsys):
     assert "unknown recipe" in capsys.readouterr().err
 
 
+def test_fuse_projections_flags(model_dir, tmp_path, capsys):
+    """Fused and unfused generation give the same greedy text; a fused quantized checkpoint loads fused."""
+    args = ["generate", "--model", str(model_dir), "--prompt", "7 * 6 =", "--max-new-tokens", "8", "--dtype", "float32"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--fuse-projections"]) == 0
+    assert capsys.readouterr().out == plain
+    out = tmp_path / "qf"
+    assert main(["quantize", "--model", str(model_dir), "--recipe", "w4a16-nvfp4", "--out", str(out),
+                 "--fuse-projections"]) == 0
+    assert "8 layers quantized" in capsys.readouterr().out  # 2 layers x (qkv, o, gate_up, down)
+    assert main(["generate", "--model", str(out), "--prompt", "1 + 2 =", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()
+    unfused = tmp_path / "q"
+    assert main(["quantize", "--model", str(model_dir), "--recipe", "w4a16-nvfp4", "--out", str(unfused)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(unfused), "--prompt", "1", "--fuse-projections"]) == 2
+    assert "cannot fuse the projections" in capsys.readouterr().err
+
+
 def test_entropy_samplers_and_tau0_calibration(model_dir, capsys):
     base = ["generate", "--model", str(model_dir), "--prompt", "a\n\nb", "--max-new-tokens", "6", "--dtype", "float32"]
     assert main(base + ["--sampler", "reset", "--t-low", "0.1", "--tau0", "0.5"]) == 0
