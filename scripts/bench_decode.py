@@ -190,7 +190,7 @@ def step_profile(run_long, run_short, steps: int, top: int = 12) -> dict:
             "top_kernels_us": [[n[:160], t] for n, t in biggest]}
 
 
-def per_token(model, batch, ctx, sampler, *, n1, n2, method, repeats, profile=False):
+def per_token(model, batch, ctx, sampler, *, n1, n2, method, repeats, profile=False, profile_top=12):
     p = prompts(batch, CONTEXTS[ctx], model.config.vocab_size, seed=batch * 31 + len(ctx))
     common = dict(sampler=sampler, seed=1, kv_cache="bf16")
     t_c = time.perf_counter()
@@ -215,7 +215,7 @@ def per_token(model, batch, ctx, sampler, *, n1, n2, method, repeats, profile=Fa
         rec["profile"] = step_profile(
             lambda: jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=(), **common).tokens,
             lambda: jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=stops, **common).tokens,
-            steps2 - steps1)
+            steps2 - steps1, top=profile_top)
     return rec
 
 
@@ -234,6 +234,7 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip runs that start after this many seconds")
     ap.add_argument("--tiny", action="store_true", help="a small model of the same family (smoke tests)")
     ap.add_argument("--profile", action="store_true", help="split the GPU time per token by kernel (stop method)")
+    ap.add_argument("--profile-top", type=int, default=12, help="kernels listed by name per profiled run")
     ap.add_argument("--fused", action="store_true",
                     help="fused q/k/v and gate/up projections (jaxlp.models.fuse_projections) in every run")
     args = ap.parse_args(argv)
@@ -311,7 +312,7 @@ def main(argv=None):
         rec = {"format": fmt, "batch": int(batch), "context": ctx, "prompt": CONTEXTS[ctx]}
         try:
             rec.update(per_token(model, int(batch), ctx, sampler, n1=args.n1, n2=args.n2, method=args.method,
-                                 repeats=args.repeats, profile=args.profile))
+                                 repeats=args.repeats, profile=args.profile, profile_top=args.profile_top))
         except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory at 8K)
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         jaxlp.generation.clear_cache_pool()
