@@ -42,6 +42,7 @@ def test_every_recipe_quantizes_decoder_linears_only(model, name):
     assert 0 < rel < 0.35, rel  # changed by quantization, but still the same model
 
 
+@jax.default_matmul_precision("highest")  # float32 dots on a GPU default to TF32
 def test_reference_product_against_float64(model):
     rng = np.random.default_rng(3)
     for name in ["w4a4-nvfp4", "w8a8-fp8", "w4a8-fireq", "w4a4-dialect", "w4a4-mxfp4"]:
@@ -111,6 +112,7 @@ def test_nestedfp_exception_layer_stays_high_precision():
     assert q.quantization.kept[0][0] == "layers.1.mlp.down_proj"
 
 
+@jax.default_matmul_precision("highest")
 def test_cas_folding_preserves_the_function():
     for model_type, extra in [("llama", {}), ("gemma3_text", dict(norm_offset=True, sandwich_norm=True))]:
         m = tiny(model_type, **extra)
