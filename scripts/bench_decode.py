@@ -8,7 +8,8 @@ NVFP4 W4A4 with the ReSET sampler when jaxlp.sampling.reset provides it. Suffixe
 kernel: one launch per linear for W4A16), ``-lmhead`` (the lm_head quantized too, NVFP4 W4A16:
 it stays quantized for the later runs, so these runs come last).
 Batch 1 and 8, a short (128-token) and an 8K (8000-token) prompt. ``--fused``: every run with
-fused q/k/v and gate/up projections (one linear each, BF16 included).
+fused q/k/v and gate/up projections (one linear each, BF16 included). ``--attention xla``: the
+decode steps attend through XLA's ops instead of the Pallas decode-attention kernel.
 
 Time per token = difference of two generation lengths divided by their difference in steps,
 after a warm-up call, so that prefill and compilation cancel:
@@ -235,6 +236,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="a small model of the same family (smoke tests)")
     ap.add_argument("--profile", action="store_true", help="split the GPU time per token by kernel (stop method)")
     ap.add_argument("--profile-top", type=int, default=12, help="kernels listed by name per profiled run")
+    ap.add_argument("--attention", choices=("auto", "xla"), default="auto",
+                    help="decode attention of the BF16 cache: the Pallas kernel on a GPU (auto) or XLA's ops")
     ap.add_argument("--fused", action="store_true",
                     help="fused q/k/v and gate/up projections (jaxlp.models.fuse_projections) in every run")
     args = ap.parse_args(argv)
@@ -245,12 +248,13 @@ def main(argv=None):
         cfg_dict.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=64, vocab_size=2048)
     config = dataclasses.replace(from_hf_config(cfg_dict), fused_projections=args.fused)
+    jaxlp.kvcache.dense.ATTENTION = args.attention
     dev = jax.devices()[0]
     result = {"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "model": f"Qwen3-8B shape, {args.layers} layers, random weights"
                        + (", fused q/k/v and gate/up projections" if args.fused else ""),
-              "fused_projections": args.fused, "method": args.method,
+              "fused_projections": args.fused, "attention": args.attention, "method": args.method,
               "n1": args.n1, "n2": args.n2, "runs": []}
     base_sampler = Categorical(temperature=0.6, top_p=0.95)
     rs = reset_sampler()

@@ -16,6 +16,21 @@ if TYPE_CHECKING:
     from jaxlp.models.config import ModelConfig
 
 
+#: How one-token (decode) steps attend: "auto" runs :mod:`jaxlp.pallas.decode_attention` on a GPU
+#: when the cache holds q's dtype (BF16 or FP16), else the reference; "xla" always the reference
+#: (``causal_attention``); "interpret" the Pallas kernel in interpret mode (CPU tests).
+ATTENTION = "auto"
+
+
+def _decode_kernel(q, cache_k) -> bool:
+    if ATTENTION == "xla" or q.shape[1] != 1:
+        return False
+    if ATTENTION == "interpret":
+        return True
+    return (jax.default_backend() == "gpu" and q.dtype == cache_k.dtype
+            and jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseLayerCache(LayerCache):
@@ -28,6 +43,15 @@ class DenseLayerCache(LayerCache):
             self.k.at[rows, positions].set(k.astype(self.k.dtype), mode="drop"),
             self.v.at[rows, positions].set(v.astype(self.v.dtype), mode="drop"),
         )
+        if _decode_kernel(q, new.k):
+            from jaxlp.pallas import decode_attention
+
+            p = positions[:, 0]
+            lengths = jnp.minimum(p + 1, new.k.shape[1])
+            starts = jnp.zeros_like(p) if window is None else jnp.maximum(p - window + 1, 0)
+            out = decode_attention.decode_attention(q[:, 0], new.k, new.v, lengths, starts, scale=scale,
+                                                    softcap=softcap, interpret=ATTENTION == "interpret")
+            return out[:, None], new
         slots = jnp.arange(self.k.shape[1])
         out = causal_attention(
             q, new.k.astype(q.dtype), new.v.astype(q.dtype), positions, slots,
