@@ -478,9 +478,11 @@ def write_table(path, device_kind, date, shapes, merge):
         done = {(e["n"], e["k"]) for e in shapes}
         old = table["devices"].get(device_kind, {})
         kept = [e for e in old.get("shapes", []) if (e["n"], e["k"]) not in done]
-    table["note"] = ("Measured by scripts/bench_nvfp4.py, per GPU model (device_kind): per shape and mode, "
-                     "[M, choice] pairs; the first M >= the call's M decides (device kernel time). A GPU not "
-                     "listed uses 'fallback'.")
+    base = ("Measured by scripts/bench_nvfp4.py, per GPU model (device_kind): per shape and mode, "
+            "[M, choice] pairs; the first M >= the call's M decides (device kernel time). A GPU not "
+            "listed uses 'fallback'.")
+    if not str(table.get("note", "")).startswith(base):  # a merge keeps the provenance added to the note
+        table["note"] = base
     table["devices"][device_kind] = {"date": date, "shapes": kept + shapes}
     table.setdefault("fallback", device_kind)
     Path(path).write_text(json.dumps(table))

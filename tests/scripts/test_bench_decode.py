@@ -60,3 +60,10 @@ def test_tiny_run_with_every_suffix(bd, tmp_path):
     with pytest.raises(SystemExit, match="after the others"):
         bd.main(["--tiny", "--layers", "1", "--n1", "4", "--n2", "12", "--repeats", "1", "--out", str(out),
                  "--runs", "w4a16-lmhead:1:short,w4a16:1:short"])
+
+
+def test_tiny_fused_run(bd, tmp_path):
+    result = bd.main(["--tiny", "--layers", "1", "--n1", "4", "--n2", "12", "--repeats", "1", "--fused",
+                      "--attention", "xla", "--out", str(tmp_path / "f.json"), "--runs", "bf16:1:short,w4a16:1:short"])
+    assert result["fused_projections"] and result["attention"] == "xla" and "fused" in result["model"]
+    assert all(r["steps"][1] > r["steps"][0] for r in result["runs"])
