@@ -111,11 +111,12 @@ def _apply_cas(model, weights: dict[str, jax.Array]) -> None:
     for i, layer in enumerate(model.layers):
         mlp = f"layers.{i}.mlp"
         down = f"{mlp}.down_proj"
-        if layer.mlp.fused:
-            # (path, rows of up within it) for the up projection; gate and up are scaled together.
-            gate_up, up, up_rows, up_module = [f"{mlp}.gate_up_proj"], f"{mlp}.gate_up_proj", slice(inter, None), layer.mlp.gate_up_proj
+        if layer.mlp.fused:  # one weight; up is its second half of rows
+            gate_up = [f"{mlp}.gate_up_proj"]
+            up, up_rows, up_module = gate_up[0], slice(inter, None), layer.mlp.gate_up_proj
         else:
-            gate_up, up, up_rows, up_module = [f"{mlp}.gate_proj", f"{mlp}.up_proj"], f"{mlp}.up_proj", slice(None), layer.mlp.up_proj
+            gate_up = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
+            up, up_rows, up_module = gate_up[1], slice(None), layer.mlp.up_proj
         if all(p in weights for p in gate_up):
             s = int4_fp8.cas_scales([weights[p] for p in gate_up], CAS_CONSTANTS["gate_up"])
             for p in gate_up:
