@@ -100,11 +100,19 @@ def test_generation_through_the_kernel_gives_the_same_tokens(monkeypatch):
                          layer_types=("sliding_attention", "full_attention"), sliding_window=5)
     model = Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
     prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11]]
+    from jaxlp.pallas import decode_attention as module
+
+    calls = []
+    kernel = module.decode_attention
+    monkeypatch.setattr(module, "decode_attention", lambda *a, **k: calls.append(k) or kernel(*a, **k))
     monkeypatch.setattr(dense, "ATTENTION", "xla")
     want = jaxlp.generate(model, prompts, max_new_tokens=8, stop_tokens=[]).tokens
+    assert not calls
     monkeypatch.setattr(dense, "ATTENTION", "interpret")
-    jaxlp.generation.clear_cache_pool()
+    jax.clear_caches()  # the switch is read when generate traces
     got = jaxlp.generate(model, prompts, max_new_tokens=8, stop_tokens=[]).tokens
+    assert len(calls) == 2 and all(k["interpret"] for k in calls)  # both layers' decode steps (traced once)
+    assert calls[0]["softcap"] is None
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
