@@ -58,7 +58,7 @@ def default_config(batch: int, kv_heads: int, max_len: int, num_sms: int = 132) 
 def _kernel(q_ref, k_ref, v_ref, start_ref, length_ref, o_ref, m_ref, l_ref, *, scale, softcap, block_k, split_len,
             groups):
     split = pl.program_id(1)
-    rows = jnp.arange(HEAD_BLOCK) < groups
+    rows = pl.program_id(0) * HEAD_BLOCK + jnp.arange(HEAD_BLOCK) < groups  # this block's query heads that exist
     q = plgpu.load(q_ref.at[pl.ds(0, HEAD_BLOCK), :], mask=rows[:, None], other=0.0)
     lo = jnp.maximum(start_ref[()], split * split_len)
     hi = jnp.minimum(length_ref[()], (split + 1) * split_len)

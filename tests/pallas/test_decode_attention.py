@@ -133,9 +133,10 @@ def test_lowers_to_one_triton_call_for_cuda(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("b,length,splits", [(1, 200, None), (2, 8448, None), (3, 1000, 4), (8, 300, 1)])
-def test_gpu_matches_float64(b, length, splits):
-    q, k, v = case(b + length, b=b, length=length, kvh=8, g=4, d=128)
+@pytest.mark.parametrize("b,length,splits,g", [(1, 200, None, 4), (2, 8448, None, 4), (3, 1000, 4, 4), (8, 300, 1, 4),
+                                               (2, 500, 2, 20)])  # 20: two blocks of query heads
+def test_gpu_matches_float64(b, length, splits, g):
+    q, k, v = case(b + length, b=b, length=length, kvh=8 if g == 4 else 2, g=g, d=128)
     rng = np.random.default_rng(length)
     lengths = jnp.asarray(rng.integers(1, length + 1, b))
     starts = jnp.asarray([0] * (b - 1) + [max(0, int(lengths[-1]) - 64)])
