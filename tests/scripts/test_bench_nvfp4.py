@@ -1,22 +1,15 @@
 """scripts/bench_nvfp4.py: the shape list and the dispatch table it writes."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_nvfp4.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bn():
-    spec = importlib.util.spec_from_file_location("bench_nvfp4", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_nvfp4"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_nvfp4")
 
 
 def test_shape_indices_stay_and_fused_pairs_follow(bn):

@@ -1,7 +1,6 @@
 """scripts/entropy_analysis.py: per-position statistics against a float64 NumPy reference, and
 tiny end-to-end runs of both kinds on a random-init testbed-shaped Qwen3 model."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,16 +15,14 @@ from jaxlp.models.saving import save_pretrained
 from jaxlp.models.tokenizer import load_tokenizer
 from jaxlp.testbed import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ProblemSpec, eval_problems, make_tokenizer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "entropy_analysis.py"
+from conftest import load_script
+
 SPEC = ProblemSpec(min_terms=1, max_terms=2, max_digits=2, multiply_prob=0.3, start_digits=2)
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("entropy_analysis", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("entropy_analysis")
 
 
 @pytest.fixture(scope="module")
@@ -184,9 +181,7 @@ def test_end_to_end_text(script, tiny_dir, tmp_path):
 
 def test_reset_trace_plot_testbed(tiny_dir, tmp_path, capsys):
     """scripts/reset_trace_plot.py --kind testbed: held-out prompt, tau0 from training problems, PNG."""
-    spec = importlib.util.spec_from_file_location("reset_trace_plot", SCRIPT.parent / "reset_trace_plot.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("reset_trace_plot")
     out = tmp_path / "trace.png"
     assert module.main(["--model", str(tiny_dir), "--kind", "testbed", "--out", str(out), "--problem", "2",
                         "--max-new-tokens", "48"]) == 0

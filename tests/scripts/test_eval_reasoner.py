@@ -1,11 +1,8 @@
 """scripts/eval_reasoner.py: its statistics against NumPy references, the call layout, the
 row-group sampler and cache against separate runs, the tables, and a tiny end-to-end run."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,16 +14,12 @@ import jaxlp
 from jaxlp import kvcache, sampling, testbed
 from jaxlp.models import ModelConfig, Transformer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "eval_reasoner.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def ev():
-    spec = importlib.util.spec_from_file_location("eval_reasoner", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
-    return module
+    return load_script("eval_reasoner")
 
 
 def tiny_config(**overrides) -> ModelConfig:
