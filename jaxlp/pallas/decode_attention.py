@@ -145,11 +145,7 @@ def decode_attention(q, k, v, lengths, starts=None, *, scale: float, softcap: fl
     per_head = jax.vmap(fn, in_axes=(0, 1, 1, None, None))  # over KV heads
     o, m, l = jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0))(qg, k, v, starts.astype(jnp.int32),
                                                           lengths.astype(jnp.int32))
-    # o [B, KVH, S, G, D], m, l [B, KVH, S, G]: merge the splits.
-    if config.splits == 1:
-        l1 = l[:, :, 0]
-        out = jnp.where(l1[..., None] > 0, o[:, :, 0] / jnp.where(l1 > 0, l1, 1.0)[..., None], 0.0)
-        return out.reshape(b, h, d).astype(q.dtype)
+    # o [B, KVH, S, G, D], m, l [B, KVH, S, G]: merge the splits (one split: weights exactly 1).
     m_all = m.max(axis=2, keepdims=True)
     w = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all)))
     num = (o * w[..., None]).sum(axis=2)
