@@ -20,9 +20,12 @@ if TYPE_CHECKING:
 #: when the cache holds q's dtype (BF16 or FP16), else the reference; "xla" always the reference
 #: (``causal_attention``); "interpret" the Pallas kernel in interpret mode (CPU tests).
 ATTENTION = "auto"
+ATTENTION_CHOICES = ("auto", "xla", "interpret")
 
 
 def _decode_kernel(q, cache_k) -> bool:
+    if ATTENTION not in ATTENTION_CHOICES:
+        raise ValueError(f"jaxlp.kvcache.dense.ATTENTION must be one of {ATTENTION_CHOICES}, got {ATTENTION!r}")
     if ATTENTION == "xla" or q.shape[1] != 1:
         return False
     if ATTENTION == "interpret":

@@ -87,6 +87,15 @@ def test_bad_input_is_refused():
         decode_attention(q, k, v, jnp.asarray([1, 2, 3]), scale=1.0, config=DecodeConfig(block_k=48), interpret=True)
 
 
+def test_unknown_attention_switch_is_refused(monkeypatch):
+    model = Transformer(ModelConfig(model_type="llama", vocab_size=16, hidden_size=16, intermediate_size=32,
+                                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8), rngs=nnx.Rngs(0))
+    monkeypatch.setattr(dense, "ATTENTION", "pallas")
+    jax.clear_caches()
+    with pytest.raises(ValueError, match="ATTENTION must be one of"):
+        jaxlp.generate(model, [[1, 2]], max_new_tokens=2, stop_tokens=[])
+
+
 def test_default_config_fills_the_gpu():
     assert default_config(1, 8, 8448) == DecodeConfig(block_k=64, splits=33)  # 264 programs
     assert default_config(1, 8, 384).splits == 1  # short caches: no split shorter than 256 slots
