@@ -32,12 +32,12 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
-def _concat_bias(parts):
+def _concat_bias(parts, where: str):
     biases = [p.bias for p in parts]
     if all(b is None for b in biases):
         return None
     if any(b is None for b in biases):
-        raise ValueError("cannot fuse linears of which only some have a bias")
+        raise ValueError(f"{where}: cannot fuse linears of which only some have a bias")
     return jnp.concatenate([b[...] for b in biases], axis=0)
 
 
@@ -50,7 +50,7 @@ def _fuse_linears(parts: list, where: str):
         fused = nnx.eval_shape(lambda: Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None,
                                               dtype=w.dtype, rngs=nnx.Rngs(0)))
         fused.weight = nnx.Param(w)
-        bias = _concat_bias(parts)
+        bias = _concat_bias(parts, where)
         fused.bias = None if bias is None else nnx.Param(bias)
         return fused
     if not all(isinstance(p, QuantizedLinear) for p in parts):
@@ -69,7 +69,7 @@ def _fuse_linears(parts: list, where: str):
         weight = concatenate_rows([p.weight.get_value() for p in parts])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    return QuantizedLinear(weight, _concat_bias(parts), activation=first.activation,
+    return QuantizedLinear(weight, _concat_bias(parts, where), activation=first.activation,
                            act_amax=None if first.act_amax is None else first.act_amax[...],
                            out_scale=first.out_scale, implementation=first.implementation, mode=first.mode)
 
