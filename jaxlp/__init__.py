@@ -7,10 +7,11 @@
     jaxlp.checkpoint.save(path, tree); jaxlp.checkpoint.load(path)
 """
 
-from jaxlp import checkpoint, data, formats, kvcache, models, quantization, sampling, testbed
+from jaxlp import checkpoint, data, errors, formats, kvcache, models, quantization, sampling, testbed
 from jaxlp.formats import dequantize, quantize
 from jaxlp.generation import GenerationResult, generate
-from jaxlp.models import from_pretrained, save_pretrained
+from jaxlp.models import save_pretrained
+from jaxlp.pretrained import from_pretrained
 from jaxlp.quantization import quantize_model
 
 __version__ = "0.1.0"

@@ -203,7 +203,7 @@ def cmd_calibrate_tau0(args) -> int:
     import jaxlp
     from jaxlp.data import token_windows
     from jaxlp.models.tokenizer import load_tokenizer
-    from jaxlp.sampling import tau0_from_generation
+    from jaxlp.generation import tau0_from_generation
 
     console = _console()
     with console.status(f"loading {args.model}"):
@@ -293,8 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from jaxlp.models.config import UnsupportedConfigError
-    from jaxlp.models.loading import CheckpointFormatError
+    from jaxlp.errors import CheckpointFormatError, UnsupportedConfigError
 
     try:
         return args.func(args)

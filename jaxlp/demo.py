@@ -56,7 +56,7 @@ def base_as_reset(tokenizer, temperature: float = 0.6):
 
 def calibrate_reasoner_tau0(model, tokenizer, *, num_prompts: int = 8, seed: int = 0) -> float:
     """tau0 from generations at T = 0.6, top-p 0.95 on training-split problems (raw-logit entropies)."""
-    from jaxlp.sampling import tau0_from_generation
+    from jaxlp.generation import tau0_from_generation
     from jaxlp.testbed import ProblemSpec, train_problems
 
     spec = ProblemSpec()

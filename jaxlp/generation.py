@@ -7,7 +7,7 @@ donated to the program. The loop (``lax.while_loop``) stops when every row has f
 ``max_new_tokens`` tokens were produced; it never synchronises with the host.
 
 Rows of a batch may have different prompt lengths: prompts are right-padded and each row
-decodes at its own positions (see :mod:`jaxlp.models.attention` for why no padding mask is
+decodes at its own positions (see :mod:`jaxlp.attention.reference` for why no padding mask is
 needed).
 """
 
@@ -23,6 +23,8 @@ from flax import nnx
 
 from jaxlp import kvcache
 from jaxlp.sampling.base import Greedy, Sampler, token_entropy
+from jaxlp.sampling.baselines import base_decoding
+from jaxlp.sampling.calibration import TAU0_PERCENTILE, calibrate_tau0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +75,7 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
     # Padding gets a position past the cache, so that no cache stores or attends it (a
     # quantized cache could otherwise pack padding into a row's page before decode overwrites it).
     positions = jnp.where(positions < lengths[:, None], positions, seq + max_new_tokens)
-    hidden, cache = model.forward(tokens, positions, cache)
+    hidden, cache = model.forward(tokens, positions, cache, fresh=True)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = model.logits(last)
 
@@ -206,3 +208,16 @@ def generate(
         entropy=None if entropy is None else np.asarray(entropy),
         temperature=None if temperature is None else np.asarray(temperature),
     )
+
+
+def tau0_from_generation(model, prompts, *, max_new_tokens: int, sampler=None, seed: int = 0,
+                         percentile: float = TAU0_PERCENTILE) -> tuple[float, np.ndarray]:
+    """Generate for ``prompts`` and calibrate tau0 on the generated tokens' raw-logit entropies.
+
+    ``sampler`` defaults to base decoding (T = 0.6, top-p 0.95), the paper's calibration
+    decoding. Returns ``(tau0, entropies)`` (entropies: the pooled float32 values used).
+    """
+    result = generate(model, prompts, max_new_tokens=max_new_tokens, sampler=sampler or base_decoding(), seed=seed,
+                      return_stats=True)
+    entropies = result.entropy[np.isfinite(result.entropy)]
+    return calibrate_tau0(entropies, percentile), entropies

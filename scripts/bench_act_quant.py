@@ -13,7 +13,6 @@ bit against ``jaxlp.formats.nvfp4.quantize``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_nvfp4 import Jobs  # noqa: E402
 
+from jaxlp.evals import harness  # noqa: E402
 from jaxlp.ffi import nvfp4 as ffi_nvfp4  # noqa: E402
 from jaxlp.formats import nvfp4  # noqa: E402
 
@@ -78,8 +78,7 @@ def main(argv=None):
     for r in rows:
         print(f"{r['m']:>3d} x {r['k']:<5d} " + " ".join(f"{np.nan if r[c] is None else r[c]:11.2f}" for c in cols))
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "exact": exact, "rows": rows},
-                                             indent=1))
+        harness.write_json(args.out, {**harness.run_metadata(argv), "exact": exact, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,10 +49,11 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxlp  # noqa: E402
+from jaxlp.evals import harness  # noqa: E402
 from jaxlp.models import Transformer, from_hf_config  # noqa: E402
 from jaxlp.quantization import QuantizedLinear, quantize_model, quantized_layers, set_implementation  # noqa: E402
+from jaxlp.quantization import nvfp4_dispatch  # noqa: E402
 from jaxlp.quantization.recipes import get_recipe  # noqa: E402
-from jaxlp.quantization import nvfp4_dispatch  # noqa: E402,F401  (registers "nvfp4_cuda")
 from jaxlp.sampling.base import Categorical  # noqa: E402
 
 QWEN3_8B = {  # the public Qwen/Qwen3-8B config.json
@@ -133,16 +132,6 @@ def prompts(batch, length, vocab, seed):
     return [rng.integers(0, vocab, length).tolist() for _ in range(batch)]
 
 
-def timed(fn, repeats):
-    times = []
-    out = None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
     ("nvfp4 GEMV", ("gemv_kernel", "pipe_kernel")),
     ("nvfp4 activation staging", ("stage_a4_kernel", "stage_a16_kernel")),
@@ -191,23 +180,26 @@ def step_profile(run_long, run_short, steps: int, top: int = 12) -> dict:
             "top_kernels_us": [[n[:160], t] for n, t in biggest]}
 
 
-def per_token(model, batch, ctx, sampler, *, n1, n2, method, repeats, profile=False, profile_top=12):
+def per_token(model, batch, ctx, sampler, *, n1, n2, method, repeats, profile=False, profile_top=12,
+              attention="auto"):
     p = prompts(batch, CONTEXTS[ctx], model.config.vocab_size, seed=batch * 31 + len(ctx))
-    common = dict(sampler=sampler, seed=1, kv_cache="bf16")
+    common = dict(sampler=sampler, seed=1, kv_cache=jaxlp.kvcache.get("bf16", attention=attention))
     t_c = time.perf_counter()
     first = jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=(), **common)  # warm-up (compiles)
     compile_s = time.perf_counter() - t_c
-    t2, full = timed(lambda: jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=(), **common), repeats)
+    timing = harness.time_call(lambda: jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=(), **common),
+                               warmup=0, repeats=repeats)  # warmed up by the first call
+    t2, full = timing.median_us * 1e-6, timing.output
     steps2 = int(full.num_tokens.max())
     if method == "length":
-        jaxlp.generate(model, p, max_new_tokens=n1, stop_tokens=(), **common)
-        t1, short = timed(lambda: jaxlp.generate(model, p, max_new_tokens=n1, stop_tokens=(), **common), repeats)
-        steps1 = int(short.num_tokens.max())
+        short = harness.time_call(lambda: jaxlp.generate(model, p, max_new_tokens=n1, stop_tokens=(), **common),
+                                  warmup=1, repeats=repeats)
+        t1, steps1 = short.median_us * 1e-6, int(short.output.num_tokens.max())
     else:
         stops = sorted({int(t) for t in first.tokens[:, n1 - 1]})
-        jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=stops, **common)
-        t1, short = timed(lambda: jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=stops, **common), repeats)
-        steps1 = int(short.num_tokens.max())
+        short = harness.time_call(lambda: jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=stops, **common),
+                                  warmup=1, repeats=repeats)
+        t1, steps1 = short.median_us * 1e-6, int(short.output.num_tokens.max())
     if steps2 - steps1 < n2 // 4:
         raise RuntimeError(f"generation lengths too close to difference ({steps1} vs {steps2} steps)")
     rec = {"ms_per_token": 1e3 * (t2 - t1) / (steps2 - steps1), "steps": [steps1, steps2], "t_s": [t1, t2],
@@ -248,10 +240,8 @@ def main(argv=None):
         cfg_dict.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=64, vocab_size=2048)
     config = dataclasses.replace(from_hf_config(cfg_dict), fused_projections=args.fused)
-    jaxlp.kvcache.dense.ATTENTION = args.attention
     dev = jax.devices()[0]
-    result = {"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    result = {**harness.run_metadata(argv), "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "model": f"Qwen3-8B shape, {args.layers} layers, random weights"
                        + (", fused q/k/v and gate/up projections" if args.fused else ""),
               "fused_projections": args.fused, "attention": args.attention, "method": args.method,
@@ -316,15 +306,15 @@ def main(argv=None):
         rec = {"format": fmt, "batch": int(batch), "context": ctx, "prompt": CONTEXTS[ctx]}
         try:
             rec.update(per_token(model, int(batch), ctx, sampler, n1=args.n1, n2=args.n2, method=args.method,
-                                 repeats=args.repeats, profile=args.profile, profile_top=args.profile_top))
+                                 repeats=args.repeats, profile=args.profile, profile_top=args.profile_top,
+                                 attention=args.attention))
         except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory at 8K)
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         jaxlp.generation.clear_cache_pool()
         result["runs"].append(rec)
         print(json.dumps(rec), flush=True)
         result["elapsed_s"] = time.time() - start
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        harness.write_json(args.out, result)
 
     bf16 = {(r["batch"], r["context"]): r["ms_per_token"] for r in result["runs"]
             if r["format"] == "bf16" and "ms_per_token" in r}

@@ -24,13 +24,11 @@ per call of ``reps`` back-to-back dispatches (host-bound for small layers) as ``
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -42,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jaxlp.evals import harness  # noqa: E402
 from jaxlp.ffi import nvfp4 as ffi_nvfp4  # noqa: E402
 from jaxlp.formats import nvfp4  # noqa: E402
 from jaxlp.quantization import nvfp4_dispatch as dispatch  # noqa: E402
@@ -102,17 +101,9 @@ def nvfp4_bytes(n, k):
 
 
 def timeit(fn, args, *, calls, reps, trials) -> float:
-    """Wall seconds per call: ``fn(*args)`` performs ``calls`` calls; dispatched ``reps`` times per trial."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / (reps * calls))
-    return statistics.median(times)
+    """Wall seconds per call: ``fn(*args)`` performs ``calls`` calls; dispatched ``reps`` times per trial
+    (after one warm-up call), the median over ``trials``."""
+    return harness.time_call(fn, *args, warmup=1, repeats=trials, number=reps).median_us * 1e-6 / calls
 
 
 def copy_bandwidth(nbytes=1 << 30) -> dict:
@@ -296,8 +287,7 @@ def main(argv=None):
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]
 
     result = {
-        "device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        **harness.run_metadata(argv),
         "method": "one call per weight buffer (> 4x L2) per jit, distinct activations; device time = union of "
                   "GPU kernel intervals per call from a profiler trace; wall = back-to-back dispatches",
     }
@@ -459,8 +449,7 @@ def main(argv=None):
         print(f"# {name}: {time.time() - t_shape:.0f}s", flush=True)
         result["rows"] = rows
         result["elapsed_s"] = time.time() - start
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(_finite(result), indent=1))
+        harness.write_json(args.out, result)
         if args.table:
             write_table(args.table, dev.device_kind, result["date"], table_shapes, args.merge)
 
@@ -496,17 +485,6 @@ def _pick(t):
 
 def _us(t):
     return None if t is None else 1e6 * t
-
-
-def _finite(obj):
-    """inf (not timed) as None, so that the JSON is standard."""
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, float) and math.isinf(obj):
-        return None
-    return obj
 
 
 def summary(result):

@@ -27,8 +27,6 @@ x BF16; JSON with --out.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -42,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_nvfp4 as bn  # noqa: E402
 
+from jaxlp.evals import harness  # noqa: E402
 from jaxlp.ffi import nvfp4 as ffi_nvfp4  # noqa: E402
 from jaxlp.pallas import nvfp4_matmul as nm  # noqa: E402
 from jaxlp.quantization import nvfp4_dispatch as dispatch  # noqa: E402
@@ -120,8 +119,7 @@ def main_small_m(args, argv):
             gemv = []
     bw = bn.copy_bandwidth()
     result = {
-        "device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        **harness.run_metadata(argv),
         "method": "bench_nvfp4.Jobs: one call per weight buffer (> 4x L2) per jit, distinct activations; "
                   "device time = union of GPU kernel intervals per call from a profiler trace",
         "copy_bandwidth": bw, "gemv_configs": [c.name for c in gemv], "rows": [], "checks": [],
@@ -130,8 +128,7 @@ def main_small_m(args, argv):
 
     def save():
         result["elapsed_s"] = time.time() - start
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(bn._finite(result), indent=1))
+        harness.write_json(args.out, result)
 
     for si, name in enumerate(names):
         _, n, k = allshapes[name]
@@ -271,8 +268,7 @@ def main(argv=None):
             gemm = []
 
     result = {
-        "device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        **harness.run_metadata(argv),
         "method": "bench_nvfp4.Jobs: one call per weight buffer (> 4x L2) per jit, distinct activations; "
                   "device time = union of GPU kernel intervals per call from a profiler trace",
         "pallas_configs": [c.name for c in pallas], "gemm_configs": [c.name for c in gemm], "rows": [], "checks": [],
@@ -282,8 +278,7 @@ def main(argv=None):
 
     def save():
         result["elapsed_s"] = time.time() - start
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(bn._finite(result), indent=1))
+        harness.write_json(args.out, result)
 
     for si, (name, n, k) in enumerate(shapes):
         sh = bn.Shape(n, k, si, target_bytes=4 * bn.L2_BYTES)

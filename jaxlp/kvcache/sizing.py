@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxlp.kvcache.registry import get
+
 if TYPE_CHECKING:
     from jaxlp.kvcache.base import CacheFormat
     from jaxlp.models.config import ModelConfig
@@ -32,8 +34,6 @@ def max_batch_size(cache_format: CacheFormat, config: ModelConfig, max_len: int,
 
 
 def _row_and_fixed(cache_format, config, max_len) -> tuple[int, int]:
-    from jaxlp.kvcache import get
-
     fmt = get(cache_format)
     if hasattr(fmt, "bytes_for"):
         return int(fmt.bytes_for(config, max_len)), int(getattr(fmt, "fixed_bytes", lambda c: 0)(config))

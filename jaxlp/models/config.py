@@ -13,12 +13,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jaxlp.errors import UnsupportedConfigError
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-
-
-class UnsupportedConfigError(ValueError):
-    """A config.json option that changes the math and that jaxlp does not implement."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlp.formats import concatenate_rows
 from jaxlp.models.layers import Linear
 from jaxlp.models.transformer import qkv_sizes
 
@@ -42,36 +41,26 @@ def _concat_bias(parts, where: str):
 
 
 def _fuse_linears(parts: list, where: str):
-    """One module computing the concatenated outputs of ``parts`` (all Linear or all QuantizedLinear)."""
-    from jaxlp.quantization.linear import QuantizedLinear
-
-    if all(type(p) is Linear for p in parts):
-        w = jnp.concatenate([p.weight[...] for p in parts], axis=0)
-        fused = nnx.eval_shape(lambda: Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None,
-                                              dtype=w.dtype, rngs=nnx.Rngs(0)))
-        fused.weight = nnx.Param(w)
-        bias = _concat_bias(parts, where)
-        fused.bias = None if bias is None else nnx.Param(bias)
-        return fused
-    if not all(isinstance(p, QuantizedLinear) for p in parts):
+    """One module computing the concatenated outputs of ``parts``: all :class:`Linear`, or all of
+    one class with a ``concatenate_rows(parts, bias)`` classmethod (quantized linears)."""
+    kind = type(parts[0])
+    if not all(type(p) is kind for p in parts):
         kinds = sorted({type(p).__name__ for p in parts})
         raise ValueError(f"{where}: cannot fuse a mix of {kinds} (quantize all of them or none)")
-    first = parts[0]
-    for p in parts[1:]:
-        same = (p.activation == first.activation and p.out_scale == first.out_scale and p.mode == first.mode
-                and p.implementation == first.implementation)
-        if not same:
-            raise ValueError(f"{where}: the linears differ in activation quantizer, output scale, mode or implementation")
-        amax = [None if q.act_amax is None else float(q.act_amax[...]) for q in (first, p)]
-        if amax[0] != amax[1]:
-            raise ValueError(f"{where}: the linears have different calibrated activation amax {amax}")
+    bias = _concat_bias(parts, where)
+    if kind is Linear:
+        w = jnp.concatenate([p.weight[...] for p in parts], axis=0)
+        fused = nnx.eval_shape(lambda: Linear(w.shape[1], w.shape[0], bias=bias is not None,
+                                              dtype=w.dtype, rngs=nnx.Rngs(0)))
+        fused.weight = nnx.Param(w)
+        fused.bias = None if bias is None else nnx.Param(bias)
+        return fused
+    if not hasattr(kind, "concatenate_rows"):
+        raise ValueError(f"{where}: cannot fuse layers of type {kind.__name__}")
     try:
-        weight = concatenate_rows([p.weight.get_value() for p in parts])
+        return kind.concatenate_rows(parts, bias)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    return QuantizedLinear(weight, _concat_bias(parts, where), activation=first.activation,
-                           act_amax=None if first.act_amax is None else first.act_amax[...],
-                           out_scale=first.out_scale, implementation=first.implementation, mode=first.mode)
 
 
 def fuse_projections(model, *, inplace: bool = False):

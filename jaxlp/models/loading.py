@@ -22,12 +22,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxlp.errors import CheckpointFormatError
 from jaxlp.models.config import ModelConfig, from_hf_config
 from jaxlp.models.transformer import Transformer
-
-
-class CheckpointFormatError(ValueError):
-    """A model directory that is missing files or holds tensors that do not fit the config."""
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -137,18 +134,10 @@ def shard_model(model: Transformer, mesh: Mesh) -> Transformer:
     return model
 
 
-def from_pretrained(path: str | Path, *, dtype=jnp.bfloat16, mesh: Mesh | None = None) -> Transformer:
-    """Load a Hugging Face checkpoint directory as a :class:`Transformer` with ``dtype`` params.
-
-    A directory written by :func:`jaxlp.quantization.save_quantized` loads as the quantized
-    model it holds (its own dtype; ``dtype`` is ignored).
-    """
+def load_hf(path: str | Path, *, dtype=jnp.bfloat16, mesh: Mesh | None = None) -> Transformer:
+    """Load a Hugging Face checkpoint directory as a :class:`Transformer` with ``dtype`` params
+    (:func:`jaxlp.from_pretrained` also loads quantized checkpoints)."""
     path = Path(path)
-    from jaxlp.quantization.saving import is_quantized_checkpoint, load_quantized
-
-    if is_quantized_checkpoint(path):
-        model = load_quantized(path)
-        return shard_model(model, mesh) if mesh is not None else model
     config = read_config(path)
     tensors = _read_tensors(safetensors_files(path))
     if config.tie_word_embeddings:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from jaxlp.models.loading import CheckpointFormatError
+from jaxlp.errors import CheckpointFormatError
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

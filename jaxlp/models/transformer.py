@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlp.kvcache.base import KVCache
-from jaxlp.models.attention import causal_attention
+from jaxlp.attention.reference import causal_attention
 from jaxlp.models.config import ModelConfig
 from jaxlp.models.layers import Embedding, Linear, RMSNorm, apply_rope, rope_cos_sin
 
@@ -43,7 +43,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, offset=c.norm_offset, dtype=dtype)
             self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, offset=c.norm_offset, dtype=dtype)
 
-    def __call__(self, x, positions, cache_layer):
+    def __call__(self, x, positions, cache_layer, fresh=False):
         c = self.config
         b, s, _ = x.shape
         if c.fused_projections:
@@ -62,7 +62,7 @@ class Attention(nnx.Module):
         if cache_layer is None:
             out = causal_attention(q, k, v, positions, positions, **kwargs)
         else:
-            out, cache_layer = cache_layer.attend(q, k, v, positions, **kwargs)
+            out, cache_layer = cache_layer.attend(q, k, v, positions, fresh=fresh, **kwargs)
         return self.o_proj(out.reshape(b, s, c.num_heads * c.head_dim)), cache_layer
 
 
@@ -100,12 +100,12 @@ class DecoderLayer(nnx.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def __call__(self, x, positions, cache_layer):
+    def __call__(self, x, positions, cache_layer, fresh=False):
         if self.sandwich:  # Gemma: norm -> attn -> norm -> +res; norm -> mlp -> norm -> +res
-            h, cache_layer = self.self_attn(self.input_layernorm(x), positions, cache_layer)
+            h, cache_layer = self.self_attn(self.input_layernorm(x), positions, cache_layer, fresh)
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache_layer
-        h, cache_layer = self.self_attn(self.input_layernorm(x), positions, cache_layer)
+        h, cache_layer = self.self_attn(self.input_layernorm(x), positions, cache_layer, fresh)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), cache_layer
 
@@ -121,11 +121,13 @@ class Transformer(nnx.Module):
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, offset=c.norm_offset, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
 
-    def forward(self, input_ids: jax.Array, positions: jax.Array | None = None, cache: KVCache | None = None):
+    def forward(self, input_ids: jax.Array, positions: jax.Array | None = None, cache: KVCache | None = None,
+                fresh: bool = False):
         """Hidden states ``[B, S, hidden]`` after the final norm, and the updated cache.
 
         ``positions [B, S]`` default to ``0..S-1``; with a cache, new keys and values are
-        written at those positions.
+        written at those positions. ``fresh`` (static): a prompt on empty cache rows, whose
+        attention needs only its own keys (see :mod:`jaxlp.kvcache.base`).
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
@@ -137,7 +139,7 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.config.embed_scale, x.dtype)
         new_layers = []
         for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, positions, None if cache is None else cache.layers[i])
+            x, layer_cache = layer(x, positions, None if cache is None else cache.layers[i], fresh)
             new_layers.append(layer_cache)
         return self.norm(x), (None if cache is None else KVCache(tuple(new_layers)))
 

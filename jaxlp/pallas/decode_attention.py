@@ -6,14 +6,14 @@ q ``[B, H, D]``; k, v ``[B, L, KVH, D]`` (the cache, H a multiple of KVH); row `
 slots ``starts[b] <= j < lengths[b]`` (its causal range, a sliding window included). Per
 (row, KV head, split of L) one program streams ``block_k`` keys at a time through an online
 softmax (scores and sums in float32, probabilities cast to v's dtype for the second product, as
-:func:`jaxlp.models.attention.causal_attention` does); the splits' partial outputs are merged
+:func:`jaxlp.attention.reference.causal_attention` does); the splits' partial outputs are merged
 in float32 afterwards. Only the slots in range are read, so the time follows the context, not the
 cache size. Query heads of one KV head share each key block (GQA); they are padded to 16 rows for
 the tensor-core dot. A row with an empty range gets zeros.
 
 The reference (and the CPU path) is :func:`reference`, i.e. ``causal_attention`` with positions.
 Written for Pallas' Triton backend, which jax 0.11.2 (the pinned version) runs but marks as
-deprecated in favour of Mosaic GPU; the switch ``jaxlp.kvcache.dense.ATTENTION = "xla"`` turns
+deprecated in favour of Mosaic GPU; the cache format's ``attention="xla"`` field turns
 the kernel off.
 """
 
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxlp.models.attention import causal_attention
+from jaxlp.attention.reference import causal_attention
 
 HEAD_BLOCK = 16  # query heads per program (the dot's minimum M)
 

@@ -1,6 +1,6 @@
 """Quantized models: recipes, the quantized linear layer, ``quantize_model``, calibration."""
 
-from jaxlp.quantization.linear import QuantizedLinear, implementations, register_implementation
+from jaxlp.quantization.linear import QuantizedLinear, implementations
 from jaxlp.quantization.model import (
     QuantizationReport,
     collect_activation_amax,
@@ -11,4 +11,3 @@ from jaxlp.quantization.model import (
 )
 from jaxlp.quantization.recipes import RECIPES, Recipe, get_recipe
 from jaxlp.quantization.saving import is_quantized_checkpoint, load_quantized, save_quantized
-from jaxlp.quantization import nvfp4_dispatch  # noqa: F401, E402 (registers the "nvfp4_cuda" implementation)

@@ -4,35 +4,34 @@
 and the CPU path: weight-only recipes dequantize the weight to the activation dtype and use
 XLA's dot; weight-activation recipes fake-quantize the activations and multiply the exactly
 dequantized values in float32 (for NVFP4 every element product is exact, so only the
-summation order separates this from a tensor-core kernel). GPU kernels register further
-implementations (``register_implementation``); ``"auto"`` picks the best registered one that
-supports the layer and falls back to ``"xla"``.
+summation order separates this from a tensor-core kernel). :data:`KERNELS` lists the GPU
+implementations (``"nvfp4_cuda"``: :mod:`jaxlp.quantization.nvfp4_dispatch`, whose measured table
+picks CUDA, Pallas or XLA per shape); ``"auto"`` takes the first that supports the layer and the
+input, else ``"xla"``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlp.formats import QuantizedArray
-from jaxlp.quantization import activations
+from jaxlp.formats import QuantizedArray, concatenate_rows
+from jaxlp.quantization import activations, nvfp4_dispatch
 
 NESTEDFP_MODES = ("fp16", "fp8")
 
-# name -> (supports(layer, x) -> bool, matmul(layer, x) -> y)
-_IMPLEMENTATIONS: dict[str, tuple[Callable, Callable]] = {}
-
-
-def register_implementation(name: str, supports: Callable, matmul: Callable) -> None:
-    """Add a kernel behind ``QuantizedLinear(implementation=name)`` (and ``"auto"``)."""
-    _IMPLEMENTATIONS[name] = (supports, matmul)
+# name -> (supports(layer, x) -> bool, matmul(layer, x) -> y), in the order "auto" tries them
+KERNELS: Mapping[str, tuple[Callable, Callable]] = MappingProxyType({
+    nvfp4_dispatch.IMPLEMENTATION: (nvfp4_dispatch.supports, nvfp4_dispatch.nvfp4_matmul),
+})
 
 
 def implementations() -> tuple[str, ...]:
-    return ("xla", "auto", *_IMPLEMENTATIONS)
+    return ("xla", "auto", *KERNELS)
 
 
 class QuantizedLinear(nnx.Module):
@@ -71,6 +70,24 @@ class QuantizedLinear(nnx.Module):
         self.set_mode(mode)
         self.set_implementation(implementation)
 
+    @classmethod
+    def concatenate_rows(cls, parts: list["QuantizedLinear"], bias: jax.Array | None) -> "QuantizedLinear":
+        """One layer whose output is the concatenated outputs of ``parts`` (fused projections):
+        weights by :func:`jaxlp.formats.concatenate_rows` (bit-exact), the rest must agree."""
+        first = parts[0]
+        for p in parts[1:]:
+            same = (p.activation == first.activation and p.out_scale == first.out_scale and p.mode == first.mode
+                    and p.implementation == first.implementation)
+            if not same:
+                raise ValueError("the linears differ in activation quantizer, output scale, mode or implementation")
+            amax = [None if q.act_amax is None else float(q.act_amax[...]) for q in (first, p)]
+            if amax[0] != amax[1]:
+                raise ValueError(f"the linears have different calibrated activation amax {amax}")
+        weight = concatenate_rows([p.weight.get_value() for p in parts])
+        return cls(weight, bias, activation=first.activation,
+                   act_amax=None if first.act_amax is None else first.act_amax[...],
+                   out_scale=first.out_scale, implementation=first.implementation, mode=first.mode)
+
     @property
     def format(self) -> str:
         return self.weight.get_value().format
@@ -105,11 +122,11 @@ class QuantizedLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         impl = self.implementation
         if impl == "auto":
-            impl = next((n for n, (ok, _) in _IMPLEMENTATIONS.items() if ok(self, x)), "xla")
+            impl = next((n for n, (ok, _) in KERNELS.items() if ok(self, x)), "xla")
         if impl == "xla":
             y = self.reference(x)
         else:
-            supports, matmul = _IMPLEMENTATIONS[impl]
+            supports, matmul = KERNELS[impl]
             if not supports(self, x):
                 raise ValueError(f"implementation {impl!r} does not support this layer/input {x.shape}")
             y = matmul(self, x)

@@ -1,6 +1,6 @@
 """NVFP4 matmul dispatch: CUDA kernels where the measured table says they win, else XLA.
 
-Importing this module registers ``"nvfp4_cuda"`` with :class:`QuantizedLinear`, so
+:class:`~jaxlp.quantization.QuantizedLinear` lists it as ``"nvfp4_cuda"``, so
 ``QuantizedLinear(..., implementation="nvfp4_cuda")`` (or ``"auto"``, or
 ``set_implementation(model, "auto")``) runs NVFP4 layers (W4A16 and W4A4) through it on a GPU.
 Other formats, other activation quantizers and CPU runs keep the pure-JAX reference.
@@ -47,7 +47,6 @@ from jaxlp.ffi import nvfp4 as ffi_nvfp4
 from jaxlp.formats import e2m1, nvfp4
 from jaxlp.formats.nvfp4 import BLOCK_SIZE, NVFP4Array
 from jaxlp.pallas import nvfp4_matmul as pallas_nvfp4
-from jaxlp.quantization.linear import register_implementation
 
 IMPLEMENTATION = "nvfp4_cuda"
 TABLE_PATH = Path(__file__).resolve().parents[1] / "ffi" / "nvfp4_dispatch.json"
@@ -315,5 +314,3 @@ def supports(layer, x: jax.Array) -> bool:
         return False
     return ffi_nvfp4.available()
 
-
-register_implementation(IMPLEMENTATION, supports, nvfp4_matmul)

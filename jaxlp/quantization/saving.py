@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxlp import checkpoint
 from jaxlp.models.config import ModelConfig, RopeConfig
-from jaxlp.models.loading import CheckpointFormatError
+from jaxlp.errors import CheckpointFormatError
 from jaxlp.models.transformer import Transformer
 from jaxlp.quantization.linear import QuantizedLinear
 from jaxlp.quantization.model import QuantizationReport, quantized_layers

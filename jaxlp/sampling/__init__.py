@@ -23,7 +23,7 @@ from jaxlp.sampling.baselines import (
     truncation_sweep,
 )
 from jaxlp.sampling.boundaries import BoundaryIds, boundary_ids, decoded_vocab
-from jaxlp.sampling.calibration import TAU0_PERCENTILE, calibrate_tau0, tau0_from_generation
+from jaxlp.sampling.calibration import TAU0_PERCENTILE, calibrate_tau0
 from jaxlp.sampling.reset import (
     RESET_PRESETS,
     EntropyTemperatureSampler,

@@ -14,7 +14,7 @@ transformation (temperature, filtering). A temperature <= ``GREEDY_TEMPERATURE``
 Sampling is Gumbel-max with the counter-based noise of :mod:`jaxlp.sampling.noise`.
 
 Two implementations of :func:`entropy_and_max` and :func:`sample_with_temperature`
-(``IMPLEMENTATION``, or the ``implementation=`` argument): ``"xla"``, the pure-JAX code of this
+(the ``implementation=`` argument, and every sampler's static ``implementation`` field): ``"xla"``, the pure-JAX code of this
 module (the reference, and the CPU path), and ``"cuda"``, the fused kernels of
 :mod:`jaxlp.ffi.sampling` (one read of each row per call, no sort, no host sync). ``"auto"``
 takes the kernels on a GPU when the vocabulary fits (<= 393,216) and the call has no top-k.
@@ -33,21 +33,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlp.ffi import sampling as kernels
 from jaxlp.sampling import noise
+from jaxlp.temperature import GREEDY_TEMPERATURE, inverse_temperature
 
-GREEDY_TEMPERATURE = 1e-6
 ENTROPY_CHUNK = 1024  # first-stage length of the entropy reduction
 IMPLEMENTATIONS = ("auto", "xla", "cuda")
-IMPLEMENTATION = "auto"  # default of the implementation= arguments (see the module docstring)
 
 
-def use_kernels(vocab: int, implementation: str | None = None) -> bool:
-    """Whether a call over rows of ``vocab`` tokens runs the CUDA kernels of jaxlp.ffi.sampling."""
-    from jaxlp.ffi import sampling as kernels
-
-    implementation = IMPLEMENTATION if implementation is None else implementation
+def check_implementation(implementation: str) -> None:
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        raise ValueError(f"sampling implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+
+
+def use_kernels(vocab: int, implementation: str = "auto") -> bool:
+    """Whether a call over rows of ``vocab`` tokens runs the CUDA kernels of jaxlp.ffi.sampling
+    (the dispatch of :func:`entropy_and_max` and :func:`sample_with_temperature`)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"sampling implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "xla":
         return False
     if implementation == "cuda":
@@ -79,7 +82,7 @@ def _entropy_combine(a, b):
     return m, s, t
 
 
-def entropy_and_max(logits: jax.Array, implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+def entropy_and_max(logits: jax.Array, implementation: str = "auto") -> tuple[jax.Array, jax.Array]:
     """(Shannon entropy in nats of softmax(logits), max logit) over the last axis, float32.
 
     With ``m`` the max, ``s = sum exp(x - m)`` and ``t = sum exp(x - m) (x - m)``,
@@ -88,8 +91,6 @@ def entropy_and_max(logits: jax.Array, implementation: str | None = None) -> tup
     x = jnp.asarray(logits).astype(jnp.float32)
     v = x.shape[-1]
     if x.ndim == 2 and use_kernels(v, implementation):
-        from jaxlp.ffi import sampling as kernels
-
         return kernels.entropy_and_max(x)
     init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
     # Two stages (chunks of ENTROPY_CHUNK, then across chunks): short sequential sums keep
@@ -328,13 +329,6 @@ def filter_logits(
     return jnp.where(keep.reshape(shape), logits, neg_inf)
 
 
-def inverse_temperature(temperature: jax.Array) -> jax.Array:
-    """``1 / T`` per row, 1 for greedy rows (``T <= GREEDY_TEMPERATURE``): the scale both
-    implementations multiply the logits by (the kernels take it from here, so it is bit-identical)."""
-    greedy = temperature <= GREEDY_TEMPERATURE
-    return jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature))
-
-
 def sample_with_temperature(
     logits: jax.Array,
     temperature: jax.Array,
@@ -344,7 +338,7 @@ def sample_with_temperature(
     top_p: jax.Array | float | None = None,
     min_p: jax.Array | float | None = None,
     row_max: jax.Array | None = None,
-    implementation: str | None = None,
+    implementation: str = "auto",
 ) -> jax.Array:
     """Scale ``logits [B, V]`` by a per-row ``1 / temperature [B]``, filter, sample one token per row.
 
@@ -367,8 +361,6 @@ def sample_with_temperature(
         sampled = jnp.argmax(filtered + noise.gumbel(noise.row_keys(words, b), v), axis=-1)
         return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     if use_kernels(v, implementation):
-        from jaxlp.ffi import sampling as kernels
-
         return kernels.sample(logits, temperature, words, top_p=top_p, min_p=min_p)
     inv_t = inverse_temperature(temperature)
     y = logits * inv_t[:, None]
@@ -423,17 +415,23 @@ class Categorical(Sampler):
     """softmax(logits / temperature), optionally restricted by top-k, top-p and min-p.
 
     ``temperature`` <= 1e-6 means argmax. Filters are applied after the temperature.
+    ``implementation``: "auto", "xla" or "cuda" (see the module docstring); static.
     """
 
     temperature: float = 1.0
     top_p: float | None = None
     min_p: float | None = None
     top_k: int | None = static_field(default=None)
+    implementation: str = static_field(default="auto")
+
+    def __post_init__(self):
+        check_implementation(self.implementation)
 
     def sample(self, state, logits, key):
         temperature = jnp.full(logits.shape[:-1], self.temperature, jnp.float32)
         tokens = sample_with_temperature(
-            logits, temperature, key, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p
+            logits, temperature, key, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            implementation=self.implementation,
         )
         used = jnp.where(temperature <= GREEDY_TEMPERATURE, 0.0, temperature)
         return SampleOutput(tokens, used, state)

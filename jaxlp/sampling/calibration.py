@@ -44,19 +44,3 @@ def calibrate_tau0(entropies, percentile: float = TAU0_PERCENTILE) -> float:
     if not 0.0 <= percentile <= 100.0:
         raise ValueError(f"calibrate_tau0: percentile must be in [0, 100], got {percentile!r}")
     return float(np.percentile(pooled, percentile))
-
-
-def tau0_from_generation(model, prompts, *, max_new_tokens: int, sampler=None, seed: int = 0,
-                         percentile: float = TAU0_PERCENTILE) -> tuple[float, np.ndarray]:
-    """Generate for ``prompts`` and calibrate tau0 on the generated tokens' raw-logit entropies.
-
-    ``sampler`` defaults to base decoding (T = 0.6, top-p 0.95), the paper's calibration
-    decoding. Returns ``(tau0, entropies)`` (entropies: the pooled float32 values used).
-    """
-    from jaxlp.generation import generate
-    from jaxlp.sampling.baselines import base_decoding
-
-    result = generate(model, prompts, max_new_tokens=max_new_tokens, sampler=sampler or base_decoding(), seed=seed,
-                      return_stats=True)
-    entropies = result.entropy[np.isfinite(result.entropy)]
-    return calibrate_tau0(entropies, percentile), entropies

@@ -44,10 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlp.sampling import noise
+from jaxlp.sampling.boundaries import boundary_ids
 from jaxlp.sampling.base import (
     GREEDY_TEMPERATURE,
     SampleOutput,
     Sampler,
+    check_implementation,
     entropy_and_max,
     register,
     sample_with_temperature,
@@ -147,6 +149,7 @@ class EntropyTemperatureSampler(Sampler):
     - ``double_newline_ids``: ids whose text contains "\\n\\n"; ``newline_ids``: ids whose text
       is exactly "\\n" (see :func:`jaxlp.sampling.boundaries.boundary_ids`).
     - ``top_p``: nucleus filter applied after the temperature (None: no filter).
+    - ``implementation``: "auto", "xla" or "cuda" (:mod:`jaxlp.sampling.base`); static.
 
     Class attributes chosen by subclasses: ``step_estimator`` in {"hybrid" (ReSET), "window",
     "causal", "ema", "none"} and ``confident_rule`` in {"threshold", "uniform_low"}.
@@ -159,6 +162,7 @@ class EntropyTemperatureSampler(Sampler):
     double_newline_ids: tuple[int, ...] = static_field(default=())
     newline_ids: tuple[int, ...] = static_field(default=())
     top_p: float | None = 0.95
+    implementation: str = static_field(default="auto")
 
     step_estimator: ClassVar[str] = "hybrid"
     confident_rule: ClassVar[str] = "threshold"
@@ -186,12 +190,11 @@ class EntropyTemperatureSampler(Sampler):
             raise ValueError(f"{name}: unknown step_estimator {self.step_estimator!r}")
         if self.confident_rule not in ("threshold", "uniform_low"):
             raise ValueError(f"{name}: unknown confident_rule {self.confident_rule!r}")
+        check_implementation(self.implementation)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, t_low: float, tau0: float, **kwargs):
         """Build with the step-boundary id sets derived from ``tokenizer`` (see boundaries.py)."""
-        from jaxlp.sampling.boundaries import boundary_ids
-
         ids = boundary_ids(tokenizer)
         return cls(
             t_low=t_low,
@@ -321,20 +324,19 @@ class EntropyTemperatureSampler(Sampler):
         if logits.ndim != 2:
             raise ValueError(f"logits must have shape [B, V], got {logits.shape}")
         self._check_state(state, logits.shape[0])
-        if use_kernels(logits.shape[1]):
+        if use_kernels(logits.shape[1], self.implementation):
             # One kernel reads the row once: H, and the tokens at t_low and at t_high (same noise);
             # the state update then picks the one of the temperature it chose.
-            from jaxlp.ffi import sampling as kernels
-
             pair = jnp.stack([jnp.asarray(self.t_low, jnp.float32), jnp.asarray(self.t_high, jnp.float32)])
             both, entropy, _ = kernels.entropy_sample(logits, pair, noise.key_words(key), top_p=self.top_p)
             temperature, state, stats = self.step(state, entropy)
             tokens = jnp.where(temperature == pair[1], both[:, 1], both[:, 0])
         else:
             # One pass gives H and the row max; the max is reused by the top-p stage.
-            entropy, row_max = entropy_and_max(logits)
+            entropy, row_max = entropy_and_max(logits, self.implementation)
             temperature, state, stats = self.step(state, entropy)
-            tokens = sample_with_temperature(logits, temperature, key, top_p=self.top_p, row_max=row_max)
+            tokens = sample_with_temperature(logits, temperature, key, top_p=self.top_p, row_max=row_max,
+                                             implementation=self.implementation)
         return SampleOutput(tokens, stats.temperature, self.record(state, tokens), stats.entropy)
 
 

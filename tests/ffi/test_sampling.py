@@ -7,6 +7,7 @@ reference path equals that float64 definition; the custom calls lower for CUDA. 
 without one): the kernels against the XLA reference and float64 NumPy.
 """
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -349,17 +350,13 @@ def test_reset_with_kernels_follows_the_xla_path(batch):
     for sampler in (ReSETConfig(t_low=0.1, tau0=0.5, newline_ids=(198,)), FixedThreshold(t_low=0.3, tau0=1.0)):
         runs = {}
         for impl in ("cuda", "xla"):
-            saved = base.IMPLEMENTATION
-            base.IMPLEMENTATION = impl
-            try:
-                step = jax.jit(sampler.sample)
-                state, out = sampler.init(batch), []
-                for t in range(steps):
-                    o = step(state, logits[t], jax.random.fold_in(jax.random.key(3), t))
-                    state = o.state
-                    out.append((np.asarray(o.tokens), np.asarray(o.temperature), np.asarray(o.entropy)))
-            finally:
-                base.IMPLEMENTATION = saved
+            chosen = dataclasses.replace(sampler, implementation=impl)
+            step = jax.jit(chosen.sample)
+            state, out = chosen.init(batch), []
+            for t in range(steps):
+                o = step(state, logits[t], jax.random.fold_in(jax.random.key(3), t))
+                state = o.state
+                out.append((np.asarray(o.tokens), np.asarray(o.temperature), np.asarray(o.entropy)))
             runs[impl] = [np.stack(a) for a in zip(*out)]
         (tok_c, temp_c, h_c), (tok_x, temp_x, h_x) = runs["cuda"], runs["xla"]
         np.testing.assert_allclose(h_c, h_x, rtol=2e-5, atol=2e-6)

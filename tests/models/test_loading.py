@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jaxlp
-from jaxlp.models import CheckpointFormatError, UnsupportedConfigError, from_hf_config
+from jaxlp.errors import CheckpointFormatError, UnsupportedConfigError
+from jaxlp.models import from_hf_config
 
 torch = pytest.importorskip("torch")
 

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import jaxlp
-from jaxlp.kvcache import dense
+from jaxlp import kvcache
 from jaxlp.models import ModelConfig, Transformer
 from jaxlp.pallas.decode_attention import DecodeConfig, decode_attention, default_config, reference
 
@@ -87,13 +87,17 @@ def test_bad_input_is_refused():
         decode_attention(q, k, v, jnp.asarray([1, 2, 3]), scale=1.0, config=DecodeConfig(block_k=48), interpret=True)
 
 
-def test_unknown_attention_switch_is_refused(monkeypatch):
+def test_unknown_attention_implementation_is_refused():
+    with pytest.raises(ValueError, match="attention implementation must be one of"):
+        kvcache.Dense(attention="triton")
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the error without a GPU")
+def test_pallas_without_a_gpu_says_why():
     model = Transformer(ModelConfig(model_type="llama", vocab_size=16, hidden_size=16, intermediate_size=32,
                                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8), rngs=nnx.Rngs(0))
-    monkeypatch.setattr(dense, "ATTENTION", "pallas")
-    jax.clear_caches()
-    with pytest.raises(ValueError, match="ATTENTION must be one of"):
-        jaxlp.generate(model, [[1, 2]], max_new_tokens=2, stop_tokens=[])
+    with pytest.raises(ValueError, match="needs a GPU"):
+        jaxlp.generate(model, [[1, 2]], max_new_tokens=2, stop_tokens=[], kv_cache=kvcache.Dense(attention="pallas"))
 
 
 def test_default_config_fills_the_gpu():
@@ -114,12 +118,11 @@ def test_generation_through_the_kernel_gives_the_same_tokens(monkeypatch):
     calls = []
     kernel = module.decode_attention
     monkeypatch.setattr(module, "decode_attention", lambda *a, **k: calls.append(k) or kernel(*a, **k))
-    monkeypatch.setattr(dense, "ATTENTION", "xla")
-    want = jaxlp.generate(model, prompts, max_new_tokens=8, stop_tokens=[]).tokens
+    want = jaxlp.generate(model, prompts, max_new_tokens=8, stop_tokens=[], kv_cache=kvcache.Dense(attention="xla")).tokens
     assert not calls
-    monkeypatch.setattr(dense, "ATTENTION", "interpret")
-    jax.clear_caches()  # the switch is read when generate traces
-    got = jaxlp.generate(model, prompts, max_new_tokens=8, stop_tokens=[]).tokens
+    # The implementation is a static field of the cache: a new value traces a new program (no cache clearing).
+    got = jaxlp.generate(model, prompts, max_new_tokens=8, stop_tokens=[],
+                         kv_cache=kvcache.Dense(attention="interpret")).tokens
     assert len(calls) == 2 and all(k["interpret"] for k in calls)  # both layers' decode steps (traced once)
     assert calls[0]["softcap"] is None
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

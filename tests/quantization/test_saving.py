@@ -10,7 +10,8 @@ from flax import nnx
 
 import jaxlp
 from jaxlp.formats import QuantizedArray
-from jaxlp.models import CheckpointFormatError, ModelConfig, Transformer
+from jaxlp.errors import CheckpointFormatError
+from jaxlp.models import ModelConfig, Transformer
 from jaxlp.quantization import quantize_model, save_quantized, set_mode
 
 

@@ -509,7 +509,8 @@ def test_tau0_from_generation_matches_generate_then_calibrate():
 
     import jaxlp
     from jaxlp.models import ModelConfig, Transformer
-    from jaxlp.sampling import base_decoding, tau0_from_generation
+    from jaxlp.generation import tau0_from_generation
+    from jaxlp.sampling import base_decoding
 
     config = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                          num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, tie_word_embeddings=True,

@@ -1,8 +1,10 @@
-"""A very short training run of the tiny reasoner: the loss falls and the checkpoint round-trips."""
+"""jaxlp.testbed.training: the schedule, the settings, and a very short training run of the tiny
+reasoner (the loss falls and the checkpoint round-trips)."""
 
-import importlib.util
+import dataclasses
 import json
-from pathlib import Path
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,16 +14,18 @@ from flax import nnx
 import jaxlp
 from jaxlp.models.tokenizer import load_tokenizer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_reasoner.py"
-
 
 @pytest.fixture(scope="module")
 def train_reasoner():
-    pytest.importorskip("optax")  # the training script's one extra dependency
-    spec = importlib.util.spec_from_file_location("train_reasoner", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    pytest.importorskip("optax")  # training's one extra dependency
+    from jaxlp.testbed import training
+
+    return training
+
+
+def test_testbed_does_not_import_training():
+    code = "import sys, jaxlp, jaxlp.testbed; assert 'jaxlp.testbed.training' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_learning_rate_schedule(train_reasoner):
@@ -43,11 +47,25 @@ def test_model_configs(train_reasoner):
     assert train_reasoner.FULL_SPEC.max_tokens() + 64 <= full.max_position_embeddings
 
 
+def test_settings(train_reasoner):
+    tiny = train_reasoner.TrainSettings(tiny=True, steps="24", snapshots="30, 10,30", ship_min_accuracy=0.9)
+    assert (tiny.steps, tiny.snapshots, tiny.batch_size, tiny.seq_len, tiny.lr, tiny.workers) == (
+        24, [10, 30], 16, 192, 3e-3, 0)
+    full = train_reasoner.TrainSettings(out="x", batch_size=64, max_terms=6)
+    assert full.steps == "auto" and full.batch_size == 64 and full.seq_len == 512 and full.eval_problems == 256
+    assert str(full.out) == "x" and full.spec() == dataclasses.replace(train_reasoner.FULL_SPEC, max_terms=6)
+    for bad, message in ((dict(steps="many"), "--steps must be an integer or 'auto'"), (dict(steps=0), ">= 1"),
+                         (dict(snapshots="1,x"), "comma-separated integers"),
+                         (dict(ship_min_accuracy=0.5), "needs --snapshots")):
+        with pytest.raises(ValueError, match=message):
+            train_reasoner.TrainSettings(**bad)
+
+
 def test_tiny_training_run(train_reasoner, tmp_path):
-    args = train_reasoner.parse_args([
-        "--tiny", "--steps", "24", "--out", str(tmp_path / "ckpt"), "--log-every", "1", "--eval-every", "1000",
-        "--eval-problems", "4", "--final-eval-problems", "4", "--seed", "3",
-    ])
+    args = train_reasoner.TrainSettings(
+        tiny=True, steps=24, out=tmp_path / "ckpt", log_every=1, eval_every=1000, eval_problems=4,
+        final_eval_problems=4, seed=3,
+    )
     log, model = train_reasoner.train(args)
     losses = np.array([row[1] for row in log["losses"]])
     assert len(losses) == 24 and np.isfinite(losses).all()
@@ -56,6 +74,8 @@ def test_tiny_training_run(train_reasoner, tmp_path):
     out = tmp_path / "ckpt"
     saved_log = json.loads((out / "training_log.json").read_text())
     assert saved_log["steps"] == 24 and saved_log["losses"] == log["losses"]
+    assert saved_log["args"]["steps"] == "24" and saved_log["args"]["snapshots"] == "[]" and list(
+        saved_log["args"])[:3] == ["out", "seed", "tiny"]
     # The checkpoint loads back with bit-identical bf16 parameters, and its tokenizer works.
     loaded = jaxlp.from_pretrained(out, dtype=jnp.bfloat16)
     a = nnx.to_flat_state(nnx.state(model))

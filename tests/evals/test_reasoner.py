@@ -1,8 +1,7 @@
-"""scripts/eval_reasoner.py: its statistics against NumPy references, the call layout, the
-row-group sampler and cache against separate runs, the tables, and a tiny end-to-end run."""
+"""jaxlp.evals.reasoner (and its plan, report and row groups): the call layout, the settings,
+the row-group sampler and cache against separate runs, the tables, and a tiny end-to-end run."""
 
 import json
-import math
 
 import jax
 import jax.numpy as jnp
@@ -12,14 +11,28 @@ from flax import nnx
 
 import jaxlp
 from jaxlp import kvcache, sampling, testbed
+from jaxlp.evals.reasoner import Context, config_report, run_evaluation, score_texts
+from jaxlp.evals.reasoner_plan import (
+    BASE_SAMPLER,
+    Config,
+    describe_plan,
+    plan_calls,
+    plan_jobs,
+    resolve_eval_settings,
+    settings_rows,
+    table_rows,
+)
+from jaxlp.evals.reasoner_report import (
+    decode_correct,
+    fmt_acc,
+    markdown_table,
+    table1,
+    table2,
+    term_buckets,
+)
+from jaxlp.evals.rowgroups import RowGroupCache, RowGroupSampler
+from jaxlp.evals.stats import t_interval
 from jaxlp.models import ModelConfig, Transformer
-
-from conftest import load_script
-
-
-@pytest.fixture(scope="module")
-def ev():
-    return load_script("eval_reasoner")
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -31,93 +44,6 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**kwargs)
 
 
-# ------------------------------------------------------------------ statistics
-
-
-def t_density_integral(t: float, df: int) -> float:
-    """P(|T| <= t) by Simpson integration of the t density (float64), an independent reference."""
-    x = np.linspace(0.0, t, 40001)
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    f = np.exp(log_c - (df + 1) / 2 * np.log1p(x * x / df))
-    h = x[1] - x[0]
-    simpson = h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
-    return 2 * simpson
-
-
-@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 8, 15, 30])
-def test_t_cdf_matches_integrated_density(ev, df):
-    rng = np.random.default_rng(100 + df)
-    for t in np.concatenate([[0.5, 1.0, 2.0], rng.uniform(0.01, 6.0, 3)]):
-        assert ev.t_two_sided_cdf(float(t), df) == pytest.approx(t_density_integral(float(t), df), abs=1e-9)
-    assert ev.t_two_sided_cdf(0.0, df) == 0.0
-    assert ev.t_two_sided_cdf(math.inf, df) == 1.0
-
-
-def test_t_critical_matches_printed_tables(ev):
-    table_975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 5: 2.5706, 7: 2.3646, 10: 2.2281, 30: 2.0423}
-    for df, t in table_975.items():
-        assert ev.t_critical(df) == pytest.approx(t, abs=1e-4)
-    assert ev.t_critical(7, 0.99) == pytest.approx(3.4995, abs=1e-4)
-    assert ev.t_critical(4, 0.90) == pytest.approx(2.1318, abs=1e-4)
-    for bad in (0, 2.5):
-        with pytest.raises(ValueError):
-            ev.t_two_sided_cdf(1.0, bad)
-    with pytest.raises(ValueError):
-        ev.t_critical(3, 1.0)
-
-
-def test_t_critical_matches_scipy(ev):
-    stats = pytest.importorskip("scipy.stats")
-    for df in range(1, 41):
-        assert ev.t_critical(df) == pytest.approx(stats.t.ppf(0.975, df), rel=1e-9)
-
-
-def test_t_interval(ev):
-    rng = np.random.default_rng(7)
-    x = rng.uniform(0.6, 1.0, 8)
-    mean, half = ev.t_interval(x)
-    ref = 2.3646242515927849 * np.sqrt(np.sum((x - x.mean()) ** 2) / 7) / np.sqrt(8)  # t_{0.975, 7}
-    assert mean == pytest.approx(x.mean(), rel=1e-12) and half == pytest.approx(ref, rel=1e-8)
-    assert ev.t_interval([0.75] * 8) == (0.75, 0.0)
-    m1, h1 = ev.t_interval([0.5])
-    assert m1 == 0.5 and math.isnan(h1)
-    with pytest.raises(ValueError):
-        ev.t_interval([])
-
-
-def test_bootstrap_problems(ev):
-    assert ev.bootstrap_problems(np.ones((8, 50), bool)) == (1.0, 1.0)
-    assert ev.bootstrap_problems(np.zeros((8, 50), bool)) == (0.0, 0.0)
-    rng = np.random.default_rng(11)
-    p = rng.uniform(0.3, 1.0, 2000)  # per-problem success probability: problems differ
-    correct = rng.random((8, 2000)) < p
-    lo, hi = ev.bootstrap_problems(correct, resamples=4000, seed=3)
-    per_problem = correct.mean(axis=0)
-    half = 1.959964 * per_problem.std(ddof=1) / np.sqrt(per_problem.size)  # normal approximation
-    assert lo < correct.mean() < hi
-    assert (hi - lo) / 2 == pytest.approx(half, rel=0.1)
-    assert (lo + hi) / 2 == pytest.approx(correct.mean(), abs=0.2 * half)
-    for bad in (np.zeros(5), np.zeros((0, 3))):
-        with pytest.raises(ValueError):
-            ev.bootstrap_problems(bad)
-
-
-def test_accuracy_summary_and_paired_delta(ev):
-    a = np.array([[1, 1, 1, 0], [1, 0, 1, 0]], bool)  # per seed 0.75, 0.5
-    b = np.array([[1, 0, 1, 0], [0, 1, 1, 0]], bool)  # per seed 0.5, 0.5
-    s = ev.accuracy_summary(a, resamples=500)
-    assert s["accuracy"] == pytest.approx(0.625) and s["per_seed"] == [0.75, 0.5] and s["samples"] == 8
-    half = 12.706204736174707 * np.std([0.75, 0.5], ddof=1) / np.sqrt(2)
-    assert s["half_width"] == pytest.approx(half) and s["ci"] == pytest.approx([0.625 - half, 0.625 + half])
-    lo, hi = s["ci_bootstrap_problems"]
-    assert 0.0 <= lo <= 0.625 <= hi <= 1.0
-    d = ev.paired_delta(a, b)
-    assert d["delta"] == pytest.approx(0.125)
-    assert d["half_width"] == pytest.approx(12.706204736174707 * np.std([0.25, 0.0], ddof=1) / np.sqrt(2))
-    with pytest.raises(ValueError):
-        ev.paired_delta(a, b[:, :3])
-
-
 # ------------------------------------------------------------------ layout and planning
 
 
@@ -125,9 +51,9 @@ def test_accuracy_summary_and_paired_delta(ev):
     (256, 8, 1, 4096), (256, 8, 16, 4096), (256, 8, 10, 4096), (5, 6, 3, 40), (7, 3, 4, 10), (9, 2, 1, 4),
     (1, 1, 1, 1), (1024, 8, 16, 4096), (13, 2, 3, 9),
 ])
-def test_plan_calls_covers_every_unit_once(ev, problems, seeds, groups, max_rows):
+def test_plan_calls_covers_every_unit_once(problems, seeds, groups, max_rows):
     lengths = np.random.default_rng(problems).integers(10, 50, problems).tolist()
-    plan = ev.plan_calls(problems, seeds, groups, max_rows, lengths)
+    plan = plan_calls(problems, seeds, groups, max_rows, lengths)
     units = [u for call in plan.calls for u in call if u is not None]
     assert sorted(units) == [(s, i) for s in range(seeds) for i in range(problems)]
     assert all(len(call) == plan.rows_per_group for call in plan.calls)
@@ -139,14 +65,15 @@ def test_plan_calls_covers_every_unit_once(ev, problems, seeds, groups, max_rows
         for call in plan.calls:
             assert any(u is not None and u[1] in longest for u in call)
     with pytest.raises(ValueError):
-        ev.plan_calls(problems, seeds, groups, groups - 1)
+        plan_calls(problems, seeds, groups, groups - 1)
 
 
-def test_plan_jobs_runs_each_config_once(ev):
-    args = ev.parse_args([])
-    rows = ev.table_rows(args.tables, args.formats, args.samplers, args.caches, args.sampler_weights,
-                         args.cache_weights)
-    jobs = ev.plan_jobs(rows, max_cache_groups=4)
+def test_plan_jobs_runs_each_config_once():
+    args = resolve_eval_settings()
+    rows = table_rows(args.tables, args.formats, args.samplers, args.caches, args.sampler_weights,
+                      args.cache_weights)
+    assert settings_rows(args) == rows
+    jobs = plan_jobs(rows, max_cache_groups=4)
     planned = [c for j in jobs for c in j.configs]
     assert len(planned) == len(set(planned)) == len({c for cfgs in rows.values() for c in cfgs})
     by_name = {j.name: j for j in jobs}
@@ -156,26 +83,31 @@ def test_plan_jobs_runs_each_config_once(ev):
     assert all(len(by_name[k].configs) == 3 for k in kv)
     assert by_name["samplers/w4a4-nvfp4"].calibrate_tau0 and not by_name["kv/bf16/1"].calibrate_tau0
     # Table 1's BF16 row and Table 5's BF16-cache rows come from the sampler programs.
-    assert ev.Config("bf16", ev.BASE_SAMPLER, "bf16") in by_name["samplers/bf16"].configs
+    assert Config("bf16", BASE_SAMPLER, "bf16") in by_name["samplers/bf16"].configs
     assert all(c.cache != "bf16" for k in kv for c in by_name[k].configs)
     assert jobs[0].name == "samplers/w4a4-nvfp4"
-    assert len(ev.plan_jobs(rows, max_cache_groups=9)) == 4 + 7 and len(ev.plan_jobs(rows, 1)) == 2 + 18 + 7
+    assert len(plan_jobs(rows, max_cache_groups=9)) == 4 + 7 and len(plan_jobs(rows, 1)) == 2 + 18 + 7
     with pytest.raises(ValueError):
-        ev.plan_jobs(rows, 0)
+        plan_jobs(rows, 0)
 
 
-def test_parse_args_rejects_unknown_names(ev):
-    for argv in (["--formats", "fp3"], ["--samplers", "top_k=5"], ["--caches", "int1"], ["--tables", "3"]):
-        with pytest.raises(SystemExit):
-            ev.parse_args(argv)
-    args = ev.parse_args(["--samplers", "reset", "--caches", "kitty"])
-    assert args.samplers == (ev.BASE_SAMPLER, "reset") and args.caches == ("bf16", "kitty")
-    assert ev.parse_args([]).samplers[:2] == (ev.BASE_SAMPLER, "top_p=0.8")
+def test_settings_reject_unknown_names():
+    for bad, name in ((dict(formats="fp3"), "weight format 'fp3'"), (dict(samplers="top_k=5"), "sampler 'top_k=5'"),
+                      (dict(caches="int1"), "KV cache 'int1'"), (dict(tables="3"), "table '3'"),
+                      (dict(sampler_weights="bf16,fp3"), "weight format 'fp3'"), (dict(workers=0), "--workers")):
+        with pytest.raises(ValueError, match=name):
+            resolve_eval_settings(**bad)
+    args = resolve_eval_settings(samplers="reset", caches="kitty")
+    assert args.samplers == (BASE_SAMPLER, "reset") and args.caches == ("bf16", "kitty")
+    assert resolve_eval_settings().samplers[:2] == (BASE_SAMPLER, "top_p=0.8")
+    assert resolve_eval_settings(samplers=["reset", "reset"], caches=("kitty",)).samplers == (BASE_SAMPLER, "reset")
+    quick = resolve_eval_settings(quick=True)
+    assert (quick.problems, quick.seeds, quick.formats, quick.cache_weights) == (4, 2, ("bf16", "w4a4-nvfp4"),
+                                                                                  ("bf16",))
 
 
-def test_list_mode(ev, capsys):
-    assert ev.main(["--list"]) == 0
-    out = capsys.readouterr().out
+def test_list_mode():
+    out = "\n".join(describe_plan(resolve_eval_settings()))
     assert "samplers/w4a4-nvfp4" in out and "kv/w4a4-nvfp4/3" in out and "15 compiled programs, 57 configs" in out
 
 
@@ -186,11 +118,11 @@ def _entropy_sampler(cls, tau0=0.3):
     return cls(t_low=0.1, tau0=tau0, double_newline_ids=(), newline_ids=(testbed.NEWLINE_ID,))
 
 
-def test_row_group_sampler_equals_separate_samplers(ev):
+def test_row_group_sampler_equals_separate_samplers():
     samplers = (sampling.Categorical(temperature=0.6, top_p=0.9), _entropy_sampler(sampling.ReSETConfig),
                 sampling.Categorical(temperature=1.0, top_p=None, min_p=0.05))
     sizes = (5, 3, 2)
-    group = ev.RowGroupSampler(samplers, sizes)
+    group = RowGroupSampler(samplers, sizes)
     rng = np.random.default_rng(21)
     state, states = jax.jit(group.init, static_argnums=0)(10), [s.init(n) for s, n in zip(samplers, sizes)]
     step = jax.jit(lambda smp, st, x, k: smp.sample(st, x, k))
@@ -211,16 +143,16 @@ def test_row_group_sampler_equals_separate_samplers(ev):
     with pytest.raises(ValueError):
         group.init(9)
     with pytest.raises(ValueError):
-        ev.RowGroupSampler(samplers, (5, 3))
+        RowGroupSampler(samplers, (5, 3))
     with pytest.raises(ValueError):
-        ev.RowGroupSampler(list(samplers), sizes)
+        RowGroupSampler(list(samplers), sizes)
 
 
-def test_row_group_cache_equals_separate_caches(ev):
+def test_row_group_cache_equals_separate_caches():
     config = tiny_config()
     formats = ("bf16", "kivi-k2v2", "fireq-int4")
     sizes = (2, 3, 1)
-    fmt = ev.RowGroupCache(formats, sizes)
+    fmt = RowGroupCache(formats, sizes)
     b, max_len = sum(sizes), 24
     cache = fmt.init(config, b, max_len)
     parts = [kvcache.get(f).init(config, n, max_len) for f, n in zip(formats, sizes)]
@@ -251,10 +183,10 @@ def test_row_group_cache_equals_separate_caches(ev):
     with pytest.raises(ValueError):
         fmt.init(config, b + 1, max_len)
     with pytest.raises(ValueError):
-        ev.RowGroupCache(formats, (2, 3))
+        RowGroupCache(formats, (2, 3))
 
 
-def test_generate_with_row_groups_equals_separate_calls(ev):
+def test_generate_with_row_groups_equals_separate_calls():
     config = tiny_config()
     model = Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(3))
     rng = np.random.default_rng(9)
@@ -262,8 +194,8 @@ def test_generate_with_row_groups_equals_separate_calls(ev):
     samplers = (sampling.Categorical(temperature=1.0), sampling.Categorical(temperature=0.8, top_p=0.9))
     caches = ("bf16", "kivi-k2v2")
     kw = dict(max_new_tokens=12, stop_tokens=(), seed=4, return_stats=True)
-    both = jaxlp.generate(model, prompts * 2, sampler=ev.RowGroupSampler(samplers, (3, 3)),
-                          kv_cache=ev.RowGroupCache(caches, (3, 3)), **kw)
+    both = jaxlp.generate(model, prompts * 2, sampler=RowGroupSampler(samplers, (3, 3)),
+                          kv_cache=RowGroupCache(caches, (3, 3)), **kw)
     for g in range(2):
         alone = jaxlp.generate(model, prompts, sampler=samplers[g], kv_cache=caches[g], **kw)
         np.testing.assert_array_equal(both.tokens[3 * g:3 * g + 3], alone.tokens)
@@ -274,39 +206,39 @@ def test_generate_with_row_groups_equals_separate_calls(ev):
 # ------------------------------------------------------------------ scoring, tables
 
 
-def test_score_texts_and_config_report(ev):
+def test_score_texts_and_config_report():
     problems = testbed.eval_problems(0, 3)
     texts = [p.solution for p in problems]
     bad = texts[1].replace("Answer: ", "Answer: 1")  # wrong answer after right steps
-    scored = ev.score_texts(problems, [texts[0], bad, "garbage"])
+    scored = score_texts(problems, [texts[0], bad, "garbage"])
     assert scored[0] == (True, None) and scored[1] == (False, "answer") and scored[2] == (False, "format")
-    ctx = ev.Context(problems, [], None, testbed.ProblemSpec(), 2, 64, 10, 0, 1)
+    ctx = Context(problems, [], None, testbed.ProblemSpec(), 2, 64, 10, 0, 1)
     correct = np.array([[True, False, False], [True, True, False]])
     kinds = np.array([[None, "answer", "format"], [None, None, "format"]], object)
-    rep = ev.config_report(ev.Config("bf16", ev.BASE_SAMPLER, "bf16"), ctx, correct, kinds, {"x": 1}, 200)
+    rep = config_report(Config("bf16", BASE_SAMPLER, "bf16"), ctx, correct, kinds, {"x": 1}, 200)
     assert rep["accuracy"] == pytest.approx(0.5) and rep["per_seed"] == pytest.approx([1 / 3, 2 / 3])
     assert rep["error_kinds"] == {"format": 2, "answer": 1} and rep["correct_answer_step_error"] == 0
     assert rep["correct"] == ["100", "110"] and rep["x"] == 1
-    np.testing.assert_array_equal(ev.decode_correct(rep), correct)
+    np.testing.assert_array_equal(decode_correct(rep), correct)
     for k, v in rep["by_terms"].items():
         cols = [i for i, p in enumerate(problems) if len(p.terms) == k]
         assert v == {"accuracy": pytest.approx(correct[:, cols].mean()), "problems": len(cols)}
 
 
-def test_markdown_tables(ev):
-    assert ev.markdown_table(["a", "b|c"], [["1", "x|y"]]) == "| a | b\\|c |\n|---|---|\n| 1 | x\\|y |"
+def test_markdown_tables():
+    assert markdown_table(["a", "b|c"], [["1", "x|y"]]) == "| a | b\\|c |\n|---|---|\n| 1 | x\\|y |"
     with pytest.raises(ValueError):
-        ev.markdown_table(["a", "b"], [["1"]])
-    assert ev.fmt_acc(None) == "-"
-    assert ev.fmt_acc({"accuracy": 0.9734, "half_width": 0.0081}) == "97.3 ± 0.8"
-    assert ev.fmt_acc({"accuracy": 0.5, "half_width": float("nan")}) == "50.0"
+        markdown_table(["a", "b"], [["1"]])
+    assert fmt_acc(None) == "-"
+    assert fmt_acc({"accuracy": 0.9734, "half_width": 0.0081}) == "97.3 ± 0.8"
+    assert fmt_acc({"accuracy": 0.5, "half_width": float("nan")}) == "50.0"
     spec = testbed.ProblemSpec()
-    assert ev.term_buckets(spec) == [(1, 2), (3, 4), (5, 6), (7, 8)]
-    assert ev.term_buckets(testbed.ProblemSpec(min_terms=1, max_terms=3)) == [(1, 2), (3, 3)]
+    assert term_buckets(spec) == [(1, 2), (3, 4), (5, 6), (7, 8)]
+    assert term_buckets(testbed.ProblemSpec(min_terms=1, max_terms=3)) == [(1, 2), (3, 3)]
 
     def rep(bits, by_terms):
         per_seed = [np.mean([c == "1" for c in row]) for row in bits]
-        mean, half = ev.t_interval(per_seed)
+        mean, half = t_interval(per_seed)
         return dict(accuracy=mean, half_width=half, correct=bits, by_terms=by_terms)
 
     reports = {
@@ -315,8 +247,8 @@ def test_markdown_tables(ev):
         "w4a4-nvfp4/top_p=0.95/bf16": rep(["1100", "1010"], {1: dict(accuracy=0.5, problems=2),
                                                               7: dict(accuracy=0.5, problems=2)}),
     }
-    rows = [ev.Config(w, ev.BASE_SAMPLER, "bf16") for w in ("bf16", "w4a4-nvfp4", "w8a8-fp8")]
-    lines = ev.table1(reports, spec, rows).split("\n")
+    rows = [Config(w, BASE_SAMPLER, "bf16") for w in ("bf16", "w4a4-nvfp4", "w8a8-fp8")]
+    lines = table1(reports, spec, rows).split("\n")
     assert lines[0] == "| Weights | 1-2 terms | 3-4 terms | 5-6 terms | 7-8 terms | All (± 95% CI) | Δ vs BF16 |"
     assert lines[2] == "| BF16 | 100.0 | - | - | 75.0 | 87.5 ± 158.8 |  |"
     # W4A4: per seed 0.5 / 0.5 vs 1.0 / 0.75 -> differences -0.5 / -0.25, mean -37.5, t_{1} half-width 158.8
@@ -325,7 +257,7 @@ def test_markdown_tables(ev):
     reports["bf16/top_p=0.8/bf16"] = rep(["1111", "1111"], {})
     reports["bf16/top_p=0.85/bf16"] = rep(["1111", "0111"], {})
     reports["w4a4-nvfp4/reset/bf16"] = rep(["1110", "1110"], {})
-    t2 = ev.table2(reports, [ev.BASE_SAMPLER, "top_p=0.8", "top_p=0.85", "top_p=0.9", "reset"],
+    t2 = table2(reports, [BASE_SAMPLER, "top_p=0.8", "top_p=0.85", "top_p=0.9", "reset"],
                    ["bf16", "w4a4-nvfp4"], 0.1, 1.0).split("\n")
     assert t2[2] == "| Base | 0.6 | 0.95 | 0.0 | 87.5 ± 158.8 |  | 50.0 ± 0.0 |  |"
     assert t2[3] == "| Top-p sweep | 0.6 | 0.8 | 0.0 | 100.0 ± 0.0 | +12.5 ± 158.8 | - |  |"
@@ -350,13 +282,15 @@ def tiny_checkpoint(tmp_path_factory):
     return path
 
 
-def test_end_to_end_tiny_model(ev, tiny_checkpoint, tmp_path):
+def test_end_to_end_tiny_model(tiny_checkpoint, tmp_path):
     out = tmp_path / "res"
-    code = ev.main(["--model", str(tiny_checkpoint), "--out", str(out), "--problems", "4", "--seeds", "2",
-                    "--formats", "bf16", "--samplers", "reset", "--sampler-weights", "bf16", "--caches", "kivi-k2v2",
-                    "--cache-weights", "bf16", "--bootstrap", "100", "--workers", "2"])  # both programs at once
-    assert code == 0
+    settings = resolve_eval_settings(model=tiny_checkpoint, out=out, problems=4, seeds=2, formats="bf16",
+                                     samplers="reset", sampler_weights="bf16", caches="kivi-k2v2",
+                                     cache_weights="bf16", bootstrap=100, workers=2)  # both programs at once
+    evaluation = run_evaluation(settings, command="eval of the tiny model")
+    assert evaluation.skipped == []
     data = json.loads(out.with_suffix(".json").read_text())
+    assert list(evaluation.reports) == [c["key"] for c in data["configs"]] and data["meta"] == evaluation.meta
     keys = [c["key"] for c in data["configs"]]
     assert sorted(keys) == ["bf16/reset/bf16", "bf16/top_p=0.95/bf16", "bf16/top_p=0.95/kivi-k2v2"]
     assert data["skipped"] == [] and data["meta"]["spec"]["max_terms"] == 2
@@ -365,7 +299,7 @@ def test_end_to_end_tiny_model(ev, tiny_checkpoint, tmp_path):
     assert tau0["tau0"] > 0 and tau0["problems"] == 4  # training problems = rows of one call
     problems = testbed.eval_problems(0, 4, testbed.ProblemSpec(**data["meta"]["spec"]))
     for c in data["configs"]:
-        correct = ev.decode_correct(c)
+        correct = decode_correct(c)
         assert correct.shape == (2, 4) and c["samples"] == 8
         assert c["accuracy"] == pytest.approx(correct.mean()) and c["per_seed"] == pytest.approx(correct.mean(1))
         assert sum(c["error_kinds"].values()) == int((~correct).sum())
@@ -375,16 +309,18 @@ def test_end_to_end_tiny_model(ev, tiny_checkpoint, tmp_path):
     assert reset["tau0"] == data["meta"]["tau0"]["bf16"]["tau0"] and 0.0 <= reset["share_t_low"] <= 1.0
     assert next(c for c in data["configs"] if c["key"] == "bf16/top_p=0.95/bf16")["tables"] == ["1", "2", "5"]
     md = out.with_suffix(".md").read_text()
-    for heading in ("## Table 1", "## Table 2", "## Table 5", "| ReSET | 0.1 / 1 | 0.95 | 0.0 |", "| kivi-k2v2 |"):
+    for heading in ("Command: `eval of the tiny model`", "## Table 1", "## Table 2", "## Table 5",
+                    "| ReSET | 0.1 / 1 | 0.95 | 0.0 |", "| kivi-k2v2 |"):
         assert heading in md
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
-def test_time_limit_skips_and_still_writes(ev, tiny_checkpoint, tmp_path):
+def test_time_limit_skips_and_still_writes(tiny_checkpoint, tmp_path):
     out = tmp_path / "late"
-    code = ev.main(["--model", str(tiny_checkpoint), "--out", str(out), "--problems", "2", "--seeds", "1",
-                    "--tables", "5", "--caches", "kitty", "--cache-weights", "bf16", "--time-limit", "0"])
-    assert code == 1
+    settings = resolve_eval_settings(model=tiny_checkpoint, out=out, problems=2, seeds=1, tables="5", caches="kitty",
+                                     cache_weights="bf16", time_limit=0)
+    evaluation = run_evaluation(settings)
+    assert evaluation.skipped and not evaluation.reports
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["configs"] == [] and "TimeoutError" in data["skipped"][0]
     assert "## Not run" in out.with_suffix(".md").read_text()

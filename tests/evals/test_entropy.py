@@ -1,5 +1,5 @@
-"""scripts/entropy_analysis.py: per-position statistics against a float64 NumPy reference, and
-tiny end-to-end runs of both kinds on a random-init testbed-shaped Qwen3 model."""
+"""jaxlp.evals.entropy: per-position statistics against a float64 NumPy reference, and tiny
+end-to-end runs of both kinds on a random-init testbed-shaped Qwen3 model."""
 
 import json
 from pathlib import Path
@@ -10,19 +10,20 @@ import pytest
 from flax import nnx
 
 import jaxlp
+from jaxlp.evals.entropy import (
+    SequenceStats,
+    distribution,
+    run_entropy_analysis,
+    run_models,
+    text_windows,
+)
+from jaxlp.evals.entropy import testbed_corpus as build_testbed_corpus  # a test_* name would be collected
 from jaxlp.models import ModelConfig, Transformer
 from jaxlp.models.saving import save_pretrained
 from jaxlp.models.tokenizer import load_tokenizer
 from jaxlp.testbed import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ProblemSpec, eval_problems, make_tokenizer
 
-from conftest import load_script
-
 SPEC = ProblemSpec(min_terms=1, max_terms=2, max_digits=2, multiply_prob=0.3, start_digits=2)
-
-
-@pytest.fixture(scope="module")
-def script():
-    return load_script("entropy_analysis")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def _reference_stats(logits, targets):
     return -(p * logp).sum(-1), x.argmax(-1), logp[np.arange(len(targets)), targets], p.max(-1), logp
 
 
-def test_distribution_is_accurate_for_peaked_rows(script):
+def test_distribution_is_accurate_for_peaked_rows():
     from jaxlp.sampling import token_entropy
 
     rng = np.random.default_rng(51)
@@ -72,7 +73,7 @@ def test_distribution_is_accurate_for_peaked_rows(script):
     ref = x - x.max(-1, keepdims=True) - np.log1p(rest)[:, None]  # float64, also without that cancellation
     p = np.exp(ref)
     ref_entropy = -(p * ref).sum(-1)
-    d = script.distribution(jnp.asarray(x, jnp.float32))
+    d = distribution(jnp.asarray(x, jnp.float32))
     got = np.asarray(d.logp, np.float64)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(got[np.arange(64), top], ref_top, rtol=1e-4)  # relative precision kept
@@ -86,37 +87,38 @@ def test_distribution_is_accurate_for_peaked_rows(script):
     assert np.isfinite(got[np.asarray(d.p) > 0]).all() and np.isfinite(np.asarray(d.entropy)).all()
 
 
-def test_run_models_matches_numpy(script, tiny_dir):
+def test_run_models_matches_numpy(tiny_dir):
     tok = load_tokenizer(tiny_dir)
     model = jaxlp.from_pretrained(tiny_dir, dtype=jnp.float32)
-    corpus = script.testbed_corpus(tiny_dir, tok, EOS_ID, 3, 2, seed=5)
+    corpus = build_testbed_corpus(tiny_dir, tok, EOS_ID, 3, 2, seed=5)
     assert [len(s) for s in corpus.sequences] != [len(corpus.sequences[0])] * 3  # padding is exercised
     quantized = [jaxlp.quantization.quantize_model(model, "w4a4-nvfp4", calibration=corpus.calibration),
                  jaxlp.quantization.quantize_model(model, "w4a16-nvfp4")]
-    per_seq = script.run_models(model, quantized, corpus, batch_size=2, pad_id=PAD_ID)  # last batch half empty
-    width = max(len(s) for s in corpus.sequences) + 3  # one row at a time, padded otherwise than the script
+    per_seq = run_models(model, quantized, corpus, batch_size=2, pad_id=PAD_ID)  # last batch half empty
+    assert isinstance(per_seq, SequenceStats) and all(len(v) == 3 for v in per_seq)
+    width = max(len(s) for s in corpus.sequences) + 3  # one row at a time, padded otherwise than run_models
     forward = nnx.jit(lambda m, ids: m(ids))
     for i, (seq, first) in enumerate(zip(corpus.sequences, corpus.first)):
         targets = seq[first:]
         ids = jnp.asarray(np.pad(seq, (0, width - len(seq)), constant_values=PAD_ID)[None])
         refs = [_reference_stats(forward(m, ids)[0, first - 1 : len(seq) - 1], targets) for m in [model, *quantized]]
         for m, (h, am, lp, pmax, _) in enumerate(refs):
-            np.testing.assert_allclose(per_seq["entropy"][i][m], h, rtol=2e-4, atol=2e-5)
-            np.testing.assert_allclose(per_seq["target_logprob"][i][m], lp, rtol=2e-4, atol=2e-5)
-            np.testing.assert_allclose(per_seq["max_prob"][i][m], pmax, rtol=2e-4, atol=2e-6)
+            np.testing.assert_allclose(per_seq.entropy[i][m], h, rtol=2e-4, atol=2e-5)
+            np.testing.assert_allclose(per_seq.target_logprob[i][m], lp, rtol=2e-4, atol=2e-5)
+            np.testing.assert_allclose(per_seq.max_prob[i][m], pmax, rtol=2e-4, atol=2e-6)
             top2 = np.sort(refs[m][4], -1)[:, -2:]
             clear = top2[:, 1] - top2[:, 0] > 1e-4  # argmax is only compared where it is not a near-tie
-            np.testing.assert_array_equal(per_seq["argmax"][i][m][clear], am[clear])
+            np.testing.assert_array_equal(per_seq.argmax[i][m][clear], am[clear])
         p_ref = np.exp(refs[0][4])
         for q in (1, 2):
             kl = (p_ref * (refs[0][4] - refs[q][4])).sum(-1)
-            np.testing.assert_allclose(per_seq["kl"][i][q - 1], kl, rtol=2e-3, atol=2e-5)
-        assert per_seq["entropy"][i].shape == (3, len(targets))
+            np.testing.assert_allclose(per_seq.kl[i][q - 1], kl, rtol=2e-3, atol=2e-5)
+        assert per_seq.entropy[i].shape == (3, len(targets))
 
 
-def test_testbed_corpus_layout(script, tiny_dir):
+def test_testbed_corpus_layout(tiny_dir):
     tok = load_tokenizer(tiny_dir)
-    corpus = script.testbed_corpus(tiny_dir, tok, EOS_ID, 4, 2, seed=9)
+    corpus = build_testbed_corpus(tiny_dir, tok, EOS_ID, 4, 2, seed=9)
     problems = eval_problems(9, 4, SPEC)
     for seq, first, p in zip(corpus.sequences, corpus.first, problems):
         assert tok.decode(seq[:first].tolist()) == p.question and seq[0] == BOS_ID
@@ -127,9 +129,9 @@ def test_testbed_corpus_layout(script, tiny_dir):
     assert not any(p.question in calibration_text for p in problems)  # ... none of them held out
 
 
-def test_text_windows(script, tiny_dir):
+def test_text_windows(tiny_dir):
     tok = load_tokenizer(tiny_dir)
-    windows = script.text_windows(tok, BOS_ID, 3, 20, "evaluation")
+    windows = text_windows(tok, BOS_ID, 3, 20, "evaluation")
     assert windows.shape == (3, 20) and windows.dtype == np.int32
     assert (windows[:, 0] == BOS_ID).all() and not (windows[:, 1:] == BOS_ID).any()  # one <bos> per window
     from jaxlp.data import offline_text
@@ -137,16 +139,18 @@ def test_text_windows(script, tiny_dir):
     text = offline_text()
     evaluation = text[len(text) // 2:]
     assert evaluation.startswith(tok.decode(np.concatenate([w[1:] for w in windows]).tolist()))  # consecutive
-    calibration = script.text_windows(tok, None, 2, 20, "calibration")
+    calibration = text_windows(tok, None, 2, 20, "calibration")
     assert calibration.shape == (2, 20)  # no <bos> added (only the tokenizer's own, at the start of the text)
     assert text[: len(text) // 2].startswith(tok.decode(calibration.reshape(-1).tolist()))
 
 
-def test_end_to_end_testbed(script, tiny_dir, tmp_path):
+def test_end_to_end_testbed(tiny_dir, tmp_path):
     out = tmp_path / "tb"
-    assert script.main(["--model", str(tiny_dir), "--kind", "testbed", "--out", str(out), "--problems", "6",
-                        "--calibration-rows", "2", "--batch-size", "4", "--seed", "3"]) == 0
+    command = f"python scripts/entropy_analysis.py --model {tiny_dir} --kind testbed"
+    returned = run_entropy_analysis(str(tiny_dir), "testbed", out, problems=6, calibration_rows=2, batch_size=4,
+                                    seed=3, command=command)
     report = json.loads(Path(f"{out}.json").read_text())
+    assert returned == report
     problems = eval_problems(3, 6, SPEC)
     assert report["tokens"] == sum(len(p.solution) + 1 for p in problems)  # solution characters and <eos>
     by_class = report["by_class"]
@@ -163,14 +167,13 @@ def test_end_to_end_testbed(script, tiny_dir, tmp_path):
     o = report["overall"]
     assert o["w4a4-nvfp4"]["mean_kl"] > 0 and 0 <= o["w4a4-nvfp4"]["flip_rate"] <= 1
     md = Path(f"{out}.md").read_text()
-    assert "Command: `python scripts/entropy_analysis.py --model" in md and "| digit |" in md
+    assert f"Command: `{command}`" in md and "| digit |" in md
     assert Path(f"{out}.png").stat().st_size > 10_000
 
 
-def test_end_to_end_text(script, tiny_dir, tmp_path):
+def test_end_to_end_text(tiny_dir, tmp_path):
     out = tmp_path / "text.v1"  # a dot in the prefix is kept
-    assert script.main(["--model", str(tiny_dir), "--kind", "text", "--out", str(out), "--sequences", "2",
-                        "--seq-len", "48", "--calibration-rows", "2", "--trajectories", "1"]) == 0
+    run_entropy_analysis(tiny_dir, "text", out, sequences=2, seq_len=48, calibration_rows=2, trajectories=1)
     report = json.loads(Path(f"{out}.json").read_text())
     assert report["tokens"] == 2 * 47 and report["sequences"] == 2
     assert set(report["classes"]) == {"number", "operator", "punctuation", "word", "whitespace", "other"}
@@ -179,12 +182,6 @@ def test_end_to_end_text(script, tiny_dir, tmp_path):
     assert Path(f"{out}.md").is_file() and Path(f"{out}.png").is_file()
 
 
-def test_reset_trace_plot_testbed(tiny_dir, tmp_path, capsys):
-    """scripts/reset_trace_plot.py --kind testbed: held-out prompt, tau0 from training problems, PNG."""
-    module = load_script("reset_trace_plot")
-    out = tmp_path / "trace.png"
-    assert module.main(["--model", str(tiny_dir), "--kind", "testbed", "--out", str(out), "--problem", "2",
-                        "--max-new-tokens", "48"]) == 0
-    assert out.stat().st_size > 10_000
-    printed = capsys.readouterr().out
-    assert "tau0" in printed and ("correct" in printed or "wrong" in printed)
+def test_unknown_kind_is_refused(tiny_dir, tmp_path):
+    with pytest.raises(ValueError, match="unknown kind 'code'"):
+        run_entropy_analysis(tiny_dir, "code", tmp_path / "x")

@@ -1,0 +1,25 @@
+"""Load a model directory, whichever kind it is: a Hugging Face checkpoint or a quantized one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxlp.models.loading import load_hf, shard_model
+from jaxlp.models.transformer import Transformer
+from jaxlp.quantization.saving import is_quantized_checkpoint, load_quantized
+
+
+def from_pretrained(path: str | Path, *, dtype=jnp.bfloat16, mesh: Mesh | None = None) -> Transformer:
+    """Load ``path`` as a :class:`~jaxlp.models.Transformer`.
+
+    A Hugging Face directory (``config.json`` + ``*.safetensors``) loads with ``dtype`` params;
+    a directory written by :func:`jaxlp.quantization.save_quantized` loads as the quantized
+    model it holds (its own dtype; ``dtype`` is ignored). ``mesh``: shard for tensor parallelism.
+    """
+    if is_quantized_checkpoint(Path(path)):
+        model = load_quantized(path)
+        return shard_model(model, mesh) if mesh is not None else model
+    return load_hf(path, dtype=dtype, mesh=mesh)

@@ -1,0 +1,282 @@
+"""Quantized KV caches on the GPU: decode attention alone, decode per token, throughput at fixed memory.
+
+Parts (``--parts``, default all):
+
+- ``attention``: one layer's one-token step, Qwen3-8B heads (32 query, 8 KV, head_dim 128), per
+  cache format x context x batch: the whole step (``layer.attend``: the packed-unit kernel, the
+  XLA part over sink / ring / new token, the merge, and the store) and the packed-unit kernel
+  alone (``attend_units``); BF16 is the dense cache's Pallas flash-decoding kernel. Bytes: what
+  the step must read (codes and metadata of every cached token; BF16 K and V), as % of the
+  measured copy bandwidth, and the ratio to BF16 at the same point.
+- ``decode``: ms per token of a Qwen3-8B-shaped model with ``--layers`` layers (random BF16
+  weights, greedy), per format x batch x context: a jitted loop of one-token forward steps over
+  a cache holding ``context`` tokens, timed at two loop lengths (their difference / steps).
+- ``capacity``: Kitty's headline: for a cache budget ``--budget-gb`` (all layers) and a context,
+  the largest batch each format fits (:func:`jaxlp.kvcache.max_batch_size`) and its tokens/s.
+- ``prefill``: ``--prefill`` (e.g. ``8x32768:kitty-pro``): a real prompt of that batch x length
+  through the model into the cache (flash prefill), timed once after compiling.
+
+Caches are filled through each format's own ``store`` with random keys and values (normal, no
+zeros), 4096 positions per call; every layer gets a copy of the same layer state.
+
+    python scripts/bench_kvcache.py --out docs/bench_kvcache_h100.json --plot docs/kvcache_capacity_h100.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import QWEN3_8B, build_model  # noqa: E402
+
+from jaxlp import kvcache  # noqa: E402
+from jaxlp.evals import harness  # noqa: E402
+from jaxlp.models import from_hf_config  # noqa: E402
+from jaxlp.pallas import quantized_decode_attention as units_attention  # noqa: E402
+
+FORMATS = ("bf16", "kitty", "kitty-pro", "kivi-k2v2", "kivi-k2v2*", "fireq-int4")
+CHUNK = 4096
+
+
+def model_config(layers: int):
+    return from_hf_config(dict(QWEN3_8B, num_hidden_layers=layers, max_position_embeddings=1 << 18))
+
+
+def filled_layer(fmt, config, batch, context, max_len, seed=0):
+    """One layer's cache holding positions ``0..context-1`` of random keys and values."""
+    layer = fmt.init(dataclasses.replace(config, num_layers=1), batch, max_len).layers[0]
+    shape = (batch, CHUNK, config.num_kv_heads, config.head_dim)
+    store = jax.jit(_store_chunk, donate_argnums=0)
+    for c0 in range(0, context, CHUNK):
+        key = jax.random.fold_in(jax.random.key(seed), c0)
+        kk, kv = jax.random.split(key)
+        k = jax.random.normal(kk, shape, jnp.bfloat16)
+        v = jax.random.normal(kv, shape, jnp.bfloat16)
+        pos = jnp.arange(c0, c0 + CHUNK, dtype=jnp.int32)
+        pos = jnp.broadcast_to(jnp.where(pos < context, pos, max_len), (batch, CHUNK))
+        layer = store(layer, k, v, pos)
+    return jax.block_until_ready(layer)
+
+
+def _store_chunk(layer, k, v, positions):
+    if isinstance(layer, kvcache.DenseLayerCache):
+        rows = jnp.arange(k.shape[0])[:, None]
+        return dataclasses.replace(layer, k=layer.k.at[rows, positions].set(k.astype(layer.k.dtype), mode="drop"),
+                                   v=layer.v.at[rows, positions].set(v.astype(layer.v.dtype), mode="drop"))
+    if hasattr(layer, "inner"):  # FireQ: the quantized layer inside, keys times the CRS scales
+        return dataclasses.replace(layer, inner=layer.inner.store(k * layer.k_scale.astype(k.dtype), v, positions))
+    return layer.store(k, v, positions)
+
+
+def step_bytes(fmt, config, batch, context) -> float:
+    """Bytes a one-token step must read for ``context`` cached tokens (all rows, one layer)."""
+    return batch * fmt.bytes_per_token(config) * context
+
+
+def copy_bandwidth() -> float:
+    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB read + 4 GiB written
+    t = harness.time_call(jax.jit(lambda a: a * 1.0001), x, repeats=10)
+    return 2 * x.nbytes / (t.median_us * 1e-6)
+
+
+def attention_part(args, config, rows):
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    h, d = config.num_heads, config.head_dim
+    for context in args.contexts:
+        for batch in args.batches:
+            bf16_us = None
+            for name in args.formats:
+                fmt = kvcache.get(name)
+                try:
+                    layer = filled_layer(fmt, config, batch, context, context + 8)
+                except Exception as e:  # noqa: BLE001  (out of memory at the largest points)
+                    print(f"{name} B={batch} ctx={context}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                key = jax.random.key(batch + context)
+                q = jax.random.normal(key, (batch, 1, h, d), jnp.bfloat16)
+                kv = jax.random.normal(jax.random.fold_in(key, 1), (batch, 1, config.num_kv_heads, d), jnp.bfloat16)
+                pos = jnp.full((batch, 1), context, jnp.int32)
+                step = jax.jit(lambda lay, q, k, v, p: lay.attend(q, k, v, p, scale=d**-0.5, window=None,
+                                                                   softcap=None))
+                t = harness.time_call(step, layer, q, kv, kv, pos, warmup=2, repeats=args.repeats, number=5)
+                row = dict(part="attention", format=name, batch=batch, context=context, step_us=t.median_us,
+                           spread_us=t.spread_us, bytes=step_bytes(fmt, config, batch, context))
+                inner = getattr(layer, "inner", layer)
+                if hasattr(inner, "k_store"):
+                    off = inner.sink_len
+                    m = jnp.full((batch,), context - off, jnp.int32)
+                    hi = jnp.minimum(inner.k_spec.quantized(m), inner.v_spec.quantized(m))
+                    units = jax.jit(functools.partial(units_attention.attend_units, k_codec=inner.k_spec.codec,
+                                                      v_codec=inner.v_spec.codec, scale=d**-0.5))
+                    tk = harness.time_call(units, q[:, 0], inner.k_store, inner.v_store, lo=jnp.zeros_like(hi), hi=hi,
+                                           warmup=2, repeats=args.repeats, number=5)
+                    row["kernel_us"] = tk.median_us
+                row["floor_us"] = row["bytes"] / bandwidth * 1e6
+                row["copy_pct"] = 100 * row["floor_us"] / row["step_us"]
+                if name == "bf16":
+                    bf16_us = t.median_us
+                row["x_bf16"] = None if bf16_us is None else bf16_us / t.median_us
+                rows.append(row)
+                print(row, flush=True)
+                del layer
+
+
+def decode_loop(graphdef, params, cache, tokens, positions, steps):
+    model = nnx.merge(graphdef, params)
+
+    def body(i, carry):
+        cache, tok = carry
+        hidden, cache = model.forward(tok[:, None], (positions + i)[:, None], cache)
+        return cache, jnp.argmax(model.logits(hidden[:, -1]), axis=-1).astype(jnp.int32)
+
+    return jax.lax.fori_loop(0, steps, body, (cache, tokens))
+
+
+def decode_ms(model, fmt, batch, context, args) -> float:
+    config = model.config
+    layer = filled_layer(fmt, config, batch, context, context + args.n2 + 8)
+    cache = kvcache.KVCache(tuple([layer] + [jax.tree.map(jnp.copy, layer) for _ in range(config.num_layers - 1)]))
+    graphdef, params = nnx.split(model)
+    run = jax.jit(decode_loop, static_argnums=0, donate_argnums=2)
+    tokens = jnp.zeros((batch,), jnp.int32)
+    positions = jnp.full((batch,), context, jnp.int32)
+    times = {}
+    for n in (args.n1, args.n2, args.n1, args.n2):  # warm, then timed: median of repeats per length
+        samples = []
+        for _ in range(args.repeats):
+            t = harness.time_call(lambda c: run(graphdef, params, c, tokens, positions, n), cache, warmup=0, repeats=1)
+            cache = t.output[0]
+            samples.append(t.median_us)
+        times[n] = float(np.median(samples))
+    return (times[args.n2] - times[args.n1]) / (args.n2 - args.n1) / 1e3
+
+
+def decode_part(args, model, rows):
+    for context in args.decode_contexts:
+        for batch in args.decode_batches:
+            base = None
+            for name in args.formats:
+                try:
+                    ms = decode_ms(model, kvcache.get(name), batch, context, args)
+                except Exception as e:  # noqa: BLE001
+                    print(f"decode {name} B={batch} ctx={context}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                base = ms if name == "bf16" else base
+                row = dict(part="decode", format=name, batch=batch, context=context, ms_per_token=ms,
+                           x_bf16=None if base is None else base / ms)
+                rows.append(row)
+                print(row, flush=True)
+
+
+def capacity_part(args, model, rows):
+    budget = int(args.budget_gb * 2**30)
+    config = model.config
+    for name in args.formats:
+        fmt = kvcache.get(name)
+        batch = kvcache.max_batch_size(fmt, config, args.capacity_context + args.n2 + 8, budget)
+        batch = min(batch, args.max_batch)
+        try:
+            ms = decode_ms(model, fmt, batch, args.capacity_context, args)
+        except Exception as e:  # noqa: BLE001
+            print(f"capacity {name} B={batch}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        row = dict(part="capacity", format=name, batch=batch, context=args.capacity_context, budget_gb=args.budget_gb,
+                   ms_per_token=ms, tokens_per_s=batch / ms * 1e3)
+        rows.append(row)
+        print(row, flush=True)
+
+
+def prefill_part(args, model, rows):
+    import time
+
+    for spec in args.prefill:
+        shape, name = spec.split(":")
+        batch, length = map(int, shape.split("x"))
+        cache = kvcache.get(name).init(model.config, batch, length + 8)
+        graphdef, params = nnx.split(model)
+        run = jax.jit(lambda g, p, c, t: nnx.merge(g, p).forward(t, cache=c, fresh=True)[1], static_argnums=0,
+                      donate_argnums=2)
+        tokens = jax.random.randint(jax.random.key(0), (batch, length), 0, model.config.vocab_size)
+        compiled = run.lower(graphdef, params, cache, tokens).compile()
+        start = time.perf_counter()
+        cache = jax.block_until_ready(compiled(params, cache, tokens))
+        seconds = time.perf_counter() - start
+        stats = jax.devices()[0].memory_stats() or {}
+        row = dict(part="prefill", format=name, batch=batch, context=length, seconds=seconds,
+                   tokens_per_s=batch * length / seconds, peak_gb=stats.get("peak_bytes_in_use", 0) / 2**30,
+                   cache_gb=cache.nbytes / 2**30)
+        rows.append(row)
+        print(row, flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--parts", default="attention,decode,capacity,prefill")
+    p.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
+    p.add_argument("--contexts", type=ints, default=[4096, 32768, 131072])
+    p.add_argument("--batches", type=ints, default=[1, 8, 32])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--decode-contexts", type=ints, default=[8192, 32768])
+    p.add_argument("--decode-batches", type=ints, default=[1, 8, 32])
+    p.add_argument("--budget-gb", type=float, default=40.0)
+    p.add_argument("--capacity-context", type=int, default=8192)
+    p.add_argument("--max-batch", type=int, default=1024)
+    p.add_argument("--prefill", type=lambda s: s.split(","), default=["8x32768:kitty-pro"])
+    p.add_argument("--n1", type=int, default=16)
+    p.add_argument("--n2", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args(argv)
+    parts = args.parts.split(",")
+    rows = []
+    config = model_config(args.layers)
+    if "attention" in parts:
+        attention_part(args, config, rows)
+    model = build_model(config) if set(parts) & {"decode", "capacity", "prefill"} else None
+    if "prefill" in parts:
+        prefill_part(args, model, rows)
+    if "decode" in parts:
+        decode_part(args, model, rows)
+    if "capacity" in parts:
+        capacity_part(args, model, rows)
+    result = dict(harness.run_metadata(argv), rows=rows)
+    if args.out:
+        harness.write_json(args.out, result)
+    if args.plot and any(r["part"] == "capacity" for r in rows):
+        cap = [r for r in rows if r["part"] == "capacity"]
+        plt = harness.pyplot()
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.bar([r["format"] for r in cap], [r["tokens_per_s"] for r in cap])
+        for i, r in enumerate(cap):
+            ax.text(i, r["tokens_per_s"], f"B={r['batch']}", ha="center", va="bottom", fontsize=8)
+        ax.set(ylabel="decode tokens/s", title=f"{args.budget_gb:g} GB of KV cache, {args.capacity_context} tokens, "
+                                              f"{args.layers} Qwen3-8B layers")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    print("\npart       format       batch  context   value")
+    for r in rows:
+        value = {"attention": lambda: f"{r['step_us']:.1f} us ({r.get('kernel_us', float('nan')):.1f} kernel), "
+                                      f"{r['copy_pct']:.0f}% copy, x{r['x_bf16'] or float('nan'):.2f} vs bf16",
+                 "decode": lambda: f"{r['ms_per_token']:.3f} ms/token, x{r['x_bf16'] or float('nan'):.2f} vs bf16",
+                 "capacity": lambda: f"{r['tokens_per_s']:.0f} tok/s at B={r['batch']}",
+                 "prefill": lambda: f"{r['seconds']:.2f} s, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_gb']:.1f} GB"}
+        print(f"{r['part']:<10} {r['format']:<12} {r['batch']:>5} {r['context']:>8}   {value[r['part']]()}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Quantized caches' one-token steps through the packed-unit kernel against the reference attend.
+
+The kernel runs in Pallas' interpret mode (``attention="interpret"``): the decode path of
+:class:`jaxlp.kvcache.quantized.QuantizedLayerCache` (kernel over the units + XLA over the sink,
+the ring window and the new token, merged) must give the reference's output (dequantize the
+whole cache, float32 attention) on fresh random caches: ragged rows, rows that rewind after a
+right-padded prompt, prompts shorter than the sink, page boundaries, windows, softcap, GQA.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxlp
+from jaxlp import kvcache
+from jaxlp.models import ModelConfig
+
+QUANTIZED = ("kivi-k2v2", "kivi-k4v4", "kivi-k2v4*", "kivi-k4v2*", "kitty", "kitty-pro", "fireq-int4")
+
+
+def config(h, kvh, d=64):
+    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
+                       num_heads=h, num_kv_heads=kvh, head_dim=d, max_position_embeddings=4096)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def filled_layer(name, lengths, max_len, h, kvh, seed, d=64, prompt=None):
+    """A layer cache after a prompt call storing each row's first ``lengths[b]`` tokens (positions
+    of the bucket beyond that are padding, or, with ``prompt``, real tokens the row later rewinds over)."""
+    fmt = kvcache.get(name, attention="interpret")
+    layer = fmt.init(config(h, kvh, d), len(lengths), max_len).layers[0]
+    layer = getattr(layer, "inner", layer)  # FireQ: the quantized layer under its query transform
+    rng = np.random.default_rng(seed)
+    s = max(lengths) if prompt is None else prompt
+    k = jnp.asarray(rng.standard_normal((len(lengths), s, kvh, d)) * 2, jnp.float32)
+    v = jnp.asarray(rng.standard_normal((len(lengths), s, kvh, d)), jnp.float32)
+    pos = np.tile(np.arange(s), (len(lengths), 1))
+    if prompt is None:
+        pos = np.where(pos < np.asarray(lengths)[:, None], pos, max_len)
+    return layer.store(k, v, jnp.asarray(pos, jnp.int32))
+
+
+def step_inputs(layer, h, seed):
+    b, kvh, d = layer.sink_k.shape[0], layer.k_ring.shape[2], layer.k_ring.shape[3]
+    rng = np.random.default_rng(seed + 1)
+    q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, 1, kvh, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, 1, kvh, d)), jnp.float32)
+    return q, k, v
+
+
+def both(layer, q, k, v, positions, **kw):
+    kw = dict(scale=0.125, window=None, softcap=None) | kw
+    got, new = layer.attend(q, k, v, jnp.asarray(positions, jnp.int32)[:, None], **kw)
+    want, ref_new = layer.reference_attend(q, k, v, jnp.asarray(positions, jnp.int32)[:, None], **kw)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new)):  # the same state after the step
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return got, want
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_decode_step_matches_the_reference(name):
+    # Rows at page boundaries (128, 129, 255 tokens), shorter than the sink, and one long row.
+    lengths = [128, 129, 255, 20, 300]
+    layer = filled_layer(name, lengths, 320, h=4, kvh=2, seed=len(name))
+    q, k, v = step_inputs(layer, 4, 0)
+    got, want = both(layer, q, k, v, lengths)
+    assert np.isfinite(np.asarray(got)).all()
+    assert rel(got, want) < 2e-3
+
+
+@pytest.mark.parametrize("name", ["kitty-pro", "kivi-k2v2*", "fireq-int4"])
+@pytest.mark.parametrize("g", [1, 5, 20])
+def test_windows_softcap_and_gqa(name, g):
+    lengths = [260, 140]
+    layer = filled_layer(name, lengths, 300, h=2 * g, kvh=2, seed=g)
+    q, k, v = step_inputs(layer, 2 * g, g)
+    for kw in (dict(window=64), dict(window=200, softcap=5.0), dict(softcap=2.0)):
+        got, want = both(layer, q, k, v, lengths, **kw)
+        assert rel(got, want) < 2e-3, kw
+
+
+@pytest.mark.parametrize("name", ["kitty", "kivi-k4v2*", "fireq-int4"])
+def test_rows_that_rewind_after_a_right_padded_prompt(name):
+    # All rows stored a 280-token bucket; rows decode at their own (shorter) lengths, so later
+    # stored tokens (in rings and units) are stale and must be read as the reference reads them.
+    lengths = [150, 257, 280]
+    layer = filled_layer(name, lengths, 320, h=4, kvh=2, seed=7, prompt=280)
+    q, k, v = step_inputs(layer, 4, 7)
+    got, want = both(layer, q, k, v, lengths)
+    assert rel(got, want) < 2e-3
+
+
+def test_all_equal_keys_and_zero_values_are_nan_free():
+    layer = filled_layer("kitty-pro", [200, 200], 256, h=4, kvh=2, seed=1)
+    layer = dataclasses.replace(layer, k_store=jax.tree.map(jnp.zeros_like, layer.k_store),
+                                v_store=jax.tree.map(jnp.zeros_like, layer.v_store))
+    q, k, v = step_inputs(layer, 4, 1)
+    got, want = both(layer, q, k, v, [200, 200])
+    assert np.isfinite(np.asarray(got)).all() and rel(got, want) < 2e-3
+
+
+def test_attention_field_is_validated_and_static():
+    with pytest.raises(ValueError, match="attention implementation must be one of"):
+        kvcache.get("kitty", attention="cuda")
+    a = kvcache.get("kitty").init(config(4, 2), 1, 300)
+    b = kvcache.get("kitty", attention="xla").init(config(4, 2), 1, 300)
+    assert jax.tree.structure(a) != jax.tree.structure(b)  # part of the jit cache key
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error without a GPU")
+def test_pallas_without_a_gpu_says_why():
+    layer = filled_layer("kitty", [130], 200, h=4, kvh=2, seed=0)
+    layer = dataclasses.replace(layer, attention="pallas")
+    q, k, v = step_inputs(layer, 4, 0)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        layer.attend(q, k, v, jnp.asarray([[130]]), scale=0.1, window=None, softcap=None)
+
+
+@pytest.mark.parametrize("name", ["kitty-pro", "kivi-k2v2*", "fireq-int4"])
+def test_generation_gives_the_same_greedy_tokens(name):
+    """The shipped reasoner (head_dim 64, 8 layers): kernel (interpret) and reference, same tokens."""
+    from importlib.resources import files
+
+    model = jaxlp.from_pretrained(files("jaxlp") / "assets" / "reasoner", dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 60, 140).tolist(), rng.integers(3, 60, 30).tolist()]
+    runs = [jaxlp.generate(model, prompts, max_new_tokens=6, stop_tokens=[], kv_cache=kvcache.get(name, attention=a))
+            for a in ("xla", "interpret")]
+    np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
