@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jaxlp  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
 from jaxlp.models import Transformer, from_hf_config  # noqa: E402
-from jaxlp.quantization import QuantizedLinear, quantize_model, quantized_layers, set_implementation  # noqa: E402
+from jaxlp.quantization import quantize_model, quantized_layers, set_implementation  # noqa: E402
 from jaxlp.quantization import nvfp4_dispatch  # noqa: E402
 from jaxlp.quantization.recipes import get_recipe  # noqa: E402
 from jaxlp.sampling.base import Categorical  # noqa: E402

@@ -1,9 +1,11 @@
 """Build CUDA sources of ``jaxlp/ffi`` with ``nvcc`` on first use, into a cache directory.
 
-The shared library is named by a hash of everything that changes the binary (the source
-text and the shared ``*.cuh`` headers, the nvcc command line, the nvcc version, the XLA FFI
-headers' location), so an edited source or another toolchain gets a fresh build and an
-unchanged one is reused. :class:`Library` loads a built library and registers its FFI targets.
+Each library is the list of ``.cu`` sources :data:`LIBRARIES` gives under its name; they are
+compiled separately (in parallel) and linked into one shared library. The library is named by a
+hash of everything that changes the binary (the text of its sources and of every shared ``*.cuh``
+header of this directory, the nvcc command lines, the nvcc version, the jaxlib version), so an
+edited source or header, or another toolchain, gets a fresh build and an unchanged one is reused.
+:class:`Library` loads a built library and registers its FFI targets.
 
 - cache: ``$JAXLP_FFI_CACHE``, else ``$XDG_CACHE_HOME/jaxlp/ffi``, else ``~/.cache/jaxlp/ffi``.
 - compiler: ``$JAXLP_NVCC``, else ``$CUDA_HOME/bin/nvcc`` (or ``$CUDA_PATH``), else ``nvcc`` on
@@ -11,8 +13,8 @@ unchanged one is reused. :class:`Library` loads a built library and registers it
 - target: ``$JAXLP_CUDA_ARCH`` (default ``90``): SASS for ``sm_<arch>`` plus PTX of the same
   ``compute_<arch>`` so newer GPUs can JIT-compile it.
 
-Builds write to a temporary file and rename it into place, so concurrent processes never load
-a half-written library.
+Builds compile and link in a temporary directory and rename the library into place, so
+concurrent processes never load a half-written library.
 """
 
 from __future__ import annotations
@@ -22,18 +24,31 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent
+# The sources of each library (in this directory), compiled one object each and linked together.
+# Every *.cuh header of the directory is part of each library's hash (a source may include any).
+LIBRARIES: dict[str, tuple[str, ...]] = {
+    "nvfp4_gemv": (  # the NVFP4 matmuls and the activation quantizer (jaxlp.ffi.nvfp4)
+        "nvfp4_pipe.cu",  # pipe_kernel: the cp.async-ring GEMVs "pipe" and "pipe16" (the slowest to build)
+        "nvfp4_gemv.cu",  # gemv_kernel: the "regs" GEMV
+        "nvfp4_gemm.cu",  # gemm_kernel: the mma.sync GEMM
+        "nvfp4_quantize.cu",  # activation staging kernels and the standalone quantizer
+        "nvfp4_ffi.cu",  # argument checks, dispatch and the XLA FFI handlers
+    ),
+    "sampling": ("sampling.cu",),  # the fused sampling kernels and their handlers (jaxlp.ffi.sampling)
+}
 NVCC_FLAGS = (
     "-O3",
     "-std=c++17",
-    "--shared",
     "-Xcompiler",
     "-fPIC",
     "-diag-suppress",
     "940,2473",  # warnings inside the XLA FFI headers
 )
+LINK_FLAGS = ("--shared",)
 
 
 class CudaCompilerNotFound(RuntimeError):
@@ -82,7 +97,24 @@ def cuda_arch() -> str:
     return arch
 
 
-def nvcc_command(nvcc: str, source: Path, output: Path) -> list[str]:
+def sources(name: str) -> list[Path]:
+    """The CUDA sources of library ``name`` (:data:`LIBRARIES`), each checked to exist."""
+    if name not in LIBRARIES:
+        raise ValueError(f"unknown CUDA library {name!r}; the libraries are {sorted(LIBRARIES)}")
+    paths = [SOURCE_DIR / s for s in LIBRARIES[name]]
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"CUDA source {path} is missing from the installed package")
+    return paths
+
+
+def headers() -> list[Path]:
+    """The shared headers every library's hash covers: all ``*.cuh`` of the source directory."""
+    return sorted(SOURCE_DIR.glob("*.cuh"))
+
+
+def compile_command(nvcc: str, source: Path, output: Path) -> list[str]:
+    """nvcc compiling one source into the object ``output``."""
     import jax
 
     arch = cuda_arch()
@@ -93,10 +125,16 @@ def nvcc_command(nvcc: str, source: Path, output: Path) -> list[str]:
         f"-gencode=arch=compute_{arch},code=compute_{arch}",
         f"-I{jax.ffi.include_dir()}",
         f"-I{SOURCE_DIR}",
+        "-c",
         "-o",
         str(output),
         str(source),
     ]
+
+
+def link_command(nvcc: str, objects: list[Path], output: Path) -> list[str]:
+    """nvcc linking the objects into the shared library ``output`` (the CUDA runtime statically)."""
+    return [nvcc, *LINK_FLAGS, "-o", str(output), *map(str, objects)]
 
 
 def _nvcc_version(nvcc: str) -> str:
@@ -107,45 +145,64 @@ def _nvcc_version(nvcc: str) -> str:
 
 
 def library_path(name: str, nvcc: str | None = None) -> Path:
-    """Where the library built from ``<name>.cu`` lives (whether or not it exists yet)."""
+    """Where library ``name`` (built from its :data:`LIBRARIES` sources) lives, whether or not it
+    exists yet."""
     nvcc = nvcc or find_nvcc()
-    source = SOURCE_DIR / f"{name}.cu"
-    if not source.is_file():
-        raise FileNotFoundError(f"CUDA source {source} is missing from the installed package")
     import jax
 
     h = hashlib.sha256()
-    h.update(source.read_bytes())
-    for header in sorted(SOURCE_DIR.glob("*.cuh")):  # shared headers (launch.cuh, ...)
-        h.update(header.name.encode() + header.read_bytes())
-    # The command line without machine-specific paths, the jaxlib version (the FFI headers), nvcc's.
-    cmd = [c for c in nvcc_command("nvcc", source, Path("out")) if not c.startswith("-I")]
-    h.update(" ".join(cmd[:-3]).encode())
+    for path in [*sources(name), *headers()]:  # names and text, in a fixed order
+        data = path.read_bytes()
+        h.update(f"{path.name}\0{len(data)}\0".encode() + data)
+    # The command lines without machine-specific paths, the jaxlib version (the FFI headers), nvcc's.
+    arch_flags = [c for c in compile_command("nvcc", Path("src"), Path("obj")) if c.startswith("-gencode")]
+    h.update(" ".join([*NVCC_FLAGS, *arch_flags, *LINK_FLAGS]).encode())
     h.update(jax.ffi.__name__.encode() + jax.lib.__version__.encode())
     h.update(_nvcc_version(nvcc).encode())
     return cache_dir() / f"lib{name}-{h.hexdigest()[:20]}.so"
 
 
+def _parallel_jobs(n: int) -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(n, cpus))
+
+
 def build(name: str, *, verbose: bool = False) -> Path:
-    """Compile ``jaxlp/ffi/<name>.cu`` unless a library of the same hash is cached; its path."""
+    """Compile and link library ``name`` (:data:`LIBRARIES`) unless a library of the same hash is
+    cached; its path."""
     nvcc = find_nvcc()
     target = library_path(name, nvcc)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
-    os.close(fd)
-    cmd = nvcc_command(nvcc, SOURCE_DIR / f"{name}.cu", Path(tmp))
-    if verbose:
-        print(" ".join(cmd), flush=True)
+    work = Path(tempfile.mkdtemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        srcs = sources(name)
+        objects = [work / f"{src.stem}.o" for src in srcs]
+        commands = [compile_command(nvcc, src, obj) for src, obj in zip(srcs, objects)]
+
+        def run(cmd: list[str]) -> subprocess.CompletedProcess:
+            if verbose:
+                print(" ".join(cmd), flush=True)
+            return subprocess.run(cmd, capture_output=True, text=True)
+
+        with ThreadPoolExecutor(max_workers=_parallel_jobs(len(commands))) as pool:
+            procs = list(pool.map(run, commands))
+        for src, proc in zip(srcs, procs):
+            if proc.returncode != 0:
+                raise CudaBuildError(
+                    f"nvcc failed ({proc.returncode}) compiling {src.name} of {name}:\n{proc.stderr[-6000:]}"
+                )
+        tmp = work / target.name
+        proc = run(link_command(nvcc, objects, tmp))
         if proc.returncode != 0:
-            raise CudaBuildError(f"nvcc failed ({proc.returncode}) building {name}.cu:\n{proc.stderr[-6000:]}")
+            raise CudaBuildError(f"nvcc failed ({proc.returncode}) linking {name}:\n{proc.stderr[-6000:]}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(work, ignore_errors=True)
     return target
 
 
@@ -160,12 +217,14 @@ def on_gpu() -> bool:
 
 
 class Library:
-    """The CUDA library built from ``jaxlp/ffi/<name>.cu``, loaded once with its FFI targets
-    (``{target name: exported handler symbol}``) registered for the CUDA platform."""
+    """The CUDA library ``name`` (built from the sources :data:`LIBRARIES` lists), loaded once with
+    its FFI targets (``{target name: exported handler symbol}``) registered for the CUDA platform."""
 
     def __init__(self, name: str, targets: dict[str, str]):
         import threading
 
+        if name not in LIBRARIES:
+            raise ValueError(f"unknown CUDA library {name!r}; the libraries are {sorted(LIBRARIES)}")
         self.name = name
         self.targets = dict(targets)
         self._lock = threading.Lock()

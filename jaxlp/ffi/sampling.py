@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlp.ffi import build
-from jaxlp.sampling.base import inverse_temperature
+from jaxlp.temperature import inverse_temperature
 
 ENTROPY_TARGET = "jaxlp_entropy_max"
 SAMPLE_TARGET = "jaxlp_sample"

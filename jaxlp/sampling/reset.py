@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlp.ffi import sampling as kernels
 from jaxlp.sampling import noise
 from jaxlp.sampling.boundaries import boundary_ids
 from jaxlp.sampling.base import (

@@ -1,6 +1,7 @@
 """Build-on-first-use and lowering of the NVFP4 custom calls (CPU only: nothing runs a kernel)."""
 
 import ctypes
+import re
 import shutil
 
 import jax
@@ -39,14 +40,75 @@ def test_cache_dir_and_hash(monkeypatch, tmp_path):
         build.library_path("nvfp4_gemv")
 
 
+def test_source_lists():
+    """Every CUDA source belongs to exactly one library, every quoted include of a source or header
+    is a shared header of the directory (so part of each library's hash), and each FFI handler the
+    Python side registers is defined in exactly one of its library's sources."""
+    listed = [s for srcs in build.LIBRARIES.values() for s in srcs]
+    assert sorted(listed) == sorted(p.name for p in build.SOURCE_DIR.glob("*.cu"))  # no duplicates, no orphans
+    headers = {p.name for p in build.headers()}
+    assert {"launch.cuh", "nvfp4_common.cuh", "nvfp4_kernels.cuh"} <= headers
+    for path in [*build.SOURCE_DIR.glob("*.cu"), *build.headers()]:
+        for include in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.M):
+            assert include in headers or include == "xla/ffi/api/ffi.h", (path.name, include)
+    library = ffi_nvfp4._library
+    assert library.name == ffi_nvfp4.LIBRARY and set(library.targets.values()) == {
+        "JaxlpNvfp4Gemv",
+        "JaxlpNvfp4Matmul",
+        "JaxlpNvfp4Quantize",
+    }
+    texts = [p.read_text() for p in build.sources(library.name)]
+    for symbol in library.targets.values():
+        assert sum(f"XLA_FFI_DEFINE_HANDLER_SYMBOL({symbol}," in t for t in texts) == 1, symbol
+    with pytest.raises(ValueError, match="unknown CUDA library"):
+        build.sources("nvfp4")
+    with pytest.raises(ValueError, match="unknown CUDA library"):
+        build.Library("nvfp4", {})
+
+
+def test_hash_covers_every_source_and_header(monkeypatch, tmp_path):
+    """An edit of any listed source or of any shared header names another library."""
+    src = tmp_path / "src"
+    shutil.copytree(build.SOURCE_DIR, src, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(build, "SOURCE_DIR", src)
+    monkeypatch.setattr(build, "_nvcc_version", lambda nvcc: "nvcc (test)")
+    monkeypatch.setenv("JAXLP_FFI_CACHE", str(tmp_path / "c"))
+    for name in build.LIBRARIES:
+        base = build.library_path(name, "nvcc")
+        assert build.library_path(name, "nvcc") == base
+        for path in [*build.sources(name), *build.headers()]:
+            text = path.read_bytes()
+            path.write_bytes(text + b"\n")
+            assert build.library_path(name, "nvcc") != base, path.name
+            path.write_bytes(text)
+        assert build.library_path(name, "nvcc") == base
+        build.sources(name)[-1].unlink()
+        with pytest.raises(FileNotFoundError, match="missing from the installed package"):
+            build.library_path(name, "nvcc")
+
+
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not installed")
+def test_failed_build_names_the_source_and_leaves_nothing(monkeypatch, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(build.SOURCE_DIR, src, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    for name in build.LIBRARIES["nvfp4_gemv"]:  # all of them, so that every compile fails at once
+        (src / name).write_text("#error broken on purpose\n" + (src / name).read_text())
+    monkeypatch.setattr(build, "SOURCE_DIR", src)
+    monkeypatch.setenv("JAXLP_FFI_CACHE", str(tmp_path / "c"))
+    first = build.LIBRARIES["nvfp4_gemv"][0]
+    with pytest.raises(build.CudaBuildError, match=f"compiling {first} of nvfp4_gemv(.|\n)*broken on purpose"):
+        build.build("nvfp4_gemv")
+    assert list((tmp_path / "c").iterdir()) == []  # no library, no objects, no temporary directory
+
+
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not installed")
 def test_source_compiles_with_local_nvcc():
     """nvcc builds the library (or finds it cached under the same source hash) and it exports
-    both FFI handlers. Loading needs no GPU: the CUDA runtime is linked statically."""
+    every FFI handler. Loading needs no GPU: the CUDA runtime is linked statically."""
     path = build.build("nvfp4_gemv")
     assert path.is_file() and path.stat().st_size > 100_000
     lib = ctypes.CDLL(str(path))
-    assert lib.JaxlpNvfp4Gemv and lib.JaxlpNvfp4Quantize
+    assert lib.JaxlpNvfp4Gemv and lib.JaxlpNvfp4Matmul and lib.JaxlpNvfp4Quantize
 
 
 def _weight(n, k, seed):
