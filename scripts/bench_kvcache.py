@@ -49,13 +49,18 @@ FORMATS = ("bf16", "kitty", "kitty-pro", "kivi-k2v2", "kivi-k2v2*", "fireq-int4"
 CHUNK = 4096
 
 
-def model_config(layers: int):
-    return from_hf_config(dict(QWEN3_8B, num_hidden_layers=layers, max_position_embeddings=1 << 18))
+def model_config(layers: int, tiny: bool = False):
+    cfg = dict(QWEN3_8B, num_hidden_layers=layers, max_position_embeddings=1 << 18)
+    if tiny:  # CPU smoke runs
+        cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                   vocab_size=2048)
+    return from_hf_config(cfg)
 
 
 def filled_layer(fmt, config, batch, context, max_len, seed=0):
     """One layer's cache holding positions ``0..context-1`` of random keys and values."""
-    layer = fmt.init(dataclasses.replace(config, num_layers=1), batch, max_len).layers[0]
+    layer = fmt.init(dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1]), batch,
+                     max_len).layers[0]
     shape = (batch, CHUNK, config.num_kv_heads, config.head_dim)
     store = jax.jit(_store_chunk, donate_argnums=0)
     for c0 in range(0, context, CHUNK):
@@ -119,9 +124,10 @@ def attention_part(args, config, rows):
                     m = jnp.full((batch,), context - off, jnp.int32)
                     hi = jnp.minimum(inner.k_spec.quantized(m), inner.v_spec.quantized(m))
                     units = jax.jit(functools.partial(units_attention.attend_units, k_codec=inner.k_spec.codec,
-                                                      v_codec=inner.v_spec.codec, scale=d**-0.5))
-                    tk = harness.time_call(units, q[:, 0], inner.k_store, inner.v_store, lo=jnp.zeros_like(hi), hi=hi,
-                                           warmup=2, repeats=args.repeats, number=5)
+                                                      v_codec=inner.v_spec.codec, scale=d**-0.5,
+                                                      interpret=jax.default_backend() != "gpu"))
+                    tk = harness.time_call(lambda *a: units(*a, lo=jnp.zeros_like(hi), hi=hi), q[:, 0], inner.k_store,
+                                           inner.v_store, warmup=2, repeats=args.repeats, number=5)
                     row["kernel_us"] = tk.median_us
                 row["floor_us"] = row["bytes"] / bandwidth * 1e6
                 row["copy_pct"] = 100 * row["floor_us"] / row["step_us"]
@@ -221,6 +227,20 @@ def prefill_part(args, model, rows):
         print(row, flush=True)
 
 
+class Rows(list):
+    """Result rows, written to ``path`` (with the run metadata) after every append, so that a run
+    cut short keeps what it measured."""
+
+    def __init__(self, path, meta):
+        super().__init__()
+        self.path, self.meta = path, meta
+
+    def append(self, row):
+        super().append(row)
+        if self.path:
+            harness.write_json(self.path, dict(self.meta, rows=list(self)))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -229,6 +249,7 @@ def main(argv=None):
     p.add_argument("--contexts", type=ints, default=[4096, 32768, 131072])
     p.add_argument("--batches", type=ints, default=[1, 8, 32])
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tiny", action="store_true", help="a small model (CPU smoke runs)")
     p.add_argument("--decode-contexts", type=ints, default=[8192, 32768])
     p.add_argument("--decode-batches", type=ints, default=[1, 8, 32])
     p.add_argument("--budget-gb", type=float, default=40.0)
@@ -242,18 +263,18 @@ def main(argv=None):
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
     parts = args.parts.split(",")
-    rows = []
-    config = model_config(args.layers)
+    rows = Rows(args.out, harness.run_metadata(argv))
+    config = model_config(args.layers, args.tiny)
     if "attention" in parts:
         attention_part(args, config, rows)
     model = build_model(config) if set(parts) & {"decode", "capacity", "prefill"} else None
     if "prefill" in parts:
         prefill_part(args, model, rows)
-    if "decode" in parts:
-        decode_part(args, model, rows)
     if "capacity" in parts:
         capacity_part(args, model, rows)
-    result = dict(harness.run_metadata(argv), rows=rows)
+    if "decode" in parts:
+        decode_part(args, model, rows)
+    result = dict(rows.meta, rows=list(rows))
     if args.out:
         harness.write_json(args.out, result)
     if args.plot and any(r["part"] == "capacity" for r in rows):

@@ -100,7 +100,7 @@ def evaluate_caches(model, tokenizer, ids: np.ndarray, caches: Sequence[str], pr
     """:class:`CacheQuality` of each cache on ``ids [1, T]``; ``fireq-int4-calibrated`` is FireQ
     with RPN + CRS calibrated on 4 x 512 tokens of the text's calibration half (disjoint from
     the evaluation half). ``on_result`` is called with each result as it is done."""
-    from jaxlp.kvcache import fireq
+    from jaxlp.quantization import fireq_kv
 
     if (ids.shape[1] - 1 - prefill) % chunk:
         raise ValueError(f"tokens - 1 - prefill ({ids.shape[1] - 1 - prefill}) must be a multiple of chunk ({chunk})")
@@ -108,7 +108,7 @@ def evaluate_caches(model, tokenizer, ids: np.ndarray, caches: Sequence[str], pr
     for name in tqdm(caches, desc="caches"):
         if name == "fireq-int4-calibrated":
             calib = token_windows(tokenizer, 4, 512, split="calibration")
-            test_model, fmt = fireq.calibrate(model, calib)
+            test_model, fmt = fireq_kv.calibrate(model, calib)
         else:
             test_model, fmt = model, kvcache.get(name)
         score = teacher_forced_score(model, test_model, fmt, ids, prefill, chunk)

@@ -373,12 +373,12 @@ def run_evaluation(settings: EvalSettings, *, command: str = "jaxlp.evals.run_ev
             else:
                 models[w] = nnx.split(build_weights(w, model, calibration))
         if any(c.cache == FIREQ_CALIBRATED for c in job.configs) and w not in fireq_formats:
-            from jaxlp.kvcache import fireq
+            from jaxlp.quantization import fireq_kv
 
             m = nnx.merge(*models[w])
             if not m.config.qk_norm:  # RPN would be folded into a copy of the model: another program
                 raise ValueError(f"{FIREQ_CALIBRATED} runs as a row group only on q/k-norm models")
-            fireq_formats[w] = fireq.calibrate(m, calibration[:4])[1]
+            fireq_formats[w] = fireq_kv.calibrate(m, calibration[:4])[1]
 
     def write(final: bool) -> None:
         if s.out is not None:

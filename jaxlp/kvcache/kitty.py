@@ -4,15 +4,18 @@ Keys: pages of ``G = 128`` tokens per (row, KV head); per channel asymmetric min
 the page; the ``n_boost`` channels of largest mean ``|k|`` over the page are stored at INT4,
 the others at INT2. Packed layout of a key page (one head, ``D = head_dim``):
 
-* ``low``   uint8 ``[D, G/4]``: low 2 bits of every channel's codes, 4 tokens per byte
-  (token ``4i + t`` at bits ``2t``);
-* ``high``  uint8 ``[n_boost, G/4]``: high 2 bits of the boosted channels, row ``r`` = the
-  channel ranked ``r`` (ranks by score, ties to the lower channel);
+* ``low``   uint8 ``[D, G/4]``: low 2 bits of every channel's codes, 4 tokens per byte,
+  planar (:mod:`jaxlp.kvcache.quant`): byte ``i`` of a channel row holds tokens
+  ``i, i + 32, i + 64, i + 96`` at bits ``0, 2, 4, 6``, so plane ``t`` of the row,
+  ``(low >> 2t) & 3``, is the 32 contiguous tokens ``[32t, 32t + 32)``;
+* ``high``  uint8 ``[n_boost, G/4]``: high 2 bits of the boosted channels, same planar
+  layout, row ``r`` = the channel ranked ``r`` (ranks by score, ties to the lower channel);
 * ``boost_idx`` uint8 ``[D]``: each channel's rank, ``n_boost`` (sentinel) if not boosted;
 * ``scale``, ``min`` FP16 ``[D]``: ``scale = max((max - min) / (15 or 3), 1e-6)``.
 
 Values: per-token asymmetric INT2 over the whole head, token-major (``codes [G, D/4]``,
-FP16 ``scale, min [G]``).
+FP16 ``scale, min [G]``); planar along the head: plane ``u`` of a token's bytes is channels
+``[u D/4, (u + 1) D/4)``.
 
 Cache (see :mod:`jaxlp.kvcache.quantized`): sink of 32 tokens FP16; key Q-buffer of up to
 128 FP16 tokens packed into a page as it fills (after that step's attention); a value local
@@ -24,7 +27,7 @@ channels, ``"kitty-pro"`` 25%.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import ClassVar, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +127,7 @@ def dequantize_value_page(page: ValuePage) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class KeyCodec(Codec):
+    layout: ClassVar[str] = "kitty_keys"
     n_boost: int
     unit: int = PAGE
 
@@ -136,6 +140,7 @@ class KeyCodec(Codec):
 
 @dataclasses.dataclass(frozen=True)
 class ValueCodec(Codec):
+    layout: ClassVar[str] = "kitty_values"
     unit: int = PAGE
 
     def encode(self, x):

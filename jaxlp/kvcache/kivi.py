@@ -6,6 +6,13 @@ group and channel; codes channel-major, ``[D, R * bits / 8]`` per block). Values
 ``R = 128`` tokens in FP16; older tokens quantized per token in groups of ``G = 32``
 channels (FP16 scale and min per group). Quantization rule: :mod:`jaxlp.kvcache.quant`.
 
+Bit packing is planar (:mod:`jaxlp.kvcache.quant`): plane ``t`` of a key channel's bytes,
+``(codes >> t * bits) & (2**bits - 1)``, holds the contiguous tokens ``[t R bits / 8,
+(t + 1) R bits / 8)``: with 2 bits, plane ``t`` = tokens ``[32t, 32t + 32)`` = exactly scale
+group ``t``; with 4 bits, plane ``t`` = tokens ``[64t, 64t + 64)`` = groups ``2t, 2t + 1``
+(byte columns ``[0, 32)`` and ``[32, 64)``). Likewise plane ``u`` of a value token's bytes
+holds channels ``[u D bits / 8, (u + 1) D bits / 8)``.
+
 Variants (Kitty's tables): ``kivi-k2v2``, ``kivi-k4v4``; with a sink of the first 32 tokens
 in FP16 (keys and values): ``kivi-k2v2*``, ``kivi-k2v4*``, ``kivi-k4v2*``.
 """
@@ -13,7 +20,7 @@ in FP16 (keys and values): ``kivi-k2v2*``, ``kivi-k2v4*``, ``kivi-k4v2*``.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import ClassVar, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +38,8 @@ RESIDUAL = 128
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KeyBlock:
-    """``codes`` uint8 ``[..., D, R * bits / 8]`` (channel-major), FP16 ``scale, min [..., R / G, D]``."""
+    """``codes`` uint8 ``[..., D, R * bits / 8]`` (channel-major, planar over tokens), FP16
+    ``scale, min [..., R / G, D]``."""
 
     codes: jax.Array
     scale: jax.Array
@@ -41,7 +49,7 @@ class KeyBlock:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ValueTokens:
-    """``codes`` uint8 ``[..., T, D * bits / 8]``, FP16 ``scale, min [..., T, D / G]``."""
+    """``codes`` uint8 ``[..., T, D * bits / 8]`` (planar over channels), FP16 ``scale, min [..., T, D / G]``."""
 
     codes: jax.Array
     scale: jax.Array
@@ -86,6 +94,7 @@ def dequantize_values(tokens: ValueTokens, bits: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class KeyCodec(Codec):
+    layout: ClassVar[str] = "kivi_keys"
     bits: int
     group: int = GROUP
     unit: int = RESIDUAL
@@ -99,6 +108,7 @@ class KeyCodec(Codec):
 
 @dataclasses.dataclass(frozen=True)
 class ValueCodec(Codec):
+    layout: ClassVar[str] = "kivi_values"
     bits: int
     group: int = GROUP
     unit: int = 1
@@ -126,6 +136,7 @@ class Kivi(QuantizedCacheFormat):
     dtype: type = jnp.float16
 
     def __post_init__(self):
+        super().__post_init__()
         for what, b in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
             if b not in (2, 4):
                 raise ValueError(f"KIVI {what} must be 2 or 4, got {b}")

@@ -12,8 +12,15 @@ reads), in float32. Symmetric absmax INT4 with FP8 E4M3 scales (FireQ):
     scale = e4m3(max(|x|) / 7)   (round to nearest, at least the smallest subnormal 2**-9)
     code  = clamp(round_half_even(x / scale), -8, 7);   x_hat = code * scale
 
-Packing puts ``8 // bits`` consecutive elements of the last axis in one byte, element ``i``
-of a byte at bits ``[i * bits, (i + 1) * bits)`` (low bits first).
+Packing is *planar*: for a last axis of ``N`` elements, ``per = 8 // bits`` codes per byte and
+``M = N // per`` bytes, element ``i`` goes to byte ``i % M`` at bits ``[t * bits, (t + 1) * bits)``
+with ``t = i // M``. Plane ``t`` of a byte row, ``(byte >> (t * bits)) & (2**bits - 1)``, thus
+holds the *contiguous* elements ``[t * M, (t + 1) * M)``, which is what a kernel wants: one
+load of a ``[rows, M]`` byte tile and a shift give a ``[rows, M]`` tile of codes of
+contiguous elements (tokens of a channel-major key page, channels of a token-major value row).
+Examples: 2-bit codes of 128 tokens: plane ``t`` = tokens ``[32 t, 32 t + 32)``; signed INT4
+of ``D`` channels (:func:`pack_int4`): channel ``i`` in the low nibble, ``i + D/2`` in the high
+nibble of byte ``i`` (the rotate-half RoPE pairing).
 """
 
 from __future__ import annotations
@@ -75,27 +82,35 @@ def fake_quantize_fp8(x: jax.Array, axis: int = -1) -> jax.Array:
 
 
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
-    """Pack unsigned ``bits``-bit codes along the last axis: ``[..., N] -> uint8 [..., N * bits / 8]``."""
+    """Pack unsigned ``bits``-bit codes along the last axis, planar (module doc):
+    ``[..., N] -> uint8 [..., N * bits / 8]``, element ``i`` in byte ``i % (N * bits / 8)``."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
     per = 8 // bits
     if codes.shape[-1] % per:
         raise ValueError(f"last axis {codes.shape[-1]} is not a multiple of {per} ({bits}-bit codes per byte)")
-    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
-    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], per, codes.shape[-1] // per)  # [..., plane, byte]
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)[:, None]
     mask = jnp.uint8(2**bits - 1)
     parts = ((c & mask) << shifts).astype(jnp.uint32)
-    return jnp.sum(parts, axis=-1).astype(jnp.uint8)  # disjoint bit fields: the sum is the or
+    return jnp.sum(parts, axis=-2).astype(jnp.uint8)  # disjoint bit fields: the sum is the or
 
 
 def unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
-    """Inverse of :func:`pack_bits`: ``uint8 [..., M] -> uint8 [..., M * 8 / bits]``."""
+    """Inverse of :func:`pack_bits`: ``uint8 [..., M] -> uint8 [..., M * 8 / bits]`` (plane ``t``
+    of the bytes gives elements ``[t * M, (t + 1) * M)``)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
     per = 8 // bits
-    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)
-    out = (packed[..., None] >> shifts) & jnp.uint8(2**bits - 1)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).astype(jnp.uint8)[:, None]
+    out = (packed[..., None, :] >> shifts) & jnp.uint8(2**bits - 1)  # [..., plane, byte]
     return out.reshape(*packed.shape[:-1], packed.shape[-1] * per)
 
 
 def pack_int4(codes: jax.Array) -> jax.Array:
-    """Signed INT4 codes (two's complement nibbles) packed two per byte along the last axis."""
+    """Signed INT4 codes (two's complement nibbles) packed two per byte along the last axis,
+    planar: of ``N`` codes, element ``i < N/2`` in the low nibble of byte ``i``, element ``i + N/2``
+    in its high nibble."""
     return pack_bits(codes.astype(jnp.int8).astype(jnp.uint8) & jnp.uint8(0xF), 4)
 
 

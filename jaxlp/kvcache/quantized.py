@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +64,12 @@ AMORTIZE_LEN = 4096
 
 class Codec:
     """Quantizes units of ``unit`` tokens of one head: ``encode(x [..., unit, D] f32) -> pytree``
-    (leaves with the same leading dims), ``decode(pytree) -> [..., unit, D] f32``."""
+    (leaves with the same leading dims), ``decode(pytree) -> [..., unit, D] f32``. ``layout`` names
+    the packed layout for the decode kernel (:mod:`jaxlp.pallas.quantized_decode_attention`; ""
+    for none: the reference path serves)."""
 
     unit: int = 1
+    layout: ClassVar[str] = ""
 
     def encode(self, x: jax.Array) -> Any:
         raise NotImplementedError
@@ -228,9 +231,15 @@ class QuantizedLayerCache(LayerCache):
         if self.attention == "xla":
             return False
         on_gpu = jax.default_backend() == "gpu"
+        readable = units_attention.supports(self.k_spec.codec, self.v_spec.codec, self.k_ring.shape[-1])
+        if self.attention == "auto":
+            return on_gpu and readable
         if self.attention == "pallas" and not on_gpu:
             raise ValueError(f"the Pallas quantized-cache attention kernel needs a GPU (backend {jax.default_backend()!r})")
-        return self.attention == "interpret" or on_gpu
+        if not readable:
+            raise ValueError(f"the quantized-cache attention kernel does not read {self.k_spec.codec!r} / "
+                             f"{self.v_spec.codec!r} at head_dim {self.k_ring.shape[-1]}; use attention='auto' or 'xla'")
+        return True
 
     def _attend_one(self, q, k, v, p, *, scale, window, softcap):
         """One query per row ``q [B, H, D]`` at position ``p [B]`` (new ``k, v [B, KVH, D]``), never
@@ -238,8 +247,7 @@ class QuantizedLayerCache(LayerCache):
         the kernel; the sink, the window of at most ``max(ring)`` newer stream tokens (ring or
         units, as :meth:`dequantize` reads them) and the new token through XLA; the two softmax
         partials are merged. Float32 out."""
-        b, h, d = q.shape
-        kvh = k.shape[1]
+        b = q.shape[0]
         off = self.sink_len
         valid = (p >= 0) & (p < self.max_len)
         start = jnp.where(valid, p, 0)  # the row holds `start` tokens before this call

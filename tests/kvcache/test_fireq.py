@@ -12,6 +12,7 @@ import pytest
 import jaxlp
 from jaxlp import kvcache
 from jaxlp.kvcache import fireq
+from jaxlp.quantization import fireq_kv
 from jaxlp.kvcache.quant import fake_quantize_fp8
 from jaxlp.models import ModelConfig, Transformer
 
@@ -37,8 +38,8 @@ def test_tokens_match_numpy():
     codes, scale = np_int4_tokens(x)
     assert tokens.codes.shape == (3, 7, 32) and tokens.codes.dtype == jnp.uint8 and tokens.scale.dtype == E4M3
     np.testing.assert_array_equal(np.asarray(tokens.scale).astype(np.float32), scale.astype(np.float32))
-    nibbles = (codes.astype(np.uint8) & 0xF).reshape(3, 7, 32, 2)
-    np.testing.assert_array_equal(np.asarray(tokens.codes), nibbles[..., 0] | nibbles[..., 1] << 4)
+    nibbles = codes.astype(np.uint8) & 0xF  # planar: channel i low nibble, channel i + 32 high nibble
+    np.testing.assert_array_equal(np.asarray(tokens.codes), nibbles[..., :32] | nibbles[..., 32:] << 4)
     deq = np.asarray(dequantize_tokens(tokens))
     np.testing.assert_array_equal(deq, codes * scale.astype(np.float32)[..., None])
     assert (deq[0, 0] == 0).all() and np.float32(scale[0, 0]) == 2.0**-9 and np.float32(scale[0, 1]) == 448
@@ -118,13 +119,13 @@ def test_fold_rpn_leaves_logits_unchanged():
     model = _model(qkv_bias=True)
     ids = np.random.default_rng(4).integers(0, 64, (2, 24))
     before = np.asarray(model(jnp.asarray(ids)))
-    keys = fireq.collect_keys(model, ids)
+    keys = fireq_kv.collect_keys(model, ids)
     crs = [fireq.crs_channels(post, k=2)[1] for _, post in keys]
     factors = [fireq.rpn_factors(pre, alpha=8, exclude=ex) for (pre, _), ex in zip(keys, crs)]
     assert all((np.abs(np.log(f)) > 0.5).any() for f in factors)  # a real rescaling
-    fireq.fold_rpn(model, factors)
+    fireq_kv.fold_rpn(model, factors)
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), before, rtol=1e-4, atol=1e-4)
-    for (pre, _), ex in zip(fireq.collect_keys(model, ids), crs):
+    for (pre, _), ex in zip(fireq_kv.collect_keys(model, ids), crs):
         norms = np.sqrt(pre[..., :8] ** 2 + pre[..., 8:] ** 2).max(0)  # [KVH, D/2]
         np.testing.assert_allclose(norms[~ex[:, :8]], 8.0, rtol=1e-4)
 
@@ -133,12 +134,12 @@ def test_fold_rpn_checks():
     model = _model(qk_norm=True)
     f = np.ones((2, 16), np.float32)
     with pytest.raises(ValueError, match="q/k norms"):
-        fireq.fold_rpn(model, [f, f])
-    fireq.fold_rpn(model, [None, None])  # nothing to fold: fine
+        fireq_kv.fold_rpn(model, [f, f])
+    fireq_kv.fold_rpn(model, [None, None])  # nothing to fold: fine
     with pytest.raises(ValueError, match="factor sets"):
-        fireq.fold_rpn(_model(), [f])
+        fireq_kv.fold_rpn(_model(), [f])
     with pytest.raises(ValueError, match="RPN factors must be"):
-        fireq.fold_rpn(_model(), [f[:1], None])
+        fireq_kv.fold_rpn(_model(), [f[:1], None])
 
 
 @functools.partial(jax.jit, static_argnames="scale")
@@ -198,18 +199,16 @@ def test_bytes_hand_computed():
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_calibrate_keeps_full_precision_attention_unchanged(qk_norm):
     """RPN + CRS change only what is quantized: with FP32 storage the logits stay the same."""
-    import dataclasses
 
     from flax import nnx
 
-    from jaxlp.kvcache import fireq
     from jaxlp.models import ModelConfig, Transformer
 
     cfg = ModelConfig(model_type="qwen3" if qk_norm else "llama", vocab_size=64, hidden_size=64,
                       intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=qk_norm)
     model = Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 24)))
-    calibrated, fmt = fireq.calibrate(model, ids, k=2)
+    calibrated, fmt = fireq_kv.calibrate(model, ids, k=2)
     assert fmt.channel_scales is not None and len(fmt.channel_scales) == 2
     scales = np.asarray(fmt.channel_scales[0])
     assert not np.allclose(scales, 1.0)

@@ -36,9 +36,10 @@ def np_minmax(x, levels, axis):
 
 
 def np_pack2(codes):
-    """[..., N] 2-bit codes -> [..., N/4] bytes, element 4i+t at bits 2t."""
-    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4).astype(np.uint32)
-    return (c[..., 0] | c[..., 1] << 2 | c[..., 2] << 4 | c[..., 3] << 6).astype(np.uint8)
+    """[..., N] 2-bit codes -> [..., M = N/4] bytes, planar: element t*M + i in byte i at bits 2t."""
+    m = codes.shape[-1] // 4
+    c = codes.astype(np.uint32)
+    return (c[..., :m] | c[..., m:2 * m] << 2 | c[..., 2 * m:3 * m] << 4 | c[..., 3 * m:] << 6).astype(np.uint8)
 
 
 def np_key_page(k, n_boost):
@@ -104,21 +105,27 @@ def test_boost_selects_largest_mean_magnitude():
 
 
 def test_key_page_bit_layout():
-    """Channel 0 holds tokens 0,1,2,3,0,1,... (codes 0..3, unboosted); channel 1 is boosted
-    with codes 0..15: bytes hand-packed."""
+    """Planar packing, bytes by hand. Channel 0 (INT2) holds code ``t // 32`` at token t: plane p
+    of every byte (bits 2p) is tokens [32p, 32p + 32), so every byte is 0b11100100. Channel 1
+    (boosted, INT4) holds code ``t // 8``: token i + 32p of byte i has code i // 8 + 4p, so the
+    low bits of byte i are i // 8 in every plane and the high bits p."""
     t = np.arange(G)
     k = np.zeros((G, 4), np.float32)
-    k[:, 0] = t % 4
-    k[:, 1] = 100 * (t % 16)  # largest mean magnitude -> rank 0
+    k[:, 0] = t // 32
+    k[:, 1] = 100 * (t // 8)  # largest mean magnitude -> rank 0; scale 100
     page = quantize_key_page(jnp.asarray(k), 1)
     assert np.asarray(page.boost_idx).tolist() == [1, 0, 1, 1]
-    assert (np.asarray(page.low)[0] == 0b11100100).all()
-    low1 = np.asarray(page.low)[1]  # low bits of codes 0..15, 4 per byte: 0,1,2,3 -> 0b11100100
-    assert (low1 == 0b11100100).all()
-    high = np.asarray(page.high)[0]  # high bits: tokens 0-3 -> 0, 4-7 -> 1, 8-11 -> 2, 12-15 -> 3
-    assert high[:4].tolist() == [0b00000000, 0b01010101, 0b10101010, 0b11111111]
-    assert (np.asarray(page.low)[2:] == 0).all()  # constant channels: code 0
+    low = np.asarray(page.low)
+    assert (low[0] == 0b11100100).all()
+    assert low[1].tolist() == [0b00000000] * 8 + [0b01010101] * 8 + [0b10101010] * 8 + [0b11111111] * 8
+    assert (np.asarray(page.high)[0] == 0b11100100).all()
+    assert (low[2:] == 0).all()  # constant channels: code 0
     np.testing.assert_allclose(np.asarray(dequantize_key_page(page)), k, atol=1e-4)
+    v = np.zeros((G, 8), np.float32)
+    v[:, :2], v[:, 2:4], v[:, 4:6], v[:, 6:] = 0.0, 1.0, 2.0, 3.0  # channel plane u = channels [2u, 2u + 2)
+    vpage = quantize_value_page(jnp.asarray(v))
+    assert (np.asarray(vpage.codes) == 0b11100100).all()
+    np.testing.assert_allclose(np.asarray(dequantize_value_page(vpage)), v, atol=1e-4)
 
 
 def test_key_page_edge_cases():

@@ -25,9 +25,33 @@ def np_minmax(x, bits, axis):
 
 
 def np_pack(codes, bits):
+    """Planar: of N codes, element t*M + i (M = N * bits / 8) in byte i at bits [t * bits, (t + 1) * bits)."""
     per = 8 // bits
-    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).astype(np.uint32)
-    return sum(c[..., i] << (bits * i) for i in range(per)).astype(np.uint8)
+    m = codes.shape[-1] // per
+    c = codes.astype(np.uint32)
+    return sum(c[..., t * m:(t + 1) * m] << (bits * t) for t in range(per)).astype(np.uint8)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_planar_packing_round_trip(bits):
+    """quant.pack_bits: element i of N in byte i % (N bits / 8), bits (i // (N bits / 8)) * bits."""
+    from jaxlp.kvcache.quant import pack_bits, pack_int4, unpack_bits, unpack_int4
+
+    codes = np.random.default_rng(bits).integers(0, 2**bits, size=(3, 64)).astype(np.uint8)
+    packed = np.asarray(pack_bits(jnp.asarray(codes), bits))
+    assert packed.shape == (3, 64 * bits // 8) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(packed, np_pack(codes, bits))
+    m = packed.shape[-1]
+    i = np.arange(64)
+    np.testing.assert_array_equal((packed[:, i % m] >> (i // m * bits)) & (2**bits - 1), codes)
+    np.testing.assert_array_equal(np.asarray(unpack_bits(jnp.asarray(packed), bits)), codes)
+    signed = codes.astype(np.int8) % 16 - 8
+    np.testing.assert_array_equal(np.asarray(unpack_int4(pack_int4(jnp.asarray(signed)))), signed)
+    if bits < 8:
+        with pytest.raises(ValueError, match="multiple of"):
+            pack_bits(jnp.zeros((3, 63), jnp.uint8), bits)
+    with pytest.raises(ValueError, match="bits must be"):
+        unpack_bits(jnp.asarray(packed), 3)
 
 
 @pytest.mark.parametrize("bits, d, seed", [(2, 32, 0), (4, 32, 1), (2, 64, 2), (4, 16, 3)])
@@ -61,10 +85,17 @@ def test_values_match_numpy(bits, d, group, seed):
 
 
 def test_four_bit_layout_and_edge_cases():
-    v = np.tile(np.arange(16, dtype=np.float32), 2)[None]  # one token, channels 0..15, 0..15
+    v = np.concatenate([np.arange(16), 15 - np.arange(16)]).astype(np.float32)[None]  # one token: codes = values
     tokens = quantize_values(jnp.asarray(v), 4, 32)
-    assert np.asarray(tokens.codes)[0, :2].tolist() == [0x10, 0x32]  # channel 2i in the low nibble
+    # planar: channel i in the low nibble of byte i, channel i + 16 in its high nibble
+    assert np.asarray(tokens.codes)[0].tolist() == [i | (15 - i) << 4 for i in range(16)]
     np.testing.assert_allclose(np.asarray(dequantize_values(tokens, 4)), v, atol=1e-3)
+    t = np.arange(128, dtype=np.float32)
+    block = quantize_keys(jnp.asarray(np.stack([t // 32, t % 32 // 8], 1)), 2, 32)  # 2-bit: plane t = group t
+    codes = np.asarray(block.codes)  # [2 channels, 32 bytes]
+    assert (codes[0] == 0b00000000).all()  # each 32-token group is constant: code 0 (its min)
+    assert codes[1].tolist() == [0b00000000] * 8 + [0b01010101] * 8 + [0b10101010] * 8 + [0b11111111] * 8
+    np.testing.assert_allclose(np.asarray(block.min)[:, 0], [0, 1, 2, 3])
     zero = quantize_keys(jnp.zeros((128, 8)), 2, 32)
     assert (np.asarray(dequantize_keys(zero, 2)) == 0).all()
     inf = quantize_values(jnp.full((1, 32), jnp.inf), 2, 32)

@@ -163,14 +163,14 @@ def test_fused_checkpoints_round_trip(tmp_path):
 def test_fused_models_refuse_per_projection_rewrites():
     from jax.sharding import Mesh
 
-    from jaxlp.kvcache import fireq
+    from jaxlp.quantization import fireq_kv
     from jaxlp.models import shard_model
 
     fused = fuse_projections(_random(CONFIGS["qwen3"], seed=23))
     with pytest.raises(ValueError, match="fold before"):
-        fireq.fold_rpn(fused, [None, None])
+        fireq_kv.fold_rpn(fused, [None, None])
     with pytest.raises(ValueError, match="calibrate before"):
-        fireq.collect_keys(fused, _ids(4))
+        fireq_kv.collect_keys(fused, _ids(4))
     if jax.device_count() < 2:
         pytest.skip("needs two (simulated) devices for a tensor-parallel mesh")
     with pytest.raises(ValueError, match="shard an unfused model"):
