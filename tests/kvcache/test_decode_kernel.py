@@ -77,7 +77,7 @@ def test_decode_step_matches_the_reference(name):
 
 
 @pytest.mark.parametrize("name", ["kitty-pro", "kivi-k2v2*", "fireq-int4"])
-@pytest.mark.parametrize("g", [1, 5, 20])
+@pytest.mark.parametrize("g", [1, 20])
 def test_windows_softcap_and_gqa(name, g):
     lengths = [260, 140]
     layer = filled_layer(name, lengths, 300, h=2 * g, kvh=2, seed=g)
@@ -124,7 +124,7 @@ def test_pallas_without_a_gpu_says_why():
         layer.attend(q, k, v, jnp.asarray([[130]]), scale=0.1, window=None, softcap=None)
 
 
-@pytest.mark.parametrize("name", ["kitty-pro", "kivi-k2v2*", "fireq-int4"])
+@pytest.mark.parametrize("name", ["kitty-pro", "fireq-int4"])
 def test_generation_gives_the_same_greedy_tokens(name):
     """The shipped reasoner (head_dim 64, 8 layers): kernel (interpret) and reference, same tokens."""
     from importlib.resources import files
