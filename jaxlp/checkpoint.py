@@ -13,7 +13,11 @@ Orbax stores the leaves as a flat dict ``{"a<index>": array}`` (zero-size arrays
 cannot save, live in the sidecar only). ``load`` rebuilds the tree from the sidecar (checking
 each QuantizedArray's fields against its static fields), checks Orbax's metadata against it,
 restores, and verifies shapes, dtypes and checksums. Any inconsistency raises
-:class:`CheckpointError`.
+:class:`CheckpointError` (a :class:`jaxlp.errors.CheckpointFormatError`) in one line naming
+the file and what is wrong; Orbax's and TensorStore's exceptions and log lines do not leak out,
+and no asyncio error report follows a failed read (see :func:`_quiet_closed_loop_reports`).
+``load(..., check_finite=True)`` also refuses floating arrays holding NaN or Inf
+(:func:`check_finite`).
 
 Static field values may be None, bool, int, float, str, NumPy/JAX dtypes, and tuples, lists
 and string-keyed dicts of those; containers are stored tagged (``{"tuple": [...]}``) so that
@@ -22,20 +26,25 @@ tuples come back as tuples.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
+import re
 import shutil
+import sys
 import tempfile
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxlp import formats as _formats  # noqa: F401  (registers every format)
+from jaxlp.errors import CheckpointFormatError, NonFiniteWeightsError, one_line
 from jaxlp.formats.base import QuantizedArray, array_class
 
 VERSION = 1
@@ -43,8 +52,51 @@ SIDECAR = "jaxlp_checkpoint.json"
 ARRAYS = "arrays"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(CheckpointFormatError):
     """A checkpoint cannot be written or read back as it was written."""
+
+
+# ----------------------------------------------------------------------------- finiteness
+
+
+def _nonfinite_counts(x) -> tuple[int, int]:
+    """(NaN count, Inf count) of a floating array."""
+    x = jnp.asarray(x)
+    return int(jnp.sum(jnp.isnan(x))), int(jnp.sum(jnp.isinf(x)))
+
+
+def _is_floating(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(jnp.dtype(x.dtype), jnp.floating)
+
+
+def check_finite(named: Iterable[tuple[str, Any]], where: str) -> None:
+    """Raise :class:`~jaxlp.errors.NonFiniteWeightsError` if a floating array of ``named``
+    (``(name, array)`` pairs; QuantizedArrays are checked field by field) holds NaN or Inf.
+
+    One reduction per array (on the device the array lives on), once at load time.
+    """
+    for name, value in named:
+        if isinstance(value, QuantizedArray):
+            fields = [(f"{name}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)
+                      if not f.metadata.get("static")]
+            check_finite(fields, where)
+            continue
+        if not _is_floating(value) or not math.prod(value.shape):
+            continue
+        if bool(jnp.all(jnp.isfinite(jnp.asarray(value)))):
+            continue
+        nans, infs = _nonfinite_counts(value)
+        raise NonFiniteWeightsError(
+            f"{where}: tensor {name} holds {nans:,} NaN and {infs:,} Inf values (of {math.prod(value.shape):,}): "
+            "the checkpoint is damaged (check_finite=False / --no-check loads it anyway)"
+        )
+
+
+def leaves_with_names(tree: Any) -> list[tuple[str, Any]]:
+    """``(dotted path, leaf)`` of a pytree, QuantizedArrays kept whole."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, QuantizedArray))
+    return [(".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path), leaf)
+            for path, leaf in flat]
 
 
 # ----------------------------------------------------------------------------- static values
@@ -261,6 +313,7 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> None
                 ckptr.wait_until_finished()
         with open(os.path.join(tmp, SIDECAR), "w") as f:
             json.dump(sidecar, f, indent=1)
+        set_default_mode(tmp)
         if os.path.lexists(path):
             shutil.rmtree(path)
         os.rename(tmp, path)
@@ -269,11 +322,21 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> None
         raise
 
 
-def load(path: str | os.PathLike, *, sharding: jax.sharding.Sharding | None = None, verify: bool = True) -> Any:
+def set_default_mode(path: str | os.PathLike) -> None:
+    """Give a directory made by ``tempfile.mkdtemp`` (owner-only) the permissions a plain
+    ``mkdir`` would give it, before it is renamed into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+
+
+def load(path: str | os.PathLike, *, sharding: jax.sharding.Sharding | None = None, verify: bool = True,
+         check_finite: bool = False) -> Any:
     """Read a checkpoint written by :func:`save`: the same tree, classes, static fields and bits.
 
     sharding: where to place every JAX array (default: the first device). NumPy leaves come
     back as NumPy arrays. verify: check each array's CRC-32 against the sidecar.
+    check_finite: refuse floating arrays holding NaN or Inf (NonFiniteWeightsError).
     Raises :class:`CheckpointError` for a missing, incomplete, corrupt or inconsistent checkpoint.
     """
     import orbax.checkpoint as ocp
@@ -331,7 +394,111 @@ def load(path: str | os.PathLike, *, sharding: jax.sharding.Sharding | None = No
         return value
 
     # Pass 2: the real tree.
-    return _build(sidecar["tree"], "tree", leaf)
+    tree = _build(sidecar["tree"], "tree", leaf)
+    if check_finite:
+        _check_finite_tree(tree, path)
+    return tree
+
+
+def _check_finite_tree(tree: Any, where: str) -> None:
+    check_finite(leaves_with_names(tree), where)
+
+
+@contextlib.contextmanager
+def _quiet_orbax_logs():
+    """Orbax logs a warning line before raising on unreadable metadata; the error says it all."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+_CLOSED_LOOP_FILTER_INSTALLED = False
+
+
+def _quiet_closed_loop_reports() -> None:
+    """Drop the "Event loop is closed" reports a failed Orbax restore leaves behind.
+
+    Orbax runs each restore on a fresh asyncio loop and closes it as soon as one read fails;
+    TensorStore then completes the reads still in flight, and each completion callback finds
+    the loop closed and reports ``RuntimeError('Event loop is closed')`` through
+    ``sys.unraisablehook`` (hundreds of tracebacks, arriving after the error was raised, also
+    in an interpreter that keeps running). Those reports, and only those, are dropped; every
+    other unraisable exception goes to the hook that was installed before. No thread or loop
+    outlives the restore (the loop is closed; TensorStore's own pool is shared and idle).
+    """
+    global _CLOSED_LOOP_FILTER_INSTALLED
+    if _CLOSED_LOOP_FILTER_INSTALLED:
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        if _is_orbax_coroutine(unraisable.object):  # a read task of the closed loop, collected
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    _CLOSED_LOOP_FILTER_INSTALLED = True
+
+
+def _is_orbax_coroutine(obj: Any) -> bool:
+    code = getattr(obj, "cr_code", None)
+    return code is not None and "orbax" in code.co_filename
+
+
+def _drain_failed_restore(timeout: float = 10.0) -> None:
+    """Wait for the reads a failed restore left in flight and collect their tasks now, while
+    :func:`_quiet_closed_loop_reports` is in place (not at some later garbage collection, or
+    at interpreter exit, where the default hook would print each one)."""
+    import gc
+    import time
+    import types
+    import warnings
+
+    asyncio_log = logging.getLogger("asyncio")  # "exception was never retrieved" of the gathering future
+    level = asyncio_log.level
+    asyncio_log.setLevel(logging.CRITICAL)
+    deadline = time.monotonic() + timeout
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "coroutine ... was never awaited"; deprecated objects met by the scan
+            while True:
+                gc.collect()
+                pending = any(isinstance(o, types.CoroutineType) and _is_orbax_coroutine(o) for o in gc.get_objects())
+                if not pending or time.monotonic() > deadline:
+                    gc.collect()
+                    return
+                time.sleep(0.02)
+    finally:
+        asyncio_log.setLevel(level)
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def _read_error(path: str, e: BaseException, specs: dict[str, _LeafSpec]) -> CheckpointError:
+    """One line for an Orbax / TensorStore read failure: the array, the file, what is wrong."""
+    text = str(e) + " " + str(_root_cause(e))
+    key = re.search(r"""["'/]?\b(a\d+)/""", text)
+    array = f" of {specs[key.group(1)].where}" if key and key.group(1) in specs else ""
+    cause = _root_cause(e)
+    detail = str(cause).split("See full TensorStore details")[0].split("\n")[0]
+    truncated = any(w in detail for w in ("OUT_OF_RANGE", "not valid for value of size", "Unexpected end", "truncated"))
+    what = "truncated" if truncated else "corrupt or unreadable"
+    return CheckpointError(
+        f"{path}: the array data{array} under {ARRAYS}/ is {what} ({type(cause).__name__}: {one_line(detail, 240)})"
+    )
 
 
 def _restore_arrays(path: str, specs: list[_LeafSpec], sharding, ocp) -> dict[str, Any]:
@@ -339,15 +506,18 @@ def _restore_arrays(path: str, specs: list[_LeafSpec], sharding, ocp) -> dict[st
     if not os.path.isdir(arrays_path):
         raise CheckpointError(f"{path}: array data directory {ARRAYS}/ is missing")
     expected = {s.key: s for s in specs}
-    with ocp.StandardCheckpointer() as ckptr:
+    _quiet_closed_loop_reports()
+    with ocp.StandardCheckpointer() as ckptr, _quiet_orbax_logs():
         try:
             item = getattr(ckptr.metadata(arrays_path), "item_metadata", None)
         except Exception as e:  # noqa: BLE001  (Orbax raises many types)
-            raise CheckpointError(f"{path}: cannot read the array metadata: {type(e).__name__}: {e}") from None
+            raise CheckpointError(f"{path}: cannot read the array metadata under {ARRAYS}/ (incomplete or damaged "
+                                  f"data: {type(e).__name__}: {one_line(e, 200)})") from None
         try:
             stored = {k: (tuple(v.shape), jnp.dtype(v.dtype)) for k, v in dict(item.tree).items()}
         except (AttributeError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: the array metadata is missing or unreadable (incomplete or damaged data)") from None
+            raise CheckpointError(f"{path}: the array metadata under {ARRAYS}/ is missing or unreadable "
+                                  "(incomplete or damaged data)") from None
         missing = sorted(set(expected) - set(stored))
         if missing:
             names = ", ".join(expected[k].where for k in missing[:5])
@@ -368,4 +538,6 @@ def _restore_arrays(path: str, specs: list[_LeafSpec], sharding, ocp) -> dict[st
         try:
             return ckptr.restore(arrays_path, abstract)
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{path}: cannot read the array data: {type(e).__name__}: {e}") from None
+            error = _read_error(path, e, expected)
+        _drain_failed_restore()
+        raise error from None

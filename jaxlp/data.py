@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxlp.errors import check_int
+
 
 def offline_text() -> str:
     """English prose that ships with CPython (pydoc's topic help), topics in sorted order."""
@@ -24,6 +26,8 @@ def token_windows(tokenizer, num_sequences: int, seq_len: int, *, split: str = "
     """
     if split not in ("calibration", "evaluation"):
         raise ValueError(f"split must be 'calibration' or 'evaluation', got {split!r}")
+    check_int("token_windows", "num_sequences", num_sequences, low=1)
+    check_int("token_windows", "seq_len", seq_len, low=1)
     text = offline_text()
     half = len(text) // 2
     part = text[:half] if split == "calibration" else text[half:]

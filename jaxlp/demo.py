@@ -67,52 +67,78 @@ def calibrate_reasoner_tau0(model, tokenizer, *, num_prompts: int = 8, seed: int
     return tau0
 
 
-def run(num_problems: int = 8, seed: int = 0, model_dir: str | Path | None = None, quiet: bool = False) -> list[DemoRow]:
+def run(num_problems: int = 8, seed: int = 0, model_dir: str | Path | None = None, quiet: bool = False,
+        reporter=None, check_finite: bool = True) -> list[DemoRow]:
+    """Run the demo and return its rows. Results go to stdout (flushed line by line, also
+    when piped); status lines and progress bars to stderr through ``reporter`` (a
+    :class:`jaxlp.progress.Reporter`; default: one that is quiet when ``quiet``)."""
+    import jax
     import jax.numpy as jnp
 
     import jaxlp
+    from jaxlp.errors import check_int
+    from jaxlp.models.loading import check_model_dir
     from jaxlp.models.tokenizer import load_tokenizer
+    from jaxlp.progress import Reporter
     from jaxlp.quantization import quantize_model
     from jaxlp.sampling import ReSETConfig
     from jaxlp.testbed import ProblemSpec, eval_problems, is_correct, packed_batch
 
-    say = (lambda *a, **k: None) if quiet else print
-    model_dir = Path(model_dir or REASONER_DIR)
+    check_int("demo", "num_problems", num_problems, low=1)
+    reporter = reporter or Reporter(quiet=quiet)
+    say = (lambda *a, **k: None) if quiet else (lambda *a, **k: print(*a, **k, flush=True))
+    model_dir = check_model_dir(model_dir or REASONER_DIR)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no reasoner checkpoint in {model_dir} (config.json missing)")
     start = time.perf_counter()
-    tokenizer = load_tokenizer(model_dir)
-    bf16 = jaxlp.from_pretrained(model_dir, dtype=jnp.bfloat16)
+    with reporter.status(f"loading the reasoner ({model_dir})"):
+        tokenizer = load_tokenizer(model_dir)
+        bf16 = jaxlp.from_pretrained(model_dir, dtype=jnp.bfloat16, check_finite=check_finite)
     spec = ProblemSpec()
     problems = eval_problems(seed, num_problems, spec)
     prompts = [tokenizer.encode(p.question).ids for p in problems]
     max_new = spec.max_solution_chars() + 2
-    w4a4 = quantize_model(bf16, "w4a4-nvfp4", calibration=packed_batch(seed + 1, 0, 8, 512, spec)[0])
-    tau0 = calibrate_reasoner_tau0(bf16, tokenizer, num_prompts=num_problems, seed=seed)  # compiles BF16
+    progress = reporter.callback({"calibrating": "calibrating NVFP4 activation scales (compiling first)",
+                                  "quantizing": "quantizing to NVFP4 W4A4"})
+    calibration = packed_batch(seed + 1, 0, 8, 512, spec)[0]
+    progress("calibrating", 0, len(calibration))  # the bar shows while the calibration program compiles
+    try:
+        w4a4 = quantize_model(bf16, "w4a4-nvfp4", calibration=calibration, progress=progress)
+    finally:
+        progress.close()
+    with reporter.status("calibrating ReSET's tau0 (compiling the BF16 program)"):
+        tau0 = calibrate_reasoner_tau0(bf16, tokenizer, num_prompts=num_problems, seed=seed)
     reset = ReSETConfig.from_tokenizer(tokenizer, t_low=RESET_T_LOW, tau0=tau0)
     say(f"reasoner: {bf16.config.num_params:,} parameters ({model_dir}); {num_problems} held-out problems; "
         f"ReSET t_low={RESET_T_LOW}, tau0={tau0:.4g} (calibrated)")
     say(f"example: {problems[0].question.strip()}  (answer {problems[0].answer})")
+    if jax.default_backend() == "cpu":
+        say("note: on the CPU, NVFP4 runs jaxlp's pure-JAX reference (dequantize, then matmul), slower than BF16; "
+            "the NVFP4 kernels that make it fast are GPU-only")
 
     rows = []
     base = base_as_reset(tokenizer)
     configs = [("BF16, T=0.6 top-p 0.95", bf16, base),
                ("NVFP4 W4A4, T=0.6 top-p 0.95", w4a4, base),
                ("NVFP4 W4A4, ReSET", w4a4, reset)]
-    say("compiling the NVFP4 W4A4 program ...")
-    jaxlp.generate(w4a4, prompts, max_new_tokens=max_new, sampler=reset, seed=seed + 1, return_stats=True)
+    with reporter.status("compiling the NVFP4 W4A4 program"):
+        jaxlp.generate(w4a4, prompts, max_new_tokens=max_new, sampler=reset, seed=seed + 1, return_stats=True)
     say(f"{'configuration':<30} {'accuracy':>9} {'tokens':>7} {'tok/s':>8} {'weight bytes':>13}")
-    for name, model, sampler in configs:
-        kwargs = dict(max_new_tokens=max_new, sampler=sampler, seed=seed, return_stats=True)
-        t0 = time.perf_counter()
-        result = jaxlp.generate(model, prompts, **kwargs)
-        seconds = time.perf_counter() - t0
-        texts = [tokenizer.decode(s) for s in result.sequences()]
-        correct = sum(is_correct(t, p) for t, p in zip(texts, problems))
-        row = DemoRow(name, correct / len(problems), correct, len(problems), int(result.num_tokens.sum()), seconds,
-                      weight_bytes(model))
-        rows.append(row)
-        say(f"{name:<30} {row.accuracy:>8.1%} {row.tokens:>7} {row.tokens_per_second:>8.0f} {row.weight_bytes:>13,}")
+    with reporter.bar(f"solving {num_problems} problems x {len(configs)} configurations",
+                      num_problems * len(configs)) as advance:
+        for name, model, sampler in configs:
+            kwargs = dict(max_new_tokens=max_new, sampler=sampler, seed=seed, return_stats=True)
+            t0 = time.perf_counter()
+            result = jaxlp.generate(model, prompts, **kwargs)
+            seconds = time.perf_counter() - t0
+            texts = [tokenizer.decode(s) for s in result.sequences()]
+            correct = sum(is_correct(t, p) for t, p in zip(texts, problems))
+            row = DemoRow(name, correct / len(problems), correct, len(problems), int(result.num_tokens.sum()), seconds,
+                          weight_bytes(model))
+            rows.append(row)
+            advance(num_problems)
+            say(f"{name:<30} {row.accuracy:>8.1%} {row.tokens:>7} {row.tokens_per_second:>8.0f} "
+                f"{row.weight_bytes:>13,}")
     say(f"sample ({configs[-1][0]}):\n{problems[0].question}{texts[0]}")
     say(f"total {time.perf_counter() - start:.0f} s. Full evaluation (8 seeds, all formats and samplers): "
         "scripts/eval_reasoner.py")

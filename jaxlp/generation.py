@@ -9,6 +9,13 @@ donated to the program. The loop (``lax.while_loop``) stops when every row has f
 Rows of a batch may have different prompt lengths: prompts are right-padded and each row
 decodes at its own positions (see :mod:`jaxlp.attention.reference` for why no padding mask is
 needed).
+
+Non-finite logits: the loop carries, per row, the first step whose logits held a NaN or an
+Inf (one reduction over the logits the sampler reads anyway; no host sync). Such a row stops
+there (no token is written for that step). ``generate`` raises
+:class:`~jaxlp.errors.NonFiniteLogitsError` naming the first step and row, or with
+``on_nonfinite="return"`` returns ``GenerationResult.nonfinite_step``. The KV cache of a call
+that met a non-finite logit (in any row, finished ones included) is not kept for reuse.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlp import kvcache
+from jaxlp.errors import NonFiniteLogitsError, check_choice, check_int
 from jaxlp.sampling.base import Greedy, Sampler, token_entropy
 from jaxlp.sampling.baselines import base_decoding
 from jaxlp.sampling.calibration import TAU0_PERCENTILE, calibrate_tau0
@@ -37,6 +45,9 @@ class GenerationResult:
     entropy, temperature: ``[B, max_new_tokens]`` per step, only with ``return_stats``: the
         Shannon entropy (nats) of the raw logits each token was drawn from, and the
         temperature the sampler used (0 for argmax); NaN after a row finished.
+    nonfinite_step: ``[B]`` int, the first step whose logits held a NaN or Inf (the row
+        stopped there: ``num_tokens`` equals it), -1 where every step was finite. Only a
+        call with ``on_nonfinite="return"`` can return a row that is not -1.
     """
 
     tokens: np.ndarray
@@ -44,6 +55,7 @@ class GenerationResult:
     finished: np.ndarray
     entropy: np.ndarray | None = None
     temperature: np.ndarray | None = None
+    nonfinite_step: np.ndarray | None = None
 
     def sequences(self) -> list[list[int]]:
         """Each row's generated tokens, without padding."""
@@ -68,7 +80,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.n
     return tokens, lengths
 
 
-def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, stop_ids, max_new_tokens, return_stats, pad_id):
+def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, stop_ids, max_new_tokens, return_stats, pad_id,
+                      check_finite=True):
     model = nnx.merge(graphdef, params)
     batch, seq = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
@@ -90,16 +103,27 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
         entropy=nan if return_stats else None,
         temperature=nan if return_stats else None,
         sampler_state=sampler.init(batch),
+        nonfinite_step=jnp.full((batch,), -1, jnp.int32),
+        nonfinite_any=jnp.bool_(False),  # in any row, finished ones included: the cache may hold NaN / Inf
     )
 
     def cond(c):
-        return (c["step"] < max_new_tokens) & ~jnp.all(c["finished"])
+        return (c["step"] < max_new_tokens) & ~jnp.all(c["finished"] | (c["nonfinite_step"] >= 0))
 
     def body(c):
-        step, active = c["step"], ~c["finished"]
+        step = c["step"]
+        # A row whose logits hold a NaN or Inf stops at this step (first such step recorded).
+        if check_finite:
+            bad = ~jnp.all(jnp.isfinite(c["logits"]), axis=-1)
+        else:  # on_nonfinite="ignore": the program without the check (constants, folded away)
+            bad = jnp.zeros((batch,), bool)
+        running = ~c["finished"] & (c["nonfinite_step"] < 0)
+        active = running & ~bad
         sample = sampler.sample(c["sampler_state"], c["logits"], jax.random.fold_in(key, step))
         token = jnp.where(active, sample.tokens, pad_id)
         new = dict(c)
+        new["nonfinite_step"] = jnp.where(running & bad, step, c["nonfinite_step"])
+        new["nonfinite_any"] = c["nonfinite_any"] | jnp.any(bad)
         new["out"] = c["out"].at[:, step].set(token)
         new["num_tokens"] = c["num_tokens"] + active
         new["finished"] = c["finished"] | (active & jnp.isin(sample.tokens, stop_ids))
@@ -117,7 +141,8 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
 
     carry = jax.lax.while_loop(cond, body, carry)
     stats = (carry["entropy"], carry["temperature"])
-    return carry["out"], carry["num_tokens"], carry["finished"], stats, carry["cache"]
+    nonfinite = (carry["nonfinite_step"], carry["nonfinite_any"])
+    return carry["out"], carry["num_tokens"], carry["finished"], nonfinite, stats, carry["cache"]
 
 
 # Caches returned by the last call of each shape, donated to the next call of that shape so
@@ -132,9 +157,28 @@ def clear_cache_pool() -> None:
 
 _generate_jit = jax.jit(
     _generate_program,
-    static_argnames=("graphdef", "max_new_tokens", "return_stats", "pad_id"),
+    static_argnames=("graphdef", "max_new_tokens", "return_stats", "pad_id", "check_finite"),
     donate_argnames=("cache",),
 )
+
+
+ON_NONFINITE = ("raise", "return", "ignore")
+
+
+def check_generation_settings(config, *, max_new_tokens, seed=0, max_length=None, cache_budget_bytes=None,
+                              on_nonfinite="raise") -> int:
+    """The checks of :func:`generate`'s settings (the command line runs them before loading
+    weights); returns the context length that bounds prompt plus new tokens."""
+    context = config.max_position_embeddings
+    limit = check_int("generate", "max_length", max_length, low=1, high=context, optional=True,
+                      note="the model's context length is the most") or context
+    check_int("generate", "max_new_tokens", max_new_tokens, low=1, high=max(1, limit - 1),
+              note=f"a prompt of at least one token plus them must fit the context length {limit}")
+    if not isinstance(seed, (int, np.integer)) or not -(2**63) <= int(seed) < 2**63:
+        raise ValueError(f"generate: seed must be a 64-bit integer, got {seed!r}")
+    check_int("generate", "cache_budget_bytes", cache_budget_bytes, low=1, optional=True)
+    check_choice("generate", "on_nonfinite", on_nonfinite, ON_NONFINITE)
+    return limit
 
 
 def generate(
@@ -150,16 +194,28 @@ def generate(
     pad_id: int = 0,
     max_length: int | None = None,
     cache_budget_bytes: int | None = None,
+    on_nonfinite: str = "raise",
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens for each prompt (lists of token ids).
 
     ``sampler`` defaults to greedy; ``stop_tokens`` default to the model's EOS ids; the same
-    ``seed`` gives the same tokens. ``max_length`` (default the model's
+    ``seed`` gives the same tokens. ``max_length`` (default and at most the model's
     ``max_position_embeddings``) bounds prompt plus new tokens. With ``cache_budget_bytes``,
     prompts run in consecutive batches as large as the KV cache format fits in that budget
     (rows are independent, so the tokens do not change).
+
+    ``on_nonfinite``: what a NaN or Inf in a row's logits does. The row stops at that step and
+    ``"raise"`` (default) raises :class:`~jaxlp.errors.NonFiniteLogitsError` naming the first
+    step and row, ``"return"`` returns them in ``result.nonfinite_step``; ``"ignore"`` compiles
+    the decode loop without the check (rows go on with whatever they sample; it is there to
+    measure the check's cost, one reduction over the logits per step).
+    Every setting is checked first (``ValueError`` naming the setting, the value and the range).
     """
     config = model.config
+    limit = check_generation_settings(config, max_new_tokens=max_new_tokens, seed=seed, max_length=max_length,
+                                      cache_budget_bytes=cache_budget_bytes, on_nonfinite=on_nonfinite)
+    if sampler is not None and not isinstance(sampler, Sampler):
+        raise ValueError(f"generate: sampler must be a jaxlp.sampling sampler, got {type(sampler).__name__}")
     if cache_budget_bytes is not None:
         width = prompt_bucket(max(len(p) for p in prompts)) + max_new_tokens if len(prompts) else 1
         size = kvcache.max_batch_size(kvcache.get(kv_cache), config, width, cache_budget_bytes)
@@ -167,19 +223,20 @@ def generate(
             raise ValueError(f"a single row's KV cache ({width} positions) does not fit in {cache_budget_bytes} bytes")
         if size < len(prompts):
             kwargs = dict(max_new_tokens=max_new_tokens, sampler=sampler, kv_cache=kv_cache, stop_tokens=stop_tokens,
-                          seed=seed, return_stats=return_stats, pad_id=pad_id, max_length=max_length)
+                          seed=seed, return_stats=return_stats, pad_id=pad_id, max_length=max_length,
+                          on_nonfinite="ignore" if on_nonfinite == "ignore" else "return")
             parts = [generate(model, prompts[i : i + size], **kwargs) for i in range(0, len(prompts), size)]
             join = lambda name: (None if getattr(parts[0], name) is None  # noqa: E731
                                  else np.concatenate([getattr(p, name) for p in parts]))
-            return GenerationResult(*(join(f.name) for f in dataclasses.fields(GenerationResult)))
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            result = GenerationResult(*(join(f.name) for f in dataclasses.fields(GenerationResult)))
+            return _check_finite(result, on_nonfinite)
     for i, p in enumerate(prompts):
         ids = np.asarray(p)
+        if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1):
+            raise ValueError(f"prompt {i} must be a list of integer token ids, got {ids.dtype} of shape {ids.shape}")
         if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
             raise ValueError(f"prompt {i} holds a token id outside the vocabulary (size {config.vocab_size})")
     tokens, lengths = pad_prompts(prompts)
-    limit = config.max_position_embeddings if max_length is None else max_length
     longest = int(lengths.max())
     if longest + max_new_tokens > limit:
         raise ValueError(
@@ -195,18 +252,47 @@ def generate(
     if cache is None:
         cache = cache_format.init(config, tokens.shape[0], tokens.shape[1] + max_new_tokens)
     graphdef, params = nnx.split(model)
-    out, num_tokens, finished, (entropy, temperature), cache = _generate_jit(
+    out, num_tokens, finished, (nonfinite_step, nonfinite_any), (entropy, temperature), cache = _generate_jit(
         graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths), cache, jax.random.key(seed),
         sampler or Greedy(), stop_ids, max_new_tokens=max_new_tokens, return_stats=return_stats, pad_id=pad_id,
+        check_finite=on_nonfinite != "ignore",
     )
-    if isinstance(cache_format, kvcache.Dense):
+    # A cache that may hold NaN / Inf (or, unchecked, might) is not reused: a masked stale slot
+    # still multiplies its value by a zero weight, and 0 * NaN is NaN.
+    if isinstance(cache_format, kvcache.Dense) and on_nonfinite != "ignore" and not bool(nonfinite_any):
         _cache_pool[pool_key] = cache
-    return GenerationResult(
+    result = GenerationResult(
         tokens=np.asarray(out),
         num_tokens=np.asarray(num_tokens),
         finished=np.asarray(finished),
         entropy=None if entropy is None else np.asarray(entropy),
         temperature=None if temperature is None else np.asarray(temperature),
+        nonfinite_step=np.asarray(nonfinite_step),
+    )
+    return _check_finite(result, on_nonfinite)
+
+
+def _check_finite(result: GenerationResult, on_nonfinite: str) -> GenerationResult:
+    if on_nonfinite == "raise" and result.nonfinite_step is not None:
+        raise_nonfinite(result.nonfinite_step)
+    return result
+
+
+def raise_nonfinite(steps: np.ndarray) -> None:
+    """Raise :class:`~jaxlp.errors.NonFiniteLogitsError` if a row of ``steps`` (as
+    ``GenerationResult.nonfinite_step``, one entry per prompt) met a non-finite logit."""
+    steps = np.asarray(steps)
+    if not np.any(steps >= 0):
+        return
+    step = int(steps[steps >= 0].min())
+    row = int(np.flatnonzero(steps == step)[0])
+    rows = int(np.sum(steps >= 0))
+    raise NonFiniteLogitsError(
+        f"the model produced NaN or Inf logits at decode step {step} of prompt {row}"
+        f"{f' ({rows} of {len(steps)} prompts affected)' if rows > 1 else ''}: its weights or activations are not "
+        "finite (a damaged checkpoint, or an overflow: try a wider --dtype); generate(on_nonfinite='return') "
+        "returns the partial result",
+        step=step, row=row,
     )
 
 

@@ -7,19 +7,23 @@ from pathlib import Path
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxlp.models.loading import load_hf, shard_model
+from jaxlp.models.loading import check_model_dir, load_hf, shard_model
 from jaxlp.models.transformer import Transformer
 from jaxlp.quantization.saving import is_quantized_checkpoint, load_quantized
 
 
-def from_pretrained(path: str | Path, *, dtype=jnp.bfloat16, mesh: Mesh | None = None) -> Transformer:
+def from_pretrained(path: str | Path, *, dtype=jnp.bfloat16, mesh: Mesh | None = None,
+                    check_finite: bool = True) -> Transformer:
     """Load ``path`` as a :class:`~jaxlp.models.Transformer`.
 
     A Hugging Face directory (``config.json`` + ``*.safetensors``) loads with ``dtype`` params;
     a directory written by :func:`jaxlp.quantization.save_quantized` loads as the quantized
     model it holds (its own dtype; ``dtype`` is ignored). ``mesh``: shard for tensor parallelism.
+    ``check_finite``: refuse floating tensors holding NaN or Inf (one reduction per tensor at
+    load; ``False`` skips it for huge models). Problems raise ``CheckpointFormatError``.
     """
-    if is_quantized_checkpoint(Path(path)):
-        model = load_quantized(path)
+    path = check_model_dir(path)
+    if is_quantized_checkpoint(path):
+        model = load_quantized(path, check_finite=check_finite)
         return shard_model(model, mesh) if mesh is not None else model
-    return load_hf(path, dtype=dtype, mesh=mesh)
+    return load_hf(path, dtype=dtype, mesh=mesh, check_finite=check_finite)

@@ -261,3 +261,51 @@ def test_checksum_mismatch(saved):
         checkpoint.load(path)
     out = checkpoint.load(path, verify=False)
     np.testing.assert_array_equal(np.asarray(out["b"]), np.asarray(tree["b"]))
+
+
+def test_failed_read_leaves_nothing_behind(tmp_path):
+    """A truncated data file: one-line CheckpointError naming the array, every time, and no asyncio
+    "Event loop is closed" reports, warnings or threads afterwards, in a process that keeps running."""
+    import subprocess
+    import sys
+    import textwrap
+
+    rng = np.random.default_rng(0)
+    tree = {f"w{i}": jnp.asarray(rng.standard_normal((64, 256)), jnp.float32) for i in range(24)}
+    path = tmp_path / "ckpt"
+    checkpoint.save(path, tree)
+    data = path / checkpoint.ARRAYS / "ocdbt.process_0" / "d"
+    biggest = max(data.iterdir(), key=lambda f: f.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[:1000])
+    code = textwrap.dedent(f"""
+        import gc, threading, time
+        from jaxlp import checkpoint
+        for _ in range(3):
+            try:
+                checkpoint.load({str(path)!r})
+            except checkpoint.CheckpointError as e:
+                print("ERROR", e)
+        time.sleep(1.0)
+        gc.collect()
+        print("THREADS", len(threading.enumerate()))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr[-2000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 3 and all("is truncated" in e and "tree['w" in e for e in errors), proc.stdout
+    assert "THREADS 1" in proc.stdout
+
+
+def test_check_finite_names_the_array(tmp_path):
+    from jaxlp.errors import NonFiniteWeightsError
+
+    import dataclasses
+
+    q = nvfp4.quantize(jnp.ones((4, 32)))
+    q = dataclasses.replace(q, tensor_scale=jnp.float32(jnp.inf))  # a damaged scale
+    tree = {"a": jnp.ones((4, 32)), "q": q}
+    checkpoint.save(tmp_path / "c", tree)
+    assert checkpoint.load(tmp_path / "c")["a"].shape == (4, 32)  # off by default for generic trees
+    with pytest.raises(NonFiniteWeightsError, match=r"tensor q\.tensor_scale holds 0 NaN and 1 Inf"):
+        checkpoint.load(tmp_path / "c", check_finite=True)

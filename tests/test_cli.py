@@ -112,7 +112,7 @@ def test_quantize_then_generate_and_info(model_dir, tmp_path, capsys):
     assert main(["quantize", "--model", str(model_dir), "--recipe", "w4a4-nvfp4", "--out", str(out)]) == 2
     assert "not empty" in capsys.readouterr().err
     assert main(["quantize", "--model", str(model_dir), "--recipe", "w2a2", "--out", str(tmp_path / "x")]) == 2
-    assert "unknown recipe" in capsys.readouterr().err
+    assert "invalid choice: 'w2a2'" in capsys.readouterr().err
 
 
 def test_fuse_projections_flags(model_dir, tmp_path, capsys):
@@ -146,3 +146,34 @@ def test_entropy_samplers_and_tau0_calibration(model_dir, capsys):
                  "--max-new-tokens", "8", "--dtype", "float32"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("tau0 = ") and float(line.split()[2]) > 0
+
+
+def test_unexpected_errors_are_one_line_with_a_debug_hint(model_dir, monkeypatch, capsys):
+    import jaxlp.cli as cli
+
+    def broken(args):
+        raise RuntimeError("something inside\nbroke")
+
+    monkeypatch.setattr(cli, "cmd_info", broken)
+    assert main(["info", "--model", str(model_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err == "jaxlp: error: unexpected RuntimeError: something inside broke (rerun with --debug for the traceback)\n"
+    with pytest.raises(RuntimeError, match="broke"):
+        main(["info", "--model", str(model_dir), "--debug"])
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_info", interrupted)
+    assert main(["info", "--model", str(model_dir)]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_prompt_rule_and_unused_option_note(capsys):
+    from jaxlp.cli import normalize_prompt
+
+    assert normalize_prompt("Q: 1+2") == normalize_prompt("Q: 1+2\n") == normalize_prompt("Q: 1+2\n\n") == "Q: 1+2\n"
+    assert normalize_prompt("Q: 1+2", newline=False) == "Q: 1+2"
+    assert main(["generate", "--model", "/nonexistent", "--prompt", "x", "--top-p", "0.9"]) == 2
+    err = capsys.readouterr().err
+    assert "--top-p has no effect with --sampler greedy" in err and "does not exist" in err

@@ -168,3 +168,61 @@ def test_stats_entropy_from_a_sampler_that_computes_it(model):
     for t in range(4):
         np.testing.assert_allclose(res.entropy[0, t], float(token_entropy(next_logits(model, seq))), rtol=1e-4)
         seq.append(int(res.tokens[0, t]))
+
+
+def _with_nan_embedding(model, token):
+    """A copy of ``model`` whose embedding of ``token`` is NaN (any row feeding it gets NaN logits)."""
+    bad = nnx.clone(model)
+    bad.embed_tokens.weight.set_value(bad.embed_tokens.weight[...].at[token].set(jnp.nan))
+    return bad
+
+
+def test_nonfinite_logits_are_reported_with_step_and_row(model):
+    from jaxlp.errors import NonFiniteLogitsError
+
+    prompts = _prompts(11, [5, 7, 6])
+    kwargs = dict(max_new_tokens=8, stop_tokens=(), sampler=Categorical(temperature=1.0), seed=2)
+    clean = jaxlp.generate(model, prompts, **kwargs)
+    assert (clean.nonfinite_step == -1).all()
+    # The NaN embedding of a token row 1 generates at step 2: a row's logits turn NaN at the
+    # step after it first feeds that token in (step 0 if its prompt holds it); until then the
+    # rows compute exactly what the clean model computes.
+    token = int(clean.tokens[1, 2])
+
+    def first_bad(r):
+        if token in prompts[r]:
+            return 0
+        hits = np.flatnonzero(clean.tokens[r] == token)
+        return int(hits[0]) + 1 if hits.size and hits[0] + 1 < 8 else -1
+
+    expected = np.array([first_bad(r) for r in range(3)])
+    assert 1 <= expected[1] <= 3
+    step = int(expected[expected >= 0].min())
+    row = int(np.flatnonzero(expected == step)[0])
+    bad = _with_nan_embedding(model, token)
+    with pytest.raises(NonFiniteLogitsError, match=f"decode step {step} of prompt {row}") as raised:
+        jaxlp.generate(bad, prompts, **kwargs)
+    assert (raised.value.step, raised.value.row) == (step, row)
+    result = jaxlp.generate(bad, prompts, **kwargs, on_nonfinite="return")
+    np.testing.assert_array_equal(result.nonfinite_step, expected)
+    unchecked = jaxlp.generate(bad, prompts, **kwargs, on_nonfinite="ignore")  # no check compiled in
+    assert (unchecked.nonfinite_step == -1).all() and (unchecked.num_tokens == 8).all()
+    for r in range(3):
+        n = expected[r] if expected[r] >= 0 else 8
+        assert result.num_tokens[r] == n  # a row stops at its first non-finite step
+        np.testing.assert_array_equal(result.tokens[r, :n], clean.tokens[r, :n])
+        assert (result.tokens[r, n:] == 0).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=2.0), "max_new_tokens must be an integer"),
+    (dict(max_new_tokens=300), r"max_new_tokens must be an integer in \[1, 255\]"),
+    (dict(max_new_tokens=4, max_length=1000), r"max_length must be an integer in \[1, 256\]"),
+    (dict(max_new_tokens=4, seed="x"), "seed must be a 64-bit integer"),
+    (dict(max_new_tokens=4, cache_budget_bytes=0), "cache_budget_bytes must be an integer >= 1"),
+    (dict(max_new_tokens=4, on_nonfinite="skip"), "on_nonfinite must be one of raise, return, ignore"),
+    (dict(max_new_tokens=4, sampler="greedy"), "sampler must be a jaxlp.sampling sampler"),
+])
+def test_generate_settings_are_checked(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jaxlp.generate(model, [[5, 6]], **kwargs)

@@ -95,6 +95,9 @@ def quantize(x: jax.Array, fmt: str, **options) -> QuantizedArray:
     """Quantize ``x`` to format ``fmt`` (see :func:`formats`); options are the format's own."""
     if fmt not in _FORMATS:
         raise ValueError(f"unknown quantization format {fmt!r}; known formats: {', '.join(formats())}")
+    shape = tuple(getattr(x, "shape", ()))
+    if 0 in shape:
+        raise ValueError(f"{fmt}: cannot quantize an empty array (shape {shape})")
     return _FORMATS[fmt][0](x, **options)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,11 @@ class ModelConfig:
     fused_projections: bool = False
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig: {name} must be an integer >= 1, got {value!r}")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
         if self.query_scale is None:
@@ -216,9 +222,30 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             raise ValueError(f"{model_type}: config.json lacks required key {key!r}")
         return cfg[key]
 
-    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    num_layers = int(need("num_hidden_layers"))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    def as_int(key, value, minimum=1):
+        """``value`` of config key ``key`` as an int (integral floats too), >= minimum; else a named error."""
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if isinstance(value, float) and value.is_integer():
+            value, ok = int(value), True
+        if not ok or value < minimum:
+            raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def as_float(key, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number, got {value!r}")
+        return float(value)
+
+    def need_int(key):
+        return as_int(key, need(key))
+
+    def get_int(key, default, minimum=1):
+        value = cfg.get(key)
+        return default if value is None else as_int(key, value, minimum)
+
+    hidden, heads = need_int("hidden_size"), need_int("num_attention_heads")
+    num_layers = need_int("num_hidden_layers")
+    head_dim = get_int("head_dim", None) or hidden // heads
     gemma = model_type == "gemma3_text"
     act = cfg.get("hidden_activation" if gemma else "hidden_act") or cfg.get("hidden_act", "silu")
     if act not in ("silu", "gelu_pytorch_tanh"):
@@ -240,11 +267,11 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     sliding_window = cfg.get("sliding_window", 4096 if model_type == "mistral" else None)
     if layer_types is None:
         if gemma:
-            pattern = int(cfg.get("sliding_window_pattern", 6))
+            pattern = get_int("sliding_window_pattern", 6)
             layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
         elif model_type in ("qwen2", "qwen3"):
             use_sw = bool(cfg.get("use_sliding_window", False)) and sliding_window
-            max_window_layers = int(cfg.get("max_window_layers", num_layers))
+            max_window_layers = get_int("max_window_layers", num_layers, minimum=0)
             layer_types = [SLIDING if use_sw and i >= max_window_layers else FULL for i in range(num_layers)]
         else:  # llama has none; mistral slides on every layer when sliding_window is set
             layer_types = [SLIDING if (model_type == "mistral" and sliding_window) else FULL] * num_layers
@@ -256,6 +283,9 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         sliding_window = None
 
     # RoPE, per layer type.
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ValueError(f"{key} must be an object (or null), got {cfg[key]!r}")
     rope_params = cfg.get("rope_parameters")
     if rope_params is None and cfg.get("rope_scaling") is not None:
         rope_params = dict(cfg["rope_scaling"])
@@ -284,14 +314,14 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         qkv_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(need("vocab_size")),
+        vocab_size=need_int("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=need_int("intermediate_size"),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        num_kv_heads=get_int("num_key_value_heads", heads),
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=as_float("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6)),
         hidden_act=act,
         qkv_bias=qkv_bias,
         o_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
@@ -303,11 +333,11 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else head_dim**-0.5,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
         layer_types=layer_types,
-        sliding_window=int(sliding_window) if sliding_window else None,
+        sliding_window=as_int("sliding_window", sliding_window) if sliding_window else None,
         rope=rope,
         final_logit_softcap=cfg.get("final_logit_softcapping"),
         attn_logit_softcap=cfg.get("attn_logit_softcapping"),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+        max_position_embeddings=get_int("max_position_embeddings", 8192),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         pad_token_id=cfg.get("pad_token_id"),

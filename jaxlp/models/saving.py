@@ -176,26 +176,67 @@ def save_pretrained(
     or a directory whose tokenizer files are copied. ``max_shard_bytes``: split the weights
     into shards of at most this many bytes (a tensor larger than that gets its own shard).
     An existing non-empty directory needs ``overwrite=True``; its old weight files are removed.
+
+    Complete or absent: the checkpoint is written to a temporary sibling directory (holding
+    the old directory's other files when overwriting) and renamed into place, so an error or
+    an interrupt leaves ``path`` as it was.
     """
-    from safetensors.flax import save_file
+    import os
+    import tempfile
 
     path = Path(path)
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{path} exists and is not empty (pass overwrite=True)")
-        for old in list(path.glob("*.safetensors")) + list(path.glob("model.safetensors.index.json")):
-            old.unlink()
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise FileExistsError(f"{path} exists and is not empty (pass overwrite=True)")
+    path = path.resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    backup = None
+    try:
+        if path.is_dir():  # keep the old directory's other files (its weights are replaced)
+            for old in path.iterdir():
+                if old.name.endswith(".safetensors") or old.name == "model.safetensors.index.json":
+                    continue
+                (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
+        _write_pretrained(model, tmp, tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        _default_mode(tmp)
+        if path.exists():
+            backup = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.rename(path, backup / "old")
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if backup is not None and (backup / "old").exists() and not path.exists():
+            os.rename(backup / "old", path)
+        if backup is not None:
+            shutil.rmtree(backup, ignore_errors=True)
+        raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+    return path
+
+
+def _default_mode(path: Path) -> None:
+    """The permissions a plain mkdir would give (mkdtemp makes the directory owner-only)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o777 & ~umask)
+
+
+def _write_pretrained(model, path: Path, tokenizer, *, dtype, max_shard_bytes) -> None:
+    from safetensors.flax import save_file
+
     config = model.config
     tensors = _tensors(model, dtype)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     store_dtype = next(iter(tensors.values())).dtype
     hf = hf_config_dict(config, store_dtype)
-    path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf[k] is not None}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -218,7 +259,6 @@ def save_pretrained(
 
     if tokenizer is not None:
         _save_tokenizer(tokenizer, path, config)
-    return path
 
 
 def _save_tokenizer(tokenizer, path: Path, config: ModelConfig) -> None:

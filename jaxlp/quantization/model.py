@@ -10,7 +10,7 @@ layer's output scale undoes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -69,15 +69,32 @@ def _set(parent, attr, module):
         setattr(parent, attr, module)
 
 
-def collect_activation_amax(model, layers: dict[str, tuple], calibration, *, batch_size: int = 4) -> dict[str, jax.Array]:
-    """Max |input| of each layer over ``calibration`` token ids ``[N, S]`` (no padding), one jit."""
-    from tqdm.auto import tqdm
+Progress = Callable[[str, int, int], None]  # (what, done, total)
 
+
+def check_calibration(config, calibration) -> np.ndarray:
+    """``calibration`` as token ids ``[N, S]`` with ``1 <= S <=`` the model's context length."""
     ids = np.asarray(calibration)
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"calibration must be a non-empty [num_sequences, seq_len] array of token ids, got {ids.shape}")
-    if ids.min() < 0 or ids.max() >= model.config.vocab_size:
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"calibration must hold integer token ids, got dtype {ids.dtype}")
+    if ids.shape[1] > config.max_position_embeddings:
+        raise ValueError(f"calibration sequences of {ids.shape[1]} tokens exceed the model's context length "
+                         f"{config.max_position_embeddings}")
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
         raise ValueError("calibration holds token ids outside the model's vocabulary")
+    return ids
+
+
+def collect_activation_amax(model, layers: dict[str, tuple], calibration, *, batch_size: int = 4,
+                            progress: Progress | None = None) -> dict[str, jax.Array]:
+    """Max |input| of each layer over ``calibration`` token ids ``[N, S]`` (no padding), one jit.
+
+    ``progress("calibrating", done, total)`` is called after each batch (sequences done)."""
+    ids = check_calibration(model.config, calibration)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"calibration_batch_size must be an integer >= 1, got {batch_size!r}")
     observers = {}
     for path, (parent, attr, linear) in layers.items():
         observers[path] = _AmaxObserver(linear)
@@ -88,8 +105,10 @@ def collect_activation_amax(model, layers: dict[str, tuple], calibration, *, bat
         m.forward(batch)
 
     try:
-        for start in tqdm(range(0, len(ids), batch_size), desc="calibrating", unit="batch", leave=False):
+        for start in range(0, len(ids), batch_size):
             run(model, jnp.asarray(ids[start : start + batch_size]))
+            if progress is not None:
+                progress("calibrating", min(start + batch_size, len(ids)), len(ids))
     finally:
         for path, (parent, attr, linear) in layers.items():
             _set(parent, attr, linear)
@@ -139,13 +158,18 @@ def quantize_model(
     calibration_batch_size: int = 4,
     implementation: str = "xla",
     inplace: bool = False,
+    progress: Progress | None = None,
 ):
     """Return a copy of ``model`` (unless ``inplace``) whose selected linears compute in the recipe's format.
 
     ``calibration``: token ids ``[N, S]`` for recipes with static activation scales (NVFP4
-    W4A4). The result has ``model.quantization``, a :class:`QuantizationReport`.
+    W4A4), ``S`` at most the model's context length. The result has ``model.quantization``, a
+    :class:`QuantizationReport`. ``progress(what, done, total)``, if given, is called as the
+    calibration batches (``"calibrating"``) and the layers (``"quantizing"``) are done.
     """
     recipe = get_recipe(recipe)
+    if calibration is not None:
+        check_calibration(model.config, calibration)
     if not inplace:
         model = nnx.clone(model)
     layers = linear_layers(model, recipe)
@@ -155,7 +179,8 @@ def quantize_model(
     if recipe.activation in STATIC:
         if calibration is None:
             raise ValueError(f"recipe {recipe.name!r} quantizes activations with a static scale: pass calibration=")
-        amax = collect_activation_amax(model, layers, calibration, batch_size=calibration_batch_size)
+        amax = collect_activation_amax(model, layers, calibration, batch_size=calibration_batch_size,
+                                       progress=progress)
 
     weights = {p: lin.weight[...].astype(jnp.float32) for p, (_, _, lin) in layers.items()}
     if recipe.cas:
@@ -168,6 +193,8 @@ def quantize_model(
             threshold = options.get("threshold", nestedfp.DEFAULT_THRESHOLD)
             if not nestedfp.is_eligible(w.astype(jnp.float16), threshold):
                 kept.append((path, f"NestedFP exception layer: max |w| > {threshold}"))
+                if progress is not None:
+                    progress("quantizing", len(quantized) + len(kept), len(layers))
                 continue
         p = int4_fp8.pts_factor(w) if recipe.pts else jnp.float32(1.0)
         q = formats.quantize(w * p, recipe.weight_format, **options)
@@ -177,6 +204,8 @@ def quantize_model(
             implementation=implementation,
         ))
         quantized.append(path)
+        if progress is not None:
+            progress("quantizing", len(quantized) + len(kept), len(layers))
     model.quantization = QuantizationReport(recipe.name, tuple(quantized), tuple(kept))
     return model
 

@@ -26,6 +26,18 @@ class Recipe:
     cas: bool = False  # FireQ channel-wise absmean scaling folded into norms / up_proj
     description: str = ""
 
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Recipe: name must be a non-empty string, got {self.name!r}")
+        for field in ("include", "exclude"):
+            pattern = getattr(self, field)
+            if pattern is None and field == "exclude":
+                continue
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"Recipe {self.name!r}: {field} must be a regular expression, got {pattern!r} ({e})") from None
+
     def selects(self, path: str) -> bool:
         if not re.fullmatch(self.include, path):
             return False

@@ -33,12 +33,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlp.errors import check_int, check_number
 from jaxlp.ffi import sampling as kernels
 from jaxlp.sampling import noise
 from jaxlp.temperature import GREEDY_TEMPERATURE, inverse_temperature
 
 ENTROPY_CHUNK = 1024  # first-stage length of the entropy reduction
 IMPLEMENTATIONS = ("auto", "xla", "cuda")
+
+
+def check_sampler_settings(owner: str, **settings) -> None:
+    """Range checks shared by every sampler (the names are the samplers' field names):
+    ``temperature`` / ``t_low`` / ``t_high`` >= 0 (0 means greedy), ``tau0`` >= 0,
+    ``0 < top_p <= 1``, ``0 <= min_p < 1``, integer ``top_k >= 1``; None skips an optional one."""
+    for name, value in settings.items():
+        if name in ("temperature", "t_low", "t_high"):
+            check_number(owner, name, value, low=0.0, note="0 means greedy")
+        elif name == "tau0":
+            check_number(owner, name, value, low=0.0, note="nats")
+        elif name == "top_p":
+            check_number(owner, name, value, low=0.0, high=1.0, low_open=True, optional=True)
+        elif name == "min_p":
+            check_number(owner, name, value, low=0.0, high=1.0, high_open=True, optional=True)
+        elif name == "top_k":
+            check_int(owner, name, value, low=1, optional=True)
+        else:
+            raise TypeError(f"unknown sampler setting {name!r}")
 
 
 def check_implementation(implementation: str) -> None:
@@ -311,7 +331,7 @@ def filter_logits(
     kept. Applied in the order top-k, min-p, top-p, each on what the previous one kept.
     """
     neg_inf = jnp.asarray(-jnp.inf, logits.dtype)
-    if top_k is not None:
+    if top_k is not None and top_k < logits.shape[-1]:  # a larger top_k keeps every token
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, neg_inf, logits)
     if min_p is None and top_p is None:
@@ -414,8 +434,18 @@ class Greedy(Sampler):
 class Categorical(Sampler):
     """softmax(logits / temperature), optionally restricted by top-k, top-p and min-p.
 
-    ``temperature`` <= 1e-6 means argmax. Filters are applied after the temperature.
-    ``implementation``: "auto", "xla" or "cuda" (see the module docstring); static.
+    Settings (checked here, so the Python API and the command line refuse the same values
+    with the same message; see ``docs/errors.md``):
+
+    - ``temperature``: a finite number > 0, or exactly 0 meaning greedy (argmax; so does
+      any ``T <= 1e-6``). Negative, NaN and Inf are refused.
+    - ``top_p``: None (no filter) or ``0 < top_p <= 1`` (1 keeps every token).
+    - ``min_p``: None (no filter) or ``0 <= min_p < 1``.
+    - ``top_k``: None or an integer >= 1 (static; larger than the vocabulary keeps every token).
+    - ``implementation``: "auto", "xla" or "cuda" (see the module docstring); static.
+
+    Filters are applied after the temperature. Only concrete numbers are checked: inside a
+    compiled function the float fields are tracers.
     """
 
     temperature: float = 1.0
@@ -425,6 +455,8 @@ class Categorical(Sampler):
     implementation: str = static_field(default="auto")
 
     def __post_init__(self):
+        check_sampler_settings("Categorical", temperature=self.temperature, top_p=self.top_p, min_p=self.min_p,
+                               top_k=self.top_k)
         check_implementation(self.implementation)
 
     def sample(self, state, logits, key):

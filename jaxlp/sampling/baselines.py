@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxlp.sampling.base import Categorical, register
-from jaxlp.sampling.reset import EntropyTemperatureSampler, _is_number
+from jaxlp.errors import check_number
+from jaxlp.sampling.reset import EntropyTemperatureSampler
 
 BASE_TEMPERATURE = 0.6  # the models' default decoding temperature (the NVFP4 baseline)
 BASE_TOP_P = 0.95
@@ -70,8 +71,8 @@ class EMAEstimate(EntropyTemperatureSampler):
 
     def __post_init__(self):
         super().__post_init__()
-        if _is_number(self.alpha) and not 0.0 < self.alpha <= 1.0:
-            raise ValueError(f"EMAEstimate: alpha must be in (0, 1], got {self.alpha!r}")
+        if self.alpha is not None:
+            check_number("EMAEstimate", "alpha", self.alpha, low=0.0, high=1.0, low_open=True)
 
     def _update_ema(self, ema: jax.Array, h: jax.Array, recorded: jax.Array) -> jax.Array:
         alpha = jnp.asarray(self.alpha, jnp.float32)

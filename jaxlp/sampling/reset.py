@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlp.ffi import sampling as kernels
+from jaxlp.errors import is_number
 from jaxlp.sampling import noise
 from jaxlp.sampling.boundaries import boundary_ids
 from jaxlp.sampling.base import (
@@ -51,6 +52,7 @@ from jaxlp.sampling.base import (
     SampleOutput,
     Sampler,
     check_implementation,
+    check_sampler_settings,
     entropy_and_max,
     register,
     sample_with_temperature,
@@ -134,7 +136,7 @@ def _normalize_ids(name: str, ids: Any) -> tuple[int, ...]:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (numbers.Real, np.number)) and not isinstance(x, bool)
+    return is_number(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,12 +146,12 @@ class EntropyTemperatureSampler(Sampler):
     Fields (float hyper-parameters are pytree leaves, so sweeping them does not recompile;
     ``window`` and the id sets fix shapes and are static):
 
-    - ``t_low``, ``t_high``: the two temperatures (``<= 1e-6`` means argmax).
-    - ``tau0``: global entropy threshold (nats), required.
+    - ``t_low``, ``t_high``: the two temperatures, finite and >= 0 (0, or any ``T <= 1e-6``, means argmax).
+    - ``tau0``: global entropy threshold (nats, finite, >= 0), required.
     - ``window``: sliding-window length w.
     - ``double_newline_ids``: ids whose text contains "\\n\\n"; ``newline_ids``: ids whose text
       is exactly "\\n" (see :func:`jaxlp.sampling.boundaries.boundary_ids`).
-    - ``top_p``: nucleus filter applied after the temperature (None: no filter).
+    - ``top_p``: nucleus filter applied after the temperature, in (0, 1] (None: no filter).
     - ``implementation``: "auto", "xla" or "cuda" (:mod:`jaxlp.sampling.base`); static.
 
     Class attributes chosen by subclasses: ``step_estimator`` in {"hybrid" (ReSET), "window",
@@ -176,12 +178,10 @@ class EntropyTemperatureSampler(Sampler):
             raise ValueError("EntropyTemperatureSampler is abstract: use ReSETConfig or a baseline")
         if self.tau0 is None and _is_number(self.t_low):
             raise ValueError(f"{name}: tau0 (the global entropy threshold) is required")
-        for field, lo in (("t_low", 0.0), ("t_high", 0.0), ("tau0", 0.0)):
-            value = getattr(self, field)
-            if _is_number(value) and not (np.isfinite(value) and value >= lo):
-                raise ValueError(f"{name}: {field} must be a finite number >= {lo}, got {value!r}")
-        if _is_number(self.top_p) and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"{name}: top_p must be in (0, 1], got {self.top_p!r}")
+        # None stands for a placeholder leaf here (tau0's absence is caught above).
+        check_sampler_settings(name, **{f: getattr(self, f) for f in ("t_low", "t_high", "tau0")
+                                        if getattr(self, f) is not None})
+        check_sampler_settings(name, top_p=self.top_p)
         if not isinstance(self.window, numbers.Integral) or isinstance(self.window, bool) or self.window < 1:
             raise ValueError(f"{name}: window must be an int >= 1, got {self.window!r}")
         object.__setattr__(self, "window", int(self.window))
