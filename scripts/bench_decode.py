@@ -181,9 +181,10 @@ def step_profile(run_long, run_short, steps: int, top: int = 12) -> dict:
 
 
 def per_token(model, batch, ctx, sampler, *, n1, n2, method, repeats, profile=False, profile_top=12,
-              attention="auto"):
+              attention="auto", on_nonfinite="raise"):
     p = prompts(batch, CONTEXTS[ctx], model.config.vocab_size, seed=batch * 31 + len(ctx))
-    common = dict(sampler=sampler, seed=1, kv_cache=jaxlp.kvcache.get("bf16", attention=attention))
+    common = dict(sampler=sampler, seed=1, kv_cache=jaxlp.kvcache.get("bf16", attention=attention),
+                  on_nonfinite=on_nonfinite)
     t_c = time.perf_counter()
     first = jaxlp.generate(model, p, max_new_tokens=n2, stop_tokens=(), **common)  # warm-up (compiles)
     compile_s = time.perf_counter() - t_c
@@ -228,6 +229,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="a small model of the same family (smoke tests)")
     ap.add_argument("--profile", action="store_true", help="split the GPU time per token by kernel (stop method)")
     ap.add_argument("--profile-top", type=int, default=12, help="kernels listed by name per profiled run")
+    ap.add_argument("--on-nonfinite", choices=("raise", "ignore"), default="raise",
+                    help="generate's non-finite-logits check ('ignore' compiles it out: its cost is the difference)")
     ap.add_argument("--attention", choices=("auto", "xla"), default="auto",
                     help="decode attention of the BF16 cache: the Pallas kernel on a GPU (auto) or XLA's ops")
     ap.add_argument("--fused", action="store_true",
@@ -307,7 +310,7 @@ def main(argv=None):
         try:
             rec.update(per_token(model, int(batch), ctx, sampler, n1=args.n1, n2=args.n2, method=args.method,
                                  repeats=args.repeats, profile=args.profile, profile_top=args.profile_top,
-                                 attention=args.attention))
+                                 attention=args.attention, on_nonfinite=args.on_nonfinite))
         except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory at 8K)
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         jaxlp.generation.clear_cache_pool()
