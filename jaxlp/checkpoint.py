@@ -37,6 +37,7 @@ import shutil
 import sys
 import tempfile
 import zlib
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import jax
@@ -320,6 +321,40 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def replacing_directory(path: str | os.PathLike):
+    """Write a directory complete or not at all: yields a temporary sibling ``tmp`` (a Path) to
+    fill; on success ``tmp`` gets a plain mkdir's permissions and replaces ``path`` (renamed into
+    place, the old directory removed only after); on any error or interrupt ``tmp`` is removed,
+    ``path`` is left as it was, and parent directories created for it are removed if empty."""
+    path = Path(path)
+    created = [p for p in reversed(path.parents) if not p.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    backup = None
+    try:
+        yield tmp
+        set_default_mode(tmp)
+        if path.exists():
+            backup = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.rename(path, backup / "old")
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if backup is not None and (backup / "old").exists() and not path.exists():
+            os.rename(backup / "old", path)
+        if backup is not None:
+            shutil.rmtree(backup, ignore_errors=True)
+        for d in reversed(created):  # parents made for this write, if still empty
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
 
 
 def set_default_mode(path: str | os.PathLike) -> None:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlp import checkpoint
 from jaxlp.models.config import FULL, SLIDING, ModelConfig, from_hf_config
 from jaxlp.models.fusion import split_fused
 from jaxlp.models.loading import _hf_name
@@ -181,9 +182,6 @@ def save_pretrained(
     the old directory's other files when overwriting) and renamed into place, so an error or
     an interrupt leaves ``path`` as it was.
     """
-    import os
-    import tempfile
-
     path = Path(path)
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
@@ -192,40 +190,14 @@ def save_pretrained(
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} exists and is not empty (pass overwrite=True)")
     path = path.resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    backup = None
-    try:
+    with checkpoint.replacing_directory(path) as tmp:
         if path.is_dir():  # keep the old directory's other files (its weights are replaced)
             for old in path.iterdir():
                 if old.name.endswith(".safetensors") or old.name == "model.safetensors.index.json":
                     continue
                 (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
         _write_pretrained(model, tmp, tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes)
-        _default_mode(tmp)
-        if path.exists():
-            backup = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.rename(path, backup / "old")
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if backup is not None and (backup / "old").exists() and not path.exists():
-            os.rename(backup / "old", path)
-        if backup is not None:
-            shutil.rmtree(backup, ignore_errors=True)
-        raise
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
     return path
-
-
-def _default_mode(path: Path) -> None:
-    """The permissions a plain mkdir would give (mkdtemp makes the directory owner-only)."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o777 & ~umask)
 
 
 def _write_pretrained(model, path: Path, tokenizer, *, dtype, max_shard_bytes) -> None:

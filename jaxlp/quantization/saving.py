@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -124,36 +122,13 @@ def save_quantized(model, path: str | Path, *, tokenizer_from: str | Path | None
         format_version=FORMAT_VERSION, config=_config_to_json(model.config), dtype=jnp.dtype(model.dtype).name,
         recipe=report.recipe, layers=layers, kept=[list(k) for k in report.kept],
     )
-    created = [p for p in reversed(path.parents) if not p.exists()]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    backup = None
-    try:
+    with checkpoint.replacing_directory(path) as tmp:
         checkpoint.save(tmp / "params", _keys(nnx.to_pure_dict(nnx.state(model)), _to_str))
         if tokenizer_from is not None:
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_from) / name).is_file():
                     shutil.copy(Path(tokenizer_from) / name, tmp / name)
         (tmp / MARKER).write_text(json.dumps(meta, indent=1))  # written last: marks a complete save
-        checkpoint.set_default_mode(tmp)
-        if path.exists():
-            backup = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.rename(path, backup / "old")
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if backup is not None and (backup / "old").exists() and not path.exists():
-            os.rename(backup / "old", path)
-        if backup is not None:
-            shutil.rmtree(backup, ignore_errors=True)
-        for d in reversed(created):  # parents made for this save, if still empty
-            try:
-                d.rmdir()
-            except OSError:
-                pass
-        raise
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
 
 
 def _lookup(tree: dict, dotted: str):
