@@ -18,33 +18,8 @@ from jaxlp.evals.entropy import (
     text_windows,
 )
 from jaxlp.evals.entropy import testbed_corpus as build_testbed_corpus  # a test_* name would be collected
-from jaxlp.models import ModelConfig, Transformer
-from jaxlp.models.saving import save_pretrained
 from jaxlp.models.tokenizer import load_tokenizer
-from jaxlp.testbed import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ProblemSpec, eval_problems, make_tokenizer
-
-SPEC = ProblemSpec(min_terms=1, max_terms=2, max_digits=2, multiply_prob=0.3, start_digits=2)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A random 1-layer Qwen3 with the testbed tokenizer and a training log naming a small spec.
-
-    The embeddings are scaled up so the logits are far from uniform (entropies spread over
-    several bins instead of all sitting at ln 100).
-    """
-    config = ModelConfig(
-        model_type="qwen3", vocab_size=VOCAB_SIZE, qk_norm=True, tie_word_embeddings=True, rms_norm_eps=1e-6,
-        max_position_embeddings=1024, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,), pad_token_id=PAD_ID,
-        hidden_size=64, intermediate_size=192, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
-    )
-    model = Transformer(config, rngs=nnx.Rngs(7))
-    model.embed_tokens.weight.set_value(model.embed_tokens.weight.get_value() * 15.0)
-    path = tmp_path_factory.mktemp("tiny_reasoner")
-    save_pretrained(model, path, make_tokenizer(), dtype=jnp.bfloat16)
-    (path / "training_log.json").write_text(json.dumps({"spec": SPEC.__dict__}))
-    return path
-
+from jaxlp.testbed import BOS_ID, EOS_ID, PAD_ID, eval_problems
 
 def _reference_stats(logits, targets):
     """float64 NumPy: entropy, argmax, log p(target), max prob of logits [S, V]."""
@@ -116,10 +91,10 @@ def test_run_models_matches_numpy(tiny_dir):
         assert per_seq.entropy[i].shape == (3, len(targets))
 
 
-def test_testbed_corpus_layout(tiny_dir):
+def test_testbed_corpus_layout(tiny_dir, tiny_spec):
     tok = load_tokenizer(tiny_dir)
     corpus = build_testbed_corpus(tiny_dir, tok, EOS_ID, 4, 2, seed=9)
-    problems = eval_problems(9, 4, SPEC)
+    problems = eval_problems(9, 4, tiny_spec)
     for seq, first, p in zip(corpus.sequences, corpus.first, problems):
         assert tok.decode(seq[:first].tolist()) == p.question and seq[0] == BOS_ID
         assert tok.decode(seq[first:-1].tolist()) == p.solution and seq[-1] == EOS_ID
@@ -144,14 +119,14 @@ def test_text_windows(tiny_dir):
     assert text[: len(text) // 2].startswith(tok.decode(calibration.reshape(-1).tolist()))
 
 
-def test_end_to_end_testbed(tiny_dir, tmp_path):
+def test_end_to_end_testbed(tiny_dir, tiny_spec, tmp_path):
     out = tmp_path / "tb"
     command = f"python scripts/entropy_analysis.py --model {tiny_dir} --kind testbed"
     returned = run_entropy_analysis(str(tiny_dir), "testbed", out, problems=6, calibration_rows=2, batch_size=4,
                                     seed=3, command=command)
     report = json.loads(Path(f"{out}.json").read_text())
     assert returned == report
-    problems = eval_problems(3, 6, SPEC)
+    problems = eval_problems(3, 6, tiny_spec)
     assert report["tokens"] == sum(len(p.solution) + 1 for p in problems)  # solution characters and <eos>
     by_class = report["by_class"]
     assert sum(r["count"] for r in by_class.values()) == report["tokens"]
