@@ -62,10 +62,10 @@ def test_distribution_is_accurate_for_peaked_rows():
     assert np.isfinite(got[np.asarray(d.p) > 0]).all() and np.isfinite(np.asarray(d.entropy)).all()
 
 
-def test_run_models_matches_numpy(tiny_dir):
-    tok = load_tokenizer(tiny_dir)
-    model = jaxlp.from_pretrained(tiny_dir, dtype=jnp.float32)
-    corpus = build_testbed_corpus(tiny_dir, tok, EOS_ID, 3, 2, seed=5)
+def test_run_models_matches_numpy(tiny_reasoner_dir):
+    tok = load_tokenizer(tiny_reasoner_dir)
+    model = jaxlp.from_pretrained(tiny_reasoner_dir, dtype=jnp.float32)
+    corpus = build_testbed_corpus(tiny_reasoner_dir, tok, EOS_ID, 3, 2, seed=5)
     assert [len(s) for s in corpus.sequences] != [len(corpus.sequences[0])] * 3  # padding is exercised
     quantized = [jaxlp.quantization.quantize_model(model, "w4a4-nvfp4", calibration=corpus.calibration),
                  jaxlp.quantization.quantize_model(model, "w4a16-nvfp4")]
@@ -91,10 +91,10 @@ def test_run_models_matches_numpy(tiny_dir):
         assert per_seq.entropy[i].shape == (3, len(targets))
 
 
-def test_testbed_corpus_layout(tiny_dir, tiny_spec):
-    tok = load_tokenizer(tiny_dir)
-    corpus = build_testbed_corpus(tiny_dir, tok, EOS_ID, 4, 2, seed=9)
-    problems = eval_problems(9, 4, tiny_spec)
+def test_testbed_corpus_layout(tiny_reasoner_dir, tiny_reasoner_spec):
+    tok = load_tokenizer(tiny_reasoner_dir)
+    corpus = build_testbed_corpus(tiny_reasoner_dir, tok, EOS_ID, 4, 2, seed=9)
+    problems = eval_problems(9, 4, tiny_reasoner_spec)
     for seq, first, p in zip(corpus.sequences, corpus.first, problems):
         assert tok.decode(seq[:first].tolist()) == p.question and seq[0] == BOS_ID
         assert tok.decode(seq[first:-1].tolist()) == p.solution and seq[-1] == EOS_ID
@@ -104,8 +104,8 @@ def test_testbed_corpus_layout(tiny_dir, tiny_spec):
     assert not any(p.question in calibration_text for p in problems)  # ... none of them held out
 
 
-def test_text_windows(tiny_dir):
-    tok = load_tokenizer(tiny_dir)
+def test_text_windows(tiny_reasoner_dir):
+    tok = load_tokenizer(tiny_reasoner_dir)
     windows = text_windows(tok, BOS_ID, 3, 20, "evaluation")
     assert windows.shape == (3, 20) and windows.dtype == np.int32
     assert (windows[:, 0] == BOS_ID).all() and not (windows[:, 1:] == BOS_ID).any()  # one <bos> per window
@@ -119,14 +119,14 @@ def test_text_windows(tiny_dir):
     assert text[: len(text) // 2].startswith(tok.decode(calibration.reshape(-1).tolist()))
 
 
-def test_end_to_end_testbed(tiny_dir, tiny_spec, tmp_path):
+def test_end_to_end_testbed(tiny_reasoner_dir, tiny_reasoner_spec, tmp_path):
     out = tmp_path / "tb"
-    command = f"python scripts/entropy_analysis.py --model {tiny_dir} --kind testbed"
-    returned = run_entropy_analysis(str(tiny_dir), "testbed", out, problems=6, calibration_rows=2, batch_size=4,
+    command = f"python scripts/entropy_analysis.py --model {tiny_reasoner_dir} --kind testbed"
+    returned = run_entropy_analysis(str(tiny_reasoner_dir), "testbed", out, problems=6, calibration_rows=2, batch_size=4,
                                     seed=3, command=command)
     report = json.loads(Path(f"{out}.json").read_text())
     assert returned == report
-    problems = eval_problems(3, 6, tiny_spec)
+    problems = eval_problems(3, 6, tiny_reasoner_spec)
     assert report["tokens"] == sum(len(p.solution) + 1 for p in problems)  # solution characters and <eos>
     by_class = report["by_class"]
     assert sum(r["count"] for r in by_class.values()) == report["tokens"]
@@ -146,9 +146,9 @@ def test_end_to_end_testbed(tiny_dir, tiny_spec, tmp_path):
     assert Path(f"{out}.png").stat().st_size > 10_000
 
 
-def test_end_to_end_text(tiny_dir, tmp_path):
+def test_end_to_end_text(tiny_reasoner_dir, tmp_path):
     out = tmp_path / "text.v1"  # a dot in the prefix is kept
-    run_entropy_analysis(tiny_dir, "text", out, sequences=2, seq_len=48, calibration_rows=2, trajectories=1)
+    run_entropy_analysis(tiny_reasoner_dir, "text", out, sequences=2, seq_len=48, calibration_rows=2, trajectories=1)
     report = json.loads(Path(f"{out}.json").read_text())
     assert report["tokens"] == 2 * 47 and report["sequences"] == 2
     assert set(report["classes"]) == {"number", "operator", "punctuation", "word", "whitespace", "other"}
@@ -157,6 +157,6 @@ def test_end_to_end_text(tiny_dir, tmp_path):
     assert Path(f"{out}.md").is_file() and Path(f"{out}.png").is_file()
 
 
-def test_unknown_kind_is_refused(tiny_dir, tmp_path):
+def test_unknown_kind_is_refused(tiny_reasoner_dir, tmp_path):
     with pytest.raises(ValueError, match="unknown kind 'code'"):
-        run_entropy_analysis(tiny_dir, "code", tmp_path / "x")
+        run_entropy_analysis(tiny_reasoner_dir, "code", tmp_path / "x")

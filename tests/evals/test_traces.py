@@ -11,12 +11,12 @@ from jaxlp.evals.traces import testbed_prompts as held_out_prompts  # a test_* n
 from jaxlp.models.tokenizer import load_tokenizer
 from jaxlp.testbed import check_steps, eval_problems, make_tokenizer
 
-def test_reset_trace_testbed(tiny_dir, tiny_spec, tmp_path):
+def test_reset_trace_testbed(tiny_reasoner_dir, tiny_reasoner_spec, tmp_path):
     """Held-out prompt, tau0 from training problems, the replay, the verdict and the PNG."""
-    tokenizer = load_tokenizer(tiny_dir)
-    model = jaxlp.from_pretrained(tiny_dir, dtype=jnp.float32)
-    prompts = held_out_prompts(tiny_dir, tokenizer, 2, max_new_tokens=48)
-    problem = eval_problems(0, 3, tiny_spec)[2]
+    tokenizer = load_tokenizer(tiny_reasoner_dir)
+    model = jaxlp.from_pretrained(tiny_reasoner_dir, dtype=jnp.float32)
+    prompts = held_out_prompts(tiny_reasoner_dir, tokenizer, 2, max_new_tokens=48)
+    problem = eval_problems(0, 3, tiny_reasoner_spec)[2]
     assert prompts.problem == problem and prompts.prompt == problem.question
     assert len(prompts.calibration) == CALIBRATION_PROMPTS and prompts.max_new_tokens == 48
     trace = reset_trace(model, tokenizer, prompts, t_low=0.1)
@@ -31,7 +31,7 @@ def test_reset_trace_testbed(tiny_dir, tiny_spec, tmp_path):
     summary = trace.summary()
     assert "tau0" in summary and ("correct" in summary or "wrong" in summary)
     out = tmp_path / "sub" / "trace.png"
-    plot_reset_trace(trace, out, tiny_dir.name, log_scale=True)
+    plot_reset_trace(trace, out, tiny_reasoner_dir.name, log_scale=True)
     assert out.stat().st_size > 10_000
     fixed = reset_trace(model, tokenizer, prompts, t_low=0.1, tau0=0.25)  # tau0 given: no calibration
     assert fixed.tau0 == 0.25
