@@ -69,6 +69,19 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
 
+    def write_rows(self, rows: KVCache, slots: jax.Array, batched: tuple[bool, ...]) -> KVCache:
+        """This cache with the rows of ``rows`` (a cache of the same format and length with
+        batch ``n``) written at batch indices ``slots [n]``: a row's whole state moves, so the
+        slot then holds exactly what ``rows`` held. ``batched`` (from
+        :meth:`CacheFormat.batched_leaves`) marks the leaves with a leading batch axis; the others
+        (state shared by every row, such as FireQ's channel scales) stay this cache's."""
+        leaves, tree = jax.tree.flatten(self)
+        small, small_tree = jax.tree.flatten(rows)
+        if tree != small_tree or len(batched) != len(leaves):
+            raise ValueError("write_rows needs a cache of the same format and length (and its batched_leaves)")
+        out = [big.at[slots].set(row.astype(big.dtype)) if b else big for big, row, b in zip(leaves, small, batched)]
+        return jax.tree.unflatten(tree, out)
+
 
 class CacheFormat:
     """A cache format: ``init(config, batch_size, max_len) -> KVCache`` and its byte cost."""
@@ -81,3 +94,9 @@ class CacheFormat:
     def bytes_per_token(self, config: ModelConfig) -> float:
         """Bytes per cached token per layer, metadata included."""
         raise NotImplementedError
+
+    def batched_leaves(self, config: ModelConfig, max_len: int) -> tuple[bool, ...]:
+        """Per leaf of ``init(config, B, max_len)`` (flattened order): whether it has a leading
+        batch axis (its shape follows B), for :meth:`KVCache.write_rows`."""
+        one, two = (jax.tree.leaves(jax.eval_shape(lambda b=b: self.init(config, b, max_len))) for b in (1, 2))
+        return tuple(a.shape != b.shape for a, b in zip(one, two))

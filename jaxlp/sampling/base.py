@@ -382,6 +382,27 @@ def sample_with_temperature(
         return jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     if use_kernels(v, implementation):
         return kernels.sample(logits, temperature, words, top_p=top_p, min_p=min_p)
+    return sample_with_row_keys(logits, temperature, noise.row_keys(words, b), top_p=top_p, min_p=min_p,
+                                row_max=row_max)
+
+
+def sample_with_row_keys(
+    logits: jax.Array,
+    temperature: jax.Array,
+    row_keys: jax.Array,
+    *,
+    top_p: jax.Array | float | None = None,
+    min_p: jax.Array | float | None = None,
+    row_max: jax.Array | None = None,
+) -> jax.Array:
+    """The XLA path of :func:`sample_with_temperature` with each row's noise key pair given:
+    ``row_keys uint32 [B, 2]`` (:func:`jaxlp.sampling.noise.row_keys`). Rows of one call may so
+    follow different seeds and steps (the serving engine's slots); ``top_p`` 1 and ``min_p`` 0
+    keep every token, as None does."""
+    logits = logits.astype(jnp.float32)
+    b, v = logits.shape
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
+    greedy = temperature <= GREEDY_TEMPERATURE
     inv_t = inverse_temperature(temperature)
     y = logits * inv_t[:, None]
     if row_max is None:
@@ -393,7 +414,7 @@ def sample_with_temperature(
     if top_p is not None:
         cut = nucleus_cut(y, y_max, top_p, keep)
         keep = (y >= cut[:, None]) if keep is None else keep & (y >= cut[:, None])
-    gumbel = noise.gumbel(noise.row_keys(words, b), v)
+    gumbel = noise.gumbel(row_keys, v)
     noisy = y + gumbel if keep is None else jnp.where(keep, y + gumbel, -jnp.inf)
     scores = jnp.where(greedy[:, None], logits, noisy)
     return jnp.argmax(scores, axis=-1).astype(jnp.int32)
