@@ -1,4 +1,4 @@
-"""Command line: ``jaxlp generate``, ``quantize``, ``info``, ``calibrate-tau0``, ``demo``.
+"""Command line: ``jaxlp generate``, ``quantize``, ``info``, ``calibrate-tau0``, ``demo``, ``serve``.
 
 No command prints a traceback on any input (``docs/errors.md`` lists what each bad input gets):
 
@@ -312,6 +312,77 @@ def cmd_generate(args) -> int:
             print(text, flush=True)
     reporter.note(f"{sum(counts)} tokens for {len(texts)} prompt{'s' if len(texts) > 1 else ''} in {seconds:.2f} s "
                   f"(compilation included){f'; written to {out}' if out else ''}")
+    return 0
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """UserError if ``host:port`` cannot be bound (checked before the weights load)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise UserError(f"--host {host!r}: {e.strerror or e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def cmd_serve(args) -> int:
+    import jax.numpy as jnp
+
+    from jaxlp import kvcache
+    from jaxlp.errors import check_int
+    from jaxlp.generation import prompt_bucket
+
+    try:
+        from jaxlp.serving import server
+    except ImportError as e:
+        raise UserError(f"jaxlp serve needs the serve extra (pip install 'jaxlp[serve]'): {e}") from None
+    from jaxlp.serving.chat import ChatTemplate
+
+    reporter = _reporter(args)
+    kvcache.get(args.kv_cache)
+    recipe = None
+    if args.recipe is not None:
+        from jaxlp.quantization import get_recipe
+        from jaxlp.quantization.activations import STATIC
+
+        recipe = get_recipe(args.recipe)
+        if recipe.activation in STATIC:
+            raise UserError(f"recipe {recipe.name!r} calibrates activation scales: quantize with jaxlp quantize "
+                            "first, then serve the quantized checkpoint")
+    config = _config(args.model)
+    max_len = check_int(None, "--max-len", args.max_len, low=2, high=config.max_position_embeddings, optional=True,
+                        note="the model's context length is the most") or config.max_position_embeddings
+    check_int(None, "--port", args.port, low=0, high=65535)
+    _check_bindable(args.host, args.port)
+    budget = None
+    if args.cache_gib is not None:
+        if not args.cache_gib > 0:
+            raise UserError(f"--cache-gib must be > 0, got {args.cache_gib}")
+        budget = int(args.cache_gib * 2**30)
+    chat_template = ChatTemplate.from_model_dir(args.model)
+    model, tokenizer = _load(args, reporter)
+    if recipe is not None:
+        from jaxlp.quantization import quantize_model
+
+        with reporter.status(f"quantizing to {recipe.name}"):
+            model = quantize_model(model, recipe)
+    engine_kwargs = dict(max_len=max_len, slots=args.slots, cache_budget_bytes=budget,
+                         steps_per_call=args.steps_per_call, max_waiting=args.max_waiting)
+    buckets = sorted({min(prompt_bucket(n), max_len - 1) for n in (2**k for k in range(4, max_len.bit_length() + 1))
+                      if n < max_len})
+    model_id = args.model_id or Path(args.model).resolve().name
+    reporter.note(f"serving {model_id} ({args.kv_cache} cache, {max_len} positions per slot) on "
+                  f"http://{args.host}:{args.port}/v1 ; compiling {len(buckets)} prefill buckets and the decode step")
+    server.serve(model, tokenizer, model_id=model_id, kv_cache=args.kv_cache, host=args.host, port=args.port,
+                 chat_template=chat_template, warmup_lengths=buckets, log_level="info" if args.debug else "warning",
+                 **engine_kwargs)
     return 0
 
 
@@ -677,6 +748,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-size", type=_positive_int, metavar="N", default=8, help=_d("prompts per generation call"))
     c.add_argument("--seed", type=int, metavar="N", default=0, help=_d("random seed"))
     c.set_defaults(func=cmd_calibrate_tau0)
+
+    v = sub.add_parser("serve", parents=[common], formatter_class=_Formatter,
+                       help="an OpenAI-compatible server (continuous batching) on a checkpoint",
+                       description="Serve /v1/completions, /v1/chat/completions (streaming too), /v1/models, "
+                                   "/health and /metrics (Prometheus) with FastAPI + uvicorn until Ctrl-C. "
+                                   "Prompts are taken verbatim.")
+    model_options(v)
+    v.add_argument("--recipe", default=None, choices=recipes, metavar="RECIPE",
+                   help="quantize the weights at load with this recipe (weight-only or dynamic-activation ones; "
+                        "default: serve the checkpoint as it is)")
+    v.add_argument("--kv-cache", default="bf16", choices=cache_formats, metavar="FORMAT",
+                   help=_d(f"KV cache format, one of {', '.join(cache_formats)}"))
+    v.add_argument("--host", default="127.0.0.1", help=_d("address to bind (0.0.0.0 exposes the server)"))
+    v.add_argument("--port", type=int, default=8000, metavar="N", help=_d("TCP port"))
+    v.add_argument("--model-id", default=None, metavar="NAME", help="model name the API reports (default: the "
+                   "checkpoint directory's name)")
+    v.add_argument("--max-len", type=int, default=None, metavar="N",
+                   help="positions per request, prompt plus completion (default: the model's context length)")
+    v.add_argument("--slots", type=_positive_int, default=None, metavar="N",
+                   help="concurrent requests (default: 8, or what --cache-gib fits)")
+    v.add_argument("--cache-gib", type=float, default=None, metavar="X",
+                   help="KV cache memory in GiB: the slot count is what the cache format fits (capped by --slots)")
+    v.add_argument("--steps-per-call", type=_positive_int, default=4, metavar="N",
+                   help=_d("decode steps per device call (streaming granularity)"))
+    v.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                   help=_d("requests that may wait for a slot; beyond, 503"))
+    v.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", parents=[common], formatter_class=_Formatter,
                        help="the embedded reasoner on held-out problems: BF16, NVFP4 W4A4, W4A4 + ReSET")

@@ -301,15 +301,17 @@ class Engine:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                listener: Callable[[Output], None] | None = None, request_id: str | None = None) -> Request:
         """Queue a request (checked first: ValueError naming the problem; QueueFullError when
-        ``max_waiting`` requests already wait). ``listener(output)`` is called from the thread
+        ``max_waiting`` requests already wait beyond the free slots). ``listener(output)`` is called from the thread
         running :meth:`step` with each group of new tokens and once finished."""
         params = params or SamplingParams()
         row = self.check_request(prompt_ids, params)
         request = Request(request_id or f"req-{next(self._ids)}", [int(t) for t in prompt_ids], params, listener)
         request._row = row
         with self._lock:
-            if len(self._waiting) >= self.max_waiting:
-                raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_waiting {self.max_waiting})")
+            free = sum(r is None for r in self._running)
+            if len(self._waiting) >= self.max_waiting + free:
+                raise QueueFullError(f"every slot is busy and {len(self._waiting) - free} requests wait "
+                                     f"(max_waiting {self.max_waiting})")
             self._waiting.append(request)
         return request
 
@@ -480,7 +482,7 @@ class Engine:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         requests = []
         for prompt, p in zip(prompts, params):
-            while len(self._waiting) >= max(1, self.max_waiting):
+            while len(self._waiting) >= self.max_waiting + sum(r is None for r in self._running):
                 self.step()
             requests.append(self.submit(prompt, p))
         self.run(requests)
@@ -511,6 +513,11 @@ class EngineLoop:
     def start(self) -> "EngineLoop":
         self._thread.start()
         return self
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop's thread is alive and not stopping."""
+        return self._thread.is_alive() and not self._stopping
 
     def stop(self, timeout: float | None = 10.0) -> None:
         with self._wake:
