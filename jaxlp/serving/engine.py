@@ -305,6 +305,8 @@ class Engine:
         running :meth:`step` with each group of new tokens and once finished."""
         params = params or SamplingParams()
         row = self.check_request(prompt_ids, params)
+        if request_id is not None and request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id or f"req-{next(self._ids)}", [int(t) for t in prompt_ids], params, listener)
         request._row = row
         with self._lock:
@@ -358,7 +360,12 @@ class Engine:
         for out in outputs:
             request = self._requests.pop(out.request_id) if out.finished else self._requests.get(out.request_id)
             if request is not None and request.listener is not None:
-                request.listener(out)
+                try:
+                    request.listener(out)
+                except Exception as e:  # noqa: BLE001  (one consumer's failure is that request's alone)
+                    if not request.finished:
+                        request.error = f"listener failed: {type(e).__name__}: {e}"
+                        self.cancel(request)
         return outputs
 
     def _admit(self) -> None:
@@ -462,7 +469,12 @@ class Engine:
         for out in outputs:
             request = self._requests.pop(out.request_id, None)
             if request is not None and request.listener is not None:
-                request.listener(out)
+                try:
+                    request.listener(out)
+                except Exception as e:  # noqa: BLE001  (one consumer's failure is that request's alone)
+                    if not request.finished:
+                        request.error = f"listener failed: {type(e).__name__}: {e}"
+                        self.cancel(request)
         return outputs
 
     # ------------------------------------------------------------------ convenience
