@@ -10,7 +10,9 @@ to slots ``starts[b] <= j < lengths[b]``. Implementations:
 * ``"pallas"``: the flash-decoding kernel :func:`jaxlp.pallas.decode_attention.decode_attention`
   (a GPU, and q in the cache's dtype, BF16 or FP16);
 * ``"interpret"``: the same kernel in Pallas' interpret mode (CPU tests);
-* ``"auto"``: ``"pallas"`` where it applies, else ``"xla"``.
+* ``"auto"``: ``"pallas"`` where it applies, else ``"xla"``;
+* ``"cuda"``: names the CUDA kernel of the quantized caches
+  (:mod:`jaxlp.ffi.quantized_decode_attention`); a dense cache has none and refuses it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxlp.pallas import decode_attention as kernel
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret", "cuda")
 
 
 def check_implementation(implementation: str) -> None:
@@ -37,6 +39,9 @@ def kernel_applies(q: jax.Array, k: jax.Array) -> bool:
 def choose(q: jax.Array, k: jax.Array, implementation: str) -> str:
     """The implementation a call runs: ``"auto"`` resolved; ``"pallas"`` checked."""
     check_implementation(implementation)
+    if implementation == "cuda":
+        raise ValueError("the dense cache has no CUDA decode-attention kernel (only the quantized caches do); "
+                         "use attention='auto', 'pallas' or 'xla'")
     if implementation == "auto":
         return "pallas" if kernel_applies(q, k) else "xla"
     if implementation == "pallas" and not kernel_applies(q, k):

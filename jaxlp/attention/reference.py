@@ -45,3 +45,16 @@ def causal_attention(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, s, h, d).astype(q.dtype)
+
+
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Merge flash-decoding splits along axis 2: ``o [B, KVH, S, G, D]`` unnormalized, ``m, l
+    [B, KVH, S, G]`` (each split's max score, natural log units, and sum of ``exp(s - m)``; an
+    empty split has ``o = 0, m = -inf, l = 0``) to ``(out [B, KVH, G, D] normalized, m, l)``."""
+    m_all = m.max(axis=2)
+    safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    w = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - safe[:, :, None]))
+    num = (o * w[..., None]).sum(axis=2)
+    den = (l * w).sum(axis=2)
+    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    return out, m_all, den

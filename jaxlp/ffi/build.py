@@ -39,6 +39,8 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
         "nvfp4_ffi.cu",  # argument checks, dispatch and the XLA FFI handlers
     ),
     "sampling": ("sampling.cu",),  # the fused sampling kernels and their handlers (jaxlp.ffi.sampling)
+    # decode attention over packed 2-bit Kitty / KIVI units (jaxlp.ffi.quantized_decode_attention)
+    "quantized_decode_attention": ("quantized_decode_attention.cu",),
 }
 NVCC_FLAGS = (
     "-O3",

@@ -44,7 +44,7 @@ class LayerCache:
 
 def prompt_attention(q, k, v, positions, max_len: int, *, scale, window, softcap, attention: str):
     """Attention of a fresh prompt call (see module doc) over its own ``k, v``, or None where the
-    caller's reference path serves: ``attention`` "auto" or "pallas" takes cuDNN's flash
+    caller's reference path serves: ``attention`` "auto", "pallas" or "cuda" takes cuDNN's flash
     attention on a GPU when it applies, else the blockwise XLA flash attention of
     :mod:`jaxlp.attention.prefill` on a GPU; "interpret" takes the blockwise one (CPU tests); the
     CPU with "auto", and "xla", keep the reference."""
@@ -53,7 +53,7 @@ def prompt_attention(q, k, v, positions, max_len: int, *, scale, window, softcap
     if attention != "interpret" and jax.default_backend() != "gpu":
         return None
     lengths = jnp.sum((positions >= 0) & (positions < max_len), axis=1).astype(jnp.int32)
-    impl = "auto" if attention in ("auto", "pallas") else "xla"
+    impl = "auto" if attention in ("auto", "pallas", "cuda") else "xla"
     return prefill.prefill_attention(q, k.astype(q.dtype), v.astype(q.dtype), lengths, scale=scale, window=window,
                                      softcap=softcap, implementation=impl)
 

@@ -69,6 +69,9 @@ class Dense(CacheFormat):
 
     def __post_init__(self):
         decode.check_implementation(self.attention)
+        if self.attention == "cuda":
+            raise ValueError("the dense cache has no CUDA decode-attention kernel (only the quantized caches do); "
+                             "use attention='auto', 'pallas' or 'xla'")
 
     def init(self, config: ModelConfig, batch_size: int, max_len: int) -> KVCache:
         shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)

@@ -35,9 +35,10 @@ Attention (:meth:`~QuantizedLayerCache.attend`): the reference
 (:meth:`~QuantizedLayerCache.reference_attend`, the CPU path and every prompt call) builds
 full-precision ``[B, max_len, KVH, D]`` keys and values with :meth:`dequantize`, then runs
 :func:`jaxlp.attention.reference.causal_attention` in float32. One-token (decode) steps on a GPU
-(the format's ``attention`` field: "auto", "pallas", "interpret"; "xla" keeps the reference)
-never build them: :func:`jaxlp.pallas.quantized_decode_attention.attend_units` reads the packed
-units that hold both keys and values, XLA attends the sink, the at most ``max(ring)`` newer
+(the format's ``attention`` field: "auto", "cuda", "pallas", "interpret"; "xla" keeps the
+reference) never build them: :func:`jaxlp.ffi.quantized_decode_attention.attend_units` (2-bit
+Kitty and KIVI units, CUDA) or :func:`jaxlp.pallas.quantized_decode_attention.attend_units`
+(every format, Pallas) reads the packed units that hold both keys and values, XLA attends the sink, the at most ``max(ring)`` newer
 stream tokens and the new token, and the two softmax partials are merged.
 """
 
@@ -53,6 +54,7 @@ import jax.numpy as jnp
 
 from jaxlp.attention import decode
 from jaxlp.attention.reference import causal_attention
+from jaxlp.ffi import quantized_decode_attention as cuda_attention
 from jaxlp.kvcache.base import CacheFormat, KVCache, LayerCache, prompt_attention
 from jaxlp.pallas import quantized_decode_attention as units_attention
 
@@ -219,27 +221,41 @@ class QuantizedLayerCache(LayerCache):
                                    attention=self.attention)
             if out is not None:
                 return out, self.store(k, v, positions)
-        if s == 1 and self._decode_kernel():
+        if s == 1 and self._decode_implementation(q.shape[2]) is not None:
             out = self._attend_one(q[:, 0], k[:, 0], v[:, 0], positions[:, 0], scale=scale, window=window,
                                    softcap=softcap)
             return out[:, None].astype(q.dtype), self.store(k, v, positions)
         return self.reference_attend(q, k, v, positions, scale=scale, window=window, softcap=softcap)
 
-    def _decode_kernel(self) -> bool:
-        """Whether one-token steps run :mod:`jaxlp.pallas.quantized_decode_attention` (``attention``
-        field: "auto" on a GPU, "pallas", "interpret"), else the reference."""
+    def _decode_implementation(self, num_heads: int) -> str | None:
+        """The kernel one-token steps run over the packed units (``attention`` field): "cuda"
+        (:mod:`jaxlp.ffi.quantized_decode_attention`, 2-bit Kitty and KIVI units), "pallas" or
+        "interpret" (:mod:`jaxlp.pallas.quantized_decode_attention`, every format); ``None`` for
+        the reference ("xla", or "auto" off a GPU). "auto" on a GPU takes CUDA where it reads the
+        units, else Pallas where it does."""
         if self.attention == "xla":
-            return False
+            return None
         on_gpu = jax.default_backend() == "gpu"
-        readable = units_attention.supports(self.k_spec.codec, self.v_spec.codec, self.k_ring.shape[-1])
+        kc, vc, d = self.k_spec.codec, self.v_spec.codec, self.k_ring.shape[-1]
+        group = num_heads // self.k_ring.shape[2]
+        cuda = cuda_attention.supports(kc, vc, d, group)
+        readable = units_attention.supports(kc, vc, d)
         if self.attention == "auto":
-            return on_gpu and readable
-        if self.attention == "pallas" and not on_gpu:
-            raise ValueError(f"the Pallas quantized-cache attention kernel needs a GPU (backend {jax.default_backend()!r})")
+            if not on_gpu:
+                return None
+            if cuda and cuda_attention.available():
+                return "cuda"
+            return "pallas" if readable else None
+        if self.attention in ("pallas", "cuda") and not on_gpu:
+            raise ValueError(f"the {self.attention} quantized-cache attention kernel needs a GPU "
+                             f"(backend {jax.default_backend()!r})")
+        if self.attention == "cuda":
+            cuda_attention.layout(kc, vc, d, group)  # raises, naming what the CUDA kernel does not read
+            return "cuda"
         if not readable:
-            raise ValueError(f"the quantized-cache attention kernel does not read {self.k_spec.codec!r} / "
-                             f"{self.v_spec.codec!r} at head_dim {self.k_ring.shape[-1]}; use attention='auto' or 'xla'")
-        return True
+            raise ValueError(f"the quantized-cache attention kernel does not read {kc!r} / {vc!r} at head_dim {d}; "
+                             f"use attention='auto' or 'xla'")
+        return self.attention
 
     def _attend_one(self, q, k, v, p, *, scale, window, softcap):
         """One query per row ``q [B, H, D]`` at position ``p [B]`` (new ``k, v [B, KVH, D]``), never
@@ -258,9 +274,12 @@ class QuantizedLayerCache(LayerCache):
         parts = []
         if self.k_spec.units and self.v_spec.units:
             lo = jnp.clip(first - off, 0, hi)
-            parts.append(units_attention.attend_units(
-                q, self.k_store, self.v_store, self.k_spec.codec, self.v_spec.codec, lo, hi, scale=scale,
-                softcap=softcap, interpret=self.attention == "interpret"))
+            args = (q, self.k_store, self.v_store, self.k_spec.codec, self.v_spec.codec, lo, hi)
+            if self._decode_implementation(q.shape[1]) == "cuda":
+                parts.append(cuda_attention.attend_units(*args, scale=scale, softcap=softcap))
+            else:
+                parts.append(units_attention.attend_units(*args, scale=scale, softcap=softcap,
+                                                          interpret=self.attention == "interpret"))
         width = max(self.k_spec.ring, self.v_spec.ring)
         j = hi[:, None] + jnp.arange(width)  # stream indices newer than the kernel's range
         keys = [self.sink_k.astype(jnp.float32), self._window(self.k_spec, self.k_ring, self.k_ring_pos, self.k_store, j, qk),

@@ -63,6 +63,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxlp.attention.reference import merge_splits
+
 HEAD_BLOCK = 16  # query heads per program (the dot's minimum M)
 PAGE = 128  # tokens of a Kitty page / KIVI key block
 SUB = 32  # tokens of a key scale group (Kitty low/high plane, KIVI group)
@@ -518,12 +520,7 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
         interpret=interpret,
         name="jaxlp_quantized_decode_attention",
     )(lo.astype(jnp.int32), hi.astype(jnp.int32), qg, *kleaves, *vleaves)
-    # Merge the splits: o [B, KVH, S, Gp, D] unnormalized, m, l [B, KVH, S, Gp].
-    m_all = m.max(axis=2)
-    w = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all)[:, :, None]))
-    num = (o * w[..., None]).sum(axis=2)
-    den = (l * w).sum(axis=2)
-    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    out, m_all, den = merge_splits(o, m, l)  # o [B, KVH, S, Gp, D] unnormalized, m, l [B, KVH, S, Gp]
     return out[:, :, :g].reshape(b, h, d), m_all[:, :, :g].reshape(b, h), den[:, :, :g].reshape(b, h)
 
 

@@ -109,7 +109,7 @@ def test_all_equal_keys_and_zero_values_are_nan_free():
 
 def test_attention_field_is_validated_and_static():
     with pytest.raises(ValueError, match="attention implementation must be one of"):
-        kvcache.get("kitty", attention="cuda")
+        kvcache.get("kitty", attention="triton")
     a = kvcache.get("kitty").init(config(4, 2), 1, 300)
     b = kvcache.get("kitty", attention="xla").init(config(4, 2), 1, 300)
     assert jax.tree.structure(a) != jax.tree.structure(b)  # part of the jit cache key

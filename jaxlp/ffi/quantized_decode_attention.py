@@ -1,0 +1,144 @@
+"""Decode attention over the packed 2-bit units of Kitty and KIVI caches, as a CUDA kernel (sm_90).
+
+    out, m, l = attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, scale=..., softcap=None)
+
+Same contract as :func:`jaxlp.pallas.quantized_decode_attention.attend_units` (its
+:func:`~jaxlp.pallas.quantized_decode_attention.reference` is this kernel's reference too):
+``q [B, H, D]`` against the non-sink stream indices ``[lo[b], hi[b])`` whose keys and values are
+both held quantized; ``out [B, H, D]`` float32 normalized by ``l``, ``m [B, H]`` the max scaled
+(soft-capped) score, ``l [B, H] = sum exp(s - m)``.
+
+Layouts read (the kernel's block is 128 tokens; bit packing planar as in :mod:`jaxlp.kvcache.quant`):
+
+* keys, channel-major 2-bit codes per 128-token block ``[D, 32]``: Kitty pages (``low``, the
+  boosted channels' ``high [n_boost, 32]`` rows addressed by ``boost_idx [D]``, FP16 ``scale, min
+  [D]``) and KIVI-2 key blocks (FP16 ``scale, min [4, D]``, one per 32-token plane);
+* values, token-major 2-bit codes ``[D/4]`` per token: Kitty pages of 128 tokens (FP16 ``scale,
+  min`` per token) and KIVI-2 value tokens (FP16 ``scale, min`` per token and group of channels).
+
+Design (``quantized_decode_attention.cu``): one CTA per (row, KV head, split) unpacks each block
+into shared memory as FP16 (``(code) * scale + min`` by HFMA2; never to global memory), then runs
+``mma.sync`` m16n8k16 flash-decoding over it with the KV head's query heads as the 16 rows (FP16
+operands, FP32 accumulation and softmax). FP16 operands keep the output within about ``1e-3``
+relative of the float32 reference. Splits along the sequence are merged in float32 by XLA
+(:func:`jaxlp.attention.reference.merge_splits`).
+
+The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlp.attention.reference import merge_splits
+from jaxlp.ffi import build
+
+TARGET = "jaxlp_quantized_decode_attention"
+LIBRARY = build.Library("quantized_decode_attention", {TARGET: "JaxlpQuantizedDecodeAttention"})
+BLOCK = 128  # tokens per block: a Kitty page, a KIVI key block
+HEAD_DIMS = (64, 128, 256)
+MAX_GROUP = 16  # query heads per KV head (the mma's 16 rows)
+CTAS_PER_SM = 3  # what the kernel's shared memory allows at head_dim 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the kernel reads of a pair of codecs (see :func:`layout`)."""
+
+    n_boost: int  # Kitty's boosted key channels (0: KIVI)
+    key_groups: int  # key scale groups per 128-token block: 1 (Kitty) or 4 (KIVI, 32 tokens each)
+    value_tokens: int  # tokens per value unit: 128 (Kitty pages) or 1 (KIVI)
+    value_group: int  # channels per value scale
+
+
+def layout(k_codec, v_codec, head_dim: int, group: int) -> Layout:
+    """The kernel's reading of these codecs at ``head_dim`` with ``group`` query heads per KV head;
+    ValueError naming what is not supported."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"the CUDA quantized-cache attention kernel takes head_dim {HEAD_DIMS}, got {head_dim}")
+    if not 1 <= group <= MAX_GROUP:
+        raise ValueError(f"the CUDA quantized-cache attention kernel takes 1 to {MAX_GROUP} query heads per KV "
+                         f"head, got {group}")
+    k_layout, v_layout = getattr(k_codec, "layout", ""), getattr(v_codec, "layout", "")
+    if k_layout == "kitty_keys" and k_codec.unit == BLOCK:
+        n_boost, key_groups = k_codec.n_boost, 1
+    elif k_layout == "kivi_keys" and k_codec.unit == BLOCK and k_codec.bits == 2 and k_codec.group == 32:
+        n_boost, key_groups = 0, 4
+    else:
+        raise ValueError(f"the CUDA quantized-cache attention kernel reads Kitty pages and 2-bit KIVI key blocks "
+                         f"(128 tokens, groups of 32), not {k_codec!r}")
+    if v_layout == "kitty_values" and v_codec.unit == BLOCK:
+        value_tokens, value_group = BLOCK, head_dim
+    elif (v_layout == "kivi_values" and v_codec.unit == 1 and v_codec.bits == 2 and head_dim % v_codec.group == 0
+          and v_codec.group % 4 == 0):
+        value_tokens, value_group = 1, v_codec.group
+    else:
+        raise ValueError(f"the CUDA quantized-cache attention kernel reads Kitty value pages and 2-bit KIVI values "
+                         f"(groups of a multiple of 4 channels), not {v_codec!r} at head_dim {head_dim}")
+    return Layout(n_boost, key_groups, value_tokens, value_group)
+
+
+def supports(k_codec, v_codec, head_dim: int, group: int) -> bool:
+    """Whether :func:`attend_units` reads these codecs (:func:`layout` without raising)."""
+    try:
+        layout(k_codec, v_codec, head_dim, group)
+    except ValueError:
+        return False
+    return True
+
+
+def available() -> bool:
+    """True when JAX runs on a GPU and the kernel builds and loads (never raises)."""
+    return LIBRARY.available()
+
+
+def default_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) -> int:
+    """Splits along the sequence: at most :data:`CTAS_PER_SM` CTAs per SM (one wave, no tail wave),
+    at least one block per split."""
+    return max(1, min(CTAS_PER_SM * num_sms // (batch * kv_heads), blocks))
+
+
+def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float, softcap: float | None = None,
+                 splits: int | None = None):
+    """Attention of ``q [B, H, D]`` over the quantized stream indices ``[lo, hi)`` of each row:
+    ``(out [B, H, D] float32 normalized, m [B, H], l [B, H])`` (module doc). ``hi`` must not pass
+    the quantized tokens of either store."""
+    b, h, d = q.shape
+    kleaves = jax.tree.leaves(k_store)
+    kvh = kleaves[0].shape[2]
+    if h % kvh:
+        raise ValueError(f"attend_units: {h} query heads are not a multiple of {kvh} KV heads")
+    g = h // kvh
+    lay = layout(k_codec, v_codec, d, g)
+    if lay.n_boost:
+        k_low, k_high, k_boost, k_scale, k_min = k_store.low, k_store.high, k_store.boost_idx, k_store.scale, k_store.min
+    else:
+        k_low, k_scale, k_min = k_store.codes, k_store.scale, k_store.min
+        k_high = k_boost = jnp.zeros((1,), jnp.uint8)
+    v_codes = v_store.codes
+    if lay.value_tokens == 1:  # [B, T, KVH, 1, D/4]: one-token units
+        v_codes = v_codes.reshape(v_codes.shape[:3] + (1, d // 4))
+    for name, x, shape in (("key codes", k_low, (b, k_low.shape[1], kvh, d, 32)),
+                           ("value codes", v_codes, (b, v_codes.shape[1], kvh, lay.value_tokens, d // 4))):
+        if x.shape != shape or x.dtype != jnp.uint8:
+            raise ValueError(f"attend_units: {name} must be uint8 {shape}, got {x.dtype} {x.shape}")
+    blocks = k_low.shape[1]
+    splits = splits or default_splits(b, kvh, blocks)
+    if build.on_gpu():
+        LIBRARY.load()
+    qg = q.astype(jnp.float32).reshape(b, kvh, g, d) * jnp.float32(scale)
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((b, kvh, splits, g, d), f32),
+                                     jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
+                                     jax.ShapeDtypeStruct((b, kvh, splits, g), f32)))
+    half = lambda x: x.astype(jnp.float16)  # noqa: E731
+    o, m, l = call(qg, lo.astype(jnp.int32), hi.astype(jnp.int32), k_low, k_high, k_boost, half(k_scale), half(k_min),
+                   v_codes, half(v_store.scale), half(v_store.min), nb=np.int64(lay.n_boost),
+                   kg=np.int64(lay.key_groups), vt=np.int64(lay.value_tokens), v_group=np.int64(lay.value_group),
+                   softcap=np.float32(softcap or 0.0))
+    out, m_all, den = merge_splits(o, m, l)
+    return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)

@@ -1,0 +1,165 @@
+"""The CUDA decode attention over packed 2-bit Kitty / KIVI units: what it reads and refuses, its
+lowering (CPU), and on a GPU the compiled kernel against float64 NumPy (the layout decoded there)
+and the pure-JAX reference, on fresh random caches encoded by the real codecs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from packed_units import CODECS, exact, np_decode, random_kv, rel, stores
+
+from jaxlp import kvcache
+from jaxlp.ffi import quantized_decode_attention as cuda
+from jaxlp.kvcache import fireq, kitty, kivi
+from jaxlp.pallas.quantized_decode_attention import reference
+
+ON_GPU = jax.default_backend() == "gpu"
+TOL = 2e-3  # relative to float64: FP16 operands (a quarter of it is typical)
+READ = ("kitty", "kitty-pro", "kivi-k2v2")
+
+
+def test_reads_2bit_kitty_and_kivi_only():
+    for name in READ:
+        kc, vc = CODECS[name]
+        assert cuda.supports(kc, vc, 128, 4) and cuda.supports(kc, vc, 64, 16) and cuda.supports(kc, vc, 256, 1)
+    assert cuda.layout(kitty.KeyCodec(32), kitty.ValueCodec(), 128, 4) == cuda.Layout(32, 1, 128, 128)
+    assert cuda.layout(kivi.KeyCodec(2), kivi.ValueCodec(2), 128, 4) == cuda.Layout(0, 4, 1, 32)
+    kc, vc = CODECS["kitty"]
+    for args, match in [((kc, vc, 96, 4), "head_dim"), ((kc, vc, 128, 17), "query heads"), ((kc, vc, 128, 0), "query"),
+                        ((kivi.KeyCodec(4), kivi.ValueCodec(2), 128, 4), "key blocks"),
+                        ((kivi.KeyCodec(2), kivi.ValueCodec(4), 128, 4), "values"),
+                        ((fireq.TokenCodec(), fireq.TokenCodec(), 128, 4), "not"),
+                        ((kc, kivi.ValueCodec(2, group=2), 128, 4), "values")]:
+        with pytest.raises(ValueError, match=match):
+            cuda.layout(*args)
+        assert not cuda.supports(*args)
+
+
+def test_default_splits_fill_the_gpu_and_never_exceed_the_blocks():
+    assert cuda.default_splits(8, 8, 64) == 6  # 396 CTAs fit in one wave / 64 (row, head) pairs
+    assert cuda.default_splits(1, 8, 256) == 49
+    assert cuda.default_splits(1, 8, 3) == 3
+    assert cuda.default_splits(64, 8, 64) == 1
+
+
+def test_the_cache_picks_the_kernel_and_explains_refusals():
+    assert kvcache.get("kitty", attention="cuda").attention == "cuda"
+    with pytest.raises(ValueError, match="no CUDA decode-attention kernel"):
+        kvcache.get("bf16", attention="cuda")
+    with pytest.raises(ValueError, match="must be one of"):
+        kvcache.get("kitty", attention="triton")
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the error without a GPU")
+def test_cuda_without_a_gpu_says_why():
+    from jaxlp.models import ModelConfig
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=4096)
+    layer = kvcache.get("kitty", attention="cuda").init(cfg, 1, 300).layers[0]
+    q = jnp.zeros((1, 1, 4, 64))
+    kv = jnp.zeros((1, 1, 2, 64))
+    with pytest.raises(ValueError, match="needs a GPU"):
+        layer.attend(q, kv, kv, jnp.asarray([[200]]), scale=0.1, window=None, softcap=None)
+    layer = dataclasses.replace(layer, attention="auto")  # off a GPU: the reference, no kernel
+    out, _ = layer.attend(q, kv, kv, jnp.asarray([[200]]), scale=0.1, window=None, softcap=None)
+    assert out.shape == (1, 1, 4, 64)
+
+
+@pytest.mark.parametrize("name", READ)
+def test_lowers_to_one_custom_call_for_cuda(name):
+    """The wrapper's operands and attributes lower for CUDA on any machine (no kernel runs)."""
+    kc, vc = CODECS[name]
+    b, n, kvh, g, d = 2, 256, 2, 4, 64
+    k, v = random_kv(0, b, n, kvh, d)
+    ks, vs = stores((kc, vc), k, v)
+    q = jnp.zeros((b, kvh * g, d), jnp.bfloat16)
+    rows = jnp.asarray([0, 128], jnp.int32)
+    f = jax.jit(lambda q, ks, vs, lo, hi: cuda.attend_units(q, ks, vs, kc, vc, lo, hi, scale=0.125, softcap=30.0))
+    text = f.trace(q, ks, vs, rows, rows + 128).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(cuda.TARGET) == 1
+
+
+def test_bad_operands_are_refused():
+    kc, vc = CODECS["kitty"]
+    k, v = random_kv(0, 1, 128, 2, 64)
+    ks, vs = stores((kc, vc), k, v)
+    rows = jnp.asarray([0], jnp.int32)
+    with pytest.raises(ValueError, match="not a multiple"):
+        cuda.attend_units(jnp.zeros((1, 3, 64)), ks, vs, kc, vc, rows, rows, scale=1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        cuda.attend_units(jnp.zeros((1, 4, 32)), ks, vs, kc, vc, rows, rows, scale=1.0)
+    bad = dataclasses.replace(ks, low=ks.low[..., :16])
+    with pytest.raises(ValueError, match="key codes must be uint8"):
+        cuda.attend_units(jnp.zeros((1, 4, 64)), bad, vs, kc, vc, rows, rows, scale=1.0)
+
+
+# --- the compiled kernel -----------------------------------------------------------------------
+
+
+def check(kc, vc, q, k, v, lo, hi, scale, softcap=None, splits=None):
+    ks, vs = stores((kc, vc), k, v)
+    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    out, m, l = jax.jit(lambda *a: cuda.attend_units(*a, kc, vc, lo, hi, scale=scale, softcap=softcap,
+                                                     splits=splits))(q, ks, vs)
+    out, m, l = (np.asarray(a, np.float64) for a in (out, m, l))
+    assert np.isfinite(out).all() and not np.isnan(m).any() and np.isfinite(l).all()
+    want_out, want_m, want_l = exact(q, np_decode(kc, ks), np_decode(vc, vs), lo, hi, scale, softcap)
+    live = np.asarray(hi) > np.asarray(lo)
+    np.testing.assert_array_equal(m[~live], -np.inf)
+    assert (l[~live] == 0).all() and (out[~live] == 0).all()
+    assert rel(out, want_out) <= TOL, rel(out, want_out)
+    assert rel(l[live], want_l[live]) <= TOL, rel(l[live], want_l[live])
+    np.testing.assert_allclose(m[live], want_m[live], rtol=TOL, atol=TOL * np.abs(want_m[live]).max())
+    ref = reference(q, ks, vs, kc, vc, lo, hi, scale=scale, softcap=softcap)
+    assert rel(out, ref[0]) <= TOL
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", READ)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_matches_float64_at_block_edges(name, d):
+    """Rows: a block boundary to boundary, 129 tokens from mid-block, 255 across three blocks, an
+    empty range, the whole cache with a block of all-equal keys (scale floor), a zero block."""
+    kc, vc = CODECS[name]
+    if isinstance(kc, kitty.KeyCodec):
+        kc = kitty.KeyCodec(d // 8 if name == "kitty" else d // 4)
+    b, kvh, g, n = 6, 2, 4, 384
+    k, v = random_kv(d + len(name), b, n, kvh, d)
+    k[4, 128:256] = 1.5
+    k[5, :128], v[5, :128] = 0.0, 0.0
+    q = np.random.default_rng(d).normal(size=(b, kvh * g, d)).astype(np.float32)
+    lo, hi = [128, 5, 100, 7, 0, 0], [256, 134, 355, 7, 384, 128]
+    check(kc, vc, q, k, v, lo, hi, d**-0.5)
+    check(kc, vc, q, k, v, lo, hi, d**-0.5, softcap=5.0, splits=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("g", [1, 3, 8, 16])
+def test_gpu_query_heads_per_kv_head(g):
+    kc, vc = kitty.KeyCodec(32), kitty.ValueCodec()
+    k, v = random_kv(g, 3, 512, 2, 128)
+    q = np.random.default_rng(g).normal(size=(3, 2 * g, 128)).astype(np.float32) * 3  # peaked softmax
+    check(kc, vc, q, k, v, [0, 64, 300], [512, 384, 301], 128**-0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", READ)
+def test_gpu_qwen3_8b_shape_any_split(name):
+    """B=8, KVH=8, H=32, D=128, 4K quantized tokens, ragged rows; every split count agrees."""
+    kc, vc = CODECS[name]
+    if isinstance(kc, kitty.KeyCodec):
+        kc = kitty.KeyCodec(16 if name == "kitty" else 32)
+    b, kvh, h, d, n = 8, 8, 32, 128, 4096
+    k, v = random_kv(3, b, n, kvh, d)
+    q = jnp.asarray(np.random.default_rng(4).normal(size=(b, h, d)), jnp.bfloat16)
+    lo, hi = [0, 1000, 0, 17, 0, 2048, 0, n - 64], [n, n, 4000, 3001, 129, 2048, 1, n]
+    outs = [check(kc, vc, q, k, v, lo, hi, d**-0.5, splits=s) for s in (None, 1, 5, 32)]
+    for o in outs[1:]:
+        assert rel(o, outs[0]) <= 1e-4  # FP16 probabilities relative to each split's max
