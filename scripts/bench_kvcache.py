@@ -3,9 +3,11 @@
 Parts (``--parts``, default all):
 
 - ``attention``: one layer's one-token step, Qwen3-8B heads (32 query, 8 KV, head_dim 128), per
-  cache format x context x batch: the whole step (``layer.attend``: the packed-unit kernel, the
-  XLA part over sink / ring / new token, the merge, and the store) and the packed-unit kernel
-  alone (``attend_units``); BF16 is the dense cache's Pallas flash-decoding kernel. Bytes: what
+  cache format x context x batch, in a jitted loop with the cache donated (as decoding runs): the
+  whole step (``layer.attend``: the packed-unit kernel, the XLA part over sink / ring / new
+  token, the merge, and the store), and for the quantized caches the attention alone, the store
+  alone and the packed-unit kernel alone (``attend_units``, CUDA or Pallas as the layer picks);
+  BF16 is the dense cache's flash-decoding kernel. Bytes: what
   the step must read (codes and metadata of every cached token; BF16 K and V), as % of the
   measured copy bandwidth, and the ratio to BF16 at the same point.
 - ``decode``: ms per token of a Qwen3-8B-shaped model with ``--layers`` layers (random BF16
@@ -28,6 +30,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -43,6 +46,7 @@ from bench_decode import QWEN3_8B, build_model  # noqa: E402
 from jaxlp import kvcache  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
 from jaxlp.models import from_hf_config  # noqa: E402
+from jaxlp.ffi import quantized_decode_attention as cuda_units_attention  # noqa: E402
 from jaxlp.pallas import quantized_decode_attention as units_attention  # noqa: E402
 
 FORMATS = ("bf16", "kitty", "kitty-pro", "kivi-k2v2", "kivi-k2v2*", "fireq-int4")
@@ -95,7 +99,32 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / (t.median_us * 1e-6)
 
 
+def loop_us(body, carry, args) -> float:
+    """Microseconds per iteration of ``body(i, carry)`` in a jitted ``fori_loop`` with the carry
+    donated (as a decode loop runs): ``(t(n2) - t(n1)) / (n2 - n1)``, medians of ``--repeats``."""
+    run = jax.jit(lambda c, n: jax.lax.fori_loop(0, n, body, c), static_argnums=1, donate_argnums=0)
+    times = {}
+    for n in (args.n1, args.n2, args.n1, args.n2):  # compile both lengths, then time
+        samples = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            carry = jax.block_until_ready(run(carry, n))
+            samples.append(time.perf_counter() - t0)
+        times[n] = float(np.median(samples))
+    return (times[args.n2] - times[args.n1]) / (args.n2 - args.n1) * 1e6
+
+
+def units_kernel(inner, num_heads):
+    """The packed-unit kernel ``inner.attend`` dispatches to (CUDA, Pallas or its interpreter)."""
+    impl = inner._decode_implementation(num_heads)
+    if impl == "cuda":
+        return cuda_units_attention.attend_units
+    return functools.partial(units_attention.attend_units, interpret=impl != "pallas")
+
+
 def attention_part(args, config, rows):
+    """One layer's one-token step in a donated loop: attend + store (what a decode step pays per
+    layer), and for the quantized caches its parts: attend alone, store alone, the kernel alone."""
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     h, d = config.num_heads, config.head_dim
@@ -103,7 +132,8 @@ def attention_part(args, config, rows):
         for batch in args.batches:
             bf16_us = None
             for name in args.formats:
-                fmt = kvcache.get(name)
+                on_gpu = jax.default_backend() == "gpu"  # off a GPU (smoke runs): the kernels' interpreter
+                fmt = kvcache.get(name) if on_gpu or name == "bf16" else kvcache.get(name, attention="interpret")
                 try:
                     layer = filled_layer(fmt, config, batch, context, context + 8)
                 except Exception as e:  # noqa: BLE001  (out of memory at the largest points)
@@ -113,27 +143,42 @@ def attention_part(args, config, rows):
                 q = jax.random.normal(key, (batch, 1, h, d), jnp.bfloat16)
                 kv = jax.random.normal(jax.random.fold_in(key, 1), (batch, 1, config.num_kv_heads, d), jnp.bfloat16)
                 pos = jnp.full((batch, 1), context, jnp.int32)
-                step = jax.jit(lambda lay, q, k, v, p: lay.attend(q, k, v, p, scale=d**-0.5, window=None,
-                                                                   softcap=None))
-                t = harness.time_call(step, layer, q, kv, kv, pos, warmup=2, repeats=args.repeats, number=5)
-                row = dict(part="attention", format=name, batch=batch, context=context, step_us=t.median_us,
-                           spread_us=t.spread_us, bytes=step_bytes(fmt, config, batch, context))
+
+                def step(i, carry):
+                    lay, acc = carry
+                    out, lay = lay.attend(q, kv, kv, pos, scale=d**-0.5, window=None, softcap=None)
+                    return lay, acc + out[0, 0, 0, 0].astype(jnp.float32)
+
+                step_us = loop_us(step, (jax.tree.map(jnp.copy, layer), jnp.float32(0)), args)
+                row = dict(part="attention", format=name, batch=batch, context=context, step_us=step_us,
+                           bytes=step_bytes(fmt, config, batch, context))
                 inner = getattr(layer, "inner", layer)
                 if hasattr(inner, "k_store"):
-                    off = inner.sink_len
-                    m = jnp.full((batch,), context - off, jnp.int32)
+                    def attend(i, acc):
+                        out = inner._attend_one(q[:, 0], kv[:, 0], kv[:, 0], pos[:, 0], scale=d**-0.5, window=None,
+                                                softcap=None)
+                        return acc + out[0, 0, 0]
+
+                    def store(i, lay):
+                        return lay.store(kv, kv, pos)
+
+                    m = jnp.full((batch,), context - inner.sink_len, jnp.int32)
                     hi = jnp.minimum(inner.k_spec.quantized(m), inner.v_spec.quantized(m))
-                    units = jax.jit(functools.partial(units_attention.attend_units, k_codec=inner.k_spec.codec,
-                                                      v_codec=inner.v_spec.codec, scale=d**-0.5,
-                                                      interpret=jax.default_backend() != "gpu"))
-                    tk = harness.time_call(lambda *a: units(*a, lo=jnp.zeros_like(hi), hi=hi), q[:, 0], inner.k_store,
-                                           inner.v_store, warmup=2, repeats=args.repeats, number=5)
-                    row["kernel_us"] = tk.median_us
+                    kernel_fn = units_kernel(inner, h)
+
+                    def kernel(i, acc):
+                        o, _, l = kernel_fn(q[:, 0], inner.k_store, inner.v_store, inner.k_spec.codec,
+                                            inner.v_spec.codec, jnp.zeros_like(hi), hi, scale=d**-0.5)
+                        return acc + o[0, 0, 0] + l[0, 0]
+
+                    row["attend_us"] = loop_us(attend, jnp.float32(0), args)
+                    row["store_us"] = loop_us(store, jax.tree.map(jnp.copy, inner), args)
+                    row["kernel_us"] = loop_us(kernel, jnp.float32(0), args)
                 row["floor_us"] = row["bytes"] / bandwidth * 1e6
-                row["copy_pct"] = 100 * row["floor_us"] / row["step_us"]
+                row["copy_pct"] = 100 * row["floor_us"] / step_us
                 if name == "bf16":
-                    bf16_us = t.median_us
-                row["x_bf16"] = None if bf16_us is None else bf16_us / t.median_us
+                    bf16_us = step_us
+                row["x_bf16"] = None if bf16_us is None else bf16_us / step_us
                 rows.append(row)
                 print(row, flush=True)
                 del layer
@@ -290,7 +335,8 @@ def main(argv=None):
         fig.savefig(args.plot, dpi=120)
     print("\npart       format       batch  context   value")
     for r in rows:
-        value = {"attention": lambda: f"{r['step_us']:.1f} us ({r.get('kernel_us', float('nan')):.1f} kernel), "
+        value = {"attention": lambda: f"{r['step_us']:.1f} us (attend {r.get('attend_us', float('nan')):.1f}, store "
+                                      f"{r.get('store_us', float('nan')):.1f}, kernel {r.get('kernel_us', float('nan')):.1f}), "
                                       f"{r['copy_pct']:.0f}% copy, x{r['x_bf16'] or float('nan'):.2f} vs bf16",
                  "decode": lambda: f"{r['ms_per_token']:.3f} ms/token, x{r['x_bf16'] or float('nan'):.2f} vs bf16",
                  "capacity": lambda: f"{r['tokens_per_s']:.0f} tok/s at B={r['batch']}",

@@ -107,9 +107,21 @@ struct BlockRegs {
   __half2 vs[kN][VPL], vm[kN][VPL];  // per piece: the value token's scale / min per channel group
 };
 
+// Kitty: the ranks of this thread's key channels in block `blk` (which high row holds their bits),
+// loaded one block ahead of the codes so that the high rows' loads do not wait on them.
+template <int D>
+__device__ __forceinline__ void load_ranks(const Params& p, int b, int kh, int blk, int blocks_end, int tid,
+                                           int (&ranks)[D / 64]) {
+#pragma unroll
+  for (int i = 0; i < D / 64; ++i) {
+    const long kbase = (static_cast<long>(b) * p.k_units + blk) * p.kvh + kh;
+    ranks[i] = p.nb > 0 && blk < blocks_end ? p.k_boost[kbase * D + ((tid + kThreads * i) >> 1)] : 0;
+  }
+}
+
 template <int D, int KG, int VPL>
 __device__ __forceinline__ void load_block(const Params& p, int b, int kh, int blk, int lo, int hi, int tid,
-                                           BlockRegs<D, KG, VPL>& r) {
+                                           const int (&ranks)[D / 64], BlockRegs<D, KG, VPL>& r) {
   constexpr int kN = BlockRegs<D, KG, VPL>::kN;
   const long kbase = (static_cast<long>(b) * p.k_units + blk) * p.kvh + kh;
 #pragma unroll
@@ -118,11 +130,8 @@ __device__ __forceinline__ void load_block(const Params& p, int b, int kh, int b
     const int c = idx >> 1, half = idx & 1;
     r.low[i] = __ldg(reinterpret_cast<const uint4*>(p.k_low + (kbase * D + c) * 32 + half * 16));
     r.high[i] = make_uint4(0, 0, 0, 0);
-    if (p.nb > 0) {
-      const int rank = p.k_boost[kbase * D + c];
-      if (rank < p.nb)
-        r.high[i] = __ldg(reinterpret_cast<const uint4*>(p.k_high + (kbase * p.nb + rank) * 32 + half * 16));
-    }
+    if (p.nb > 0 && ranks[i] < p.nb)
+      r.high[i] = __ldg(reinterpret_cast<const uint4*>(p.k_high + (kbase * p.nb + ranks[i]) * 32 + half * 16));
 #pragma unroll
     for (int t = 0; t < KG; ++t) {
       r.ks[i][t] = __half2half2(p.k_scale[(kbase * KG + t) * D + c]);
@@ -233,11 +242,19 @@ __global__ void __launch_bounds__(kThreads, min_ctas<D>()) units_kernel(Params p
   float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
 
   BlockRegs<D, KG, VPL> regs;
-  if (b0 < b1) load_block<D, KG, VPL>(p, b, kh, b0, lo, hi, tid, regs);
+  int ranks[D / 64];
+  if (b0 < b1) {
+    load_ranks<D>(p, b, kh, b0, b1, tid, ranks);
+    load_block<D, KG, VPL>(p, b, kh, b0, lo, hi, tid, ranks, regs);
+    load_ranks<D>(p, b, kh, b0 + 1, b1, tid, ranks);
+  }
   for (int blk = b0; blk < b1; ++blk) {
     __syncthreads();  // the previous block's reads of shared memory are done (and qsm written)
     unpack_block<D, KG, VPL>(regs, tid, kt, vsm);
-    if (blk + 1 < b1) load_block<D, KG, VPL>(p, b, kh, blk + 1, lo, hi, tid, regs);
+    if (blk + 1 < b1) {
+      load_block<D, KG, VPL>(p, b, kh, blk + 1, lo, hi, tid, ranks, regs);
+      load_ranks<D>(p, b, kh, blk + 2, b1, tid, ranks);
+    }
     __syncthreads();
 
     // S = Q K^T for this warp's 32 tokens: 4 n-tiles of 8 tokens.

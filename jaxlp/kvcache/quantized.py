@@ -359,22 +359,28 @@ class QuantizedLayerCache(LayerCache):
             count = min(spec.units, -(-s // unit))  # units a call of s tokens can complete
             first, stop = spec.quantized(m_start) // unit, spec.quantized(m_end) // unit
             u = first[:, None] + jnp.arange(count)  # [B, count]
-            j = u[:, :, None] * unit + jnp.arange(unit)  # [B, count, unit] non-sink index
-            r3 = jnp.arange(b)[:, None, None]
-            call = jnp.clip(j + off - start[:, None, None], 0, s - 1)
-            in_call = valid[r3, call] & (positions[r3, call] == j + off)
-            # Only the units this call may complete are decoded (u < stop < units where written).
-            picked = jax.tree.map(lambda st: st[jnp.arange(b)[:, None], jnp.clip(u, 0, spec.units - 1)], store)
-            old = jnp.moveaxis(spec.codec.decode(picked), 3, 2).astype(x.dtype)  # [B, count, unit, KVH, D]
-            if spec.ring:
-                slot = j % spec.ring
-                in_ring = ring_pos[r3, slot] == j
-                old = jnp.where(in_ring[..., None, None], ring[r3, slot], old)
-            fp = jnp.where(in_call[..., None, None], x[r3, call], old)  # [B, count, unit, KVH, D]
-            units = spec.codec.encode(jnp.moveaxis(fp, 2, 3).astype(jnp.float32))
-            target = jnp.where(u < stop[:, None], u, spec.units)
-            rows = jnp.arange(b)[:, None]
-            store = jax.tree.map(lambda st, new: st.at[rows, target].set(new, mode="drop"), store, units)
+            completes = u < stop[:, None]
+
+            def encode(store):
+                j = u[:, :, None] * unit + jnp.arange(unit)  # [B, count, unit] non-sink index
+                r3 = jnp.arange(b)[:, None, None]
+                call = jnp.clip(j + off - start[:, None, None], 0, s - 1)
+                in_call = valid[r3, call] & (positions[r3, call] == j + off)
+                # Only the units this call may complete are decoded (u < stop < units where written).
+                picked = jax.tree.map(lambda st: st[jnp.arange(b)[:, None], jnp.clip(u, 0, spec.units - 1)], store)
+                old = jnp.moveaxis(spec.codec.decode(picked), 3, 2).astype(x.dtype)  # [B, count, unit, KVH, D]
+                if spec.ring:
+                    slot = j % spec.ring
+                    in_ring = ring_pos[r3, slot] == j
+                    old = jnp.where(in_ring[..., None, None], ring[r3, slot], old)
+                fp = jnp.where(in_call[..., None, None], x[r3, call], old)  # [B, count, unit, KVH, D]
+                units = spec.codec.encode(jnp.moveaxis(fp, 2, 3).astype(jnp.float32))
+                target = jnp.where(completes, u, spec.units)
+                rows = jnp.arange(b)[:, None]
+                return jax.tree.map(lambda st, new: st.at[rows, target].set(new, mode="drop"), store, units)
+
+            # A one-token step completes a unit once every `unit` steps per row: encode only then.
+            store = jax.lax.cond(jnp.any(completes), encode, lambda store: store, store)
         if spec.ring:
             j = positions - off
             keep = valid & (j >= 0) & (j >= spec.quantized(m_end)[:, None])
