@@ -74,8 +74,9 @@ def _dequantize(data: jax.Array, scale: jax.Array, *, dtype, per_row: bool) -> j
 
 
 @functools.partial(jax.jit, static_argnames=("granularity",))
-def _quantize_arrays(x: jax.Array, scale: jax.Array | None, *, granularity: str):
-    """(E4M3 data, FP32 scale); one compiled program per shape."""
+def quantize_arrays(x: jax.Array, scale: jax.Array | None = None, *, granularity: str):
+    """``(E4M3 data, FP32 scale)`` of :func:`quantize` without its checks (traceable: the GEMMs
+    quantize activations with it); one compiled program per shape."""
     xf = x.astype(jnp.float32)
     if scale is None:
         axis = None if granularity == "tensor" else -1
@@ -109,7 +110,7 @@ def quantize(x: jax.Array, *, granularity: str = "tensor", scale=None) -> FP8Arr
             raise ValueError(f"{FORMAT}: static scale of shape {s.shape} does not broadcast to {target}") from e
         if not isinstance(s, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
             raise ValueError(f"{FORMAT}: static scale must be positive and finite")
-    data, s = _quantize_arrays(x, s if scale is not None else None, granularity=granularity)
+    data, s = quantize_arrays(x, s if scale is not None else None, granularity=granularity)
     return FP8Array(data=data, scale=s, shape=tuple(int(d) for d in x.shape), granularity=granularity)
 
 

@@ -25,11 +25,20 @@ from jaxlp.formats.base import cast_rounded
 STATIC = {"nvfp4"}  # activation formats that need a calibrated amax
 
 
-def _nestedfp_fp8(x):
+def nestedfp_fp8_scale(x: jax.Array) -> jax.Array:
+    """NestedFP's per-token activation scale ``[..., 1]`` of float32 ``x [..., K]``."""
     absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.clip(0.7 * 448.0 / jnp.maximum(absmax, 1e-5), 0.1, 50.0)
-    x8 = cast_rounded(jnp.clip(x * scale, -448.0, 448.0), jnp.float8_e4m3fn)
-    return x8.astype(jnp.float32) / scale
+    return jnp.clip(0.7 * 448.0 / jnp.maximum(absmax, 1e-5), 0.1, 50.0)
+
+
+def nestedfp_fp8_codes(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``e4m3(x * scale)`` (float8_e4m3fn, saturating at 448) of float32 ``x``."""
+    return cast_rounded(jnp.clip(x * scale, -448.0, 448.0), jnp.float8_e4m3fn)
+
+
+def _nestedfp_fp8(x):
+    scale = nestedfp_fp8_scale(x)
+    return nestedfp_fp8_codes(x, scale).astype(jnp.float32) / scale
 
 
 def fake_quantize(x: jax.Array, kind: str, amax: jax.Array | None = None) -> jax.Array:

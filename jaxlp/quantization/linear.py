@@ -6,27 +6,47 @@ XLA's dot; weight-activation recipes fake-quantize the activations and multiply 
 dequantized values in float32 (for NVFP4 every element product is exact, so only the
 summation order separates this from a tensor-core kernel). :data:`KERNELS` lists the GPU
 implementations (``"nvfp4_cuda"``: :mod:`jaxlp.quantization.nvfp4_dispatch`, whose measured table
-picks CUDA, Pallas or XLA per shape); ``"auto"`` takes the first that supports the layer and the
-input, else ``"xla"``.
+picks CUDA, Pallas or XLA per shape; ``"xla_native"``: :mod:`jaxlp.quantization.native_dot`, XLA's
+FP8 and FP16 dots on the stored bytes for FP8 and NestedFP weights); ``"auto"`` takes the first
+that supports the layer and the input, else ``"xla"``.
 """
 
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxlp.formats import QuantizedArray, concatenate_rows
-from jaxlp.quantization import activations, nvfp4_dispatch
+from jaxlp.quantization import activations, native_dot, nvfp4_dispatch
 
 NESTEDFP_MODES = ("fp16", "fp8")
 
-# name -> (supports(layer, x) -> bool, matmul(layer, x) -> y), in the order "auto" tries them
-KERNELS: Mapping[str, tuple[Callable, Callable]] = MappingProxyType({
-    nvfp4_dispatch.IMPLEMENTATION: (nvfp4_dispatch.supports, nvfp4_dispatch.nvfp4_matmul),
+
+
+class Kernel(NamedTuple):
+    """A GPU implementation of the product: ``why_not(layer, x)`` (None if it computes ``layer``
+    on ``x``, else the reason), ``matmul(layer, x)`` (the product before bias), and whether
+    ``"auto"`` may pick it off a GPU."""
+
+    why_not: Callable
+    matmul: Callable
+    auto_off_gpu: bool = False
+
+
+def _nvfp4_why_not(layer, x):
+    if nvfp4_dispatch.supports(layer, x):
+        return None
+    return "it needs NVFP4 weights, no or NVFP4 activation quantization, and the CUDA library on a GPU"
+
+
+# in the order "auto" tries them
+KERNELS: Mapping[str, Kernel] = MappingProxyType({
+    nvfp4_dispatch.IMPLEMENTATION: Kernel(_nvfp4_why_not, nvfp4_dispatch.nvfp4_matmul),
+    native_dot.IMPLEMENTATION: Kernel(native_dot.why_not, native_dot.matmul),
 })
 
 
@@ -122,13 +142,17 @@ class QuantizedLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         impl = self.implementation
         if impl == "auto":
-            impl = next((n for n, (ok, _) in KERNELS.items() if ok(self, x)), "xla")
+            on_gpu = jax.default_backend() == "gpu"
+            impl = next((n for n, k in KERNELS.items() if (on_gpu or k.auto_off_gpu) and k.why_not(self, x) is None),
+                        "xla")
         if impl == "xla":
             y = self.reference(x)
         else:
-            supports, matmul = KERNELS[impl]
-            if not supports(self, x):
-                raise ValueError(f"implementation {impl!r} does not support this layer/input {x.shape}")
+            why_not, matmul, _ = KERNELS[impl]
+            reason = why_not(self, x)
+            if reason is not None:
+                raise ValueError(f"implementation {impl!r} does not compute this layer on input {x.shape} "
+                                 f"{x.dtype}: {reason}")
             y = matmul(self, x)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)

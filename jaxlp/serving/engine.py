@@ -413,9 +413,11 @@ class Engine:
                 if reason == "error":
                     request.error = (f"the model produced NaN or Inf logits at decode step {len(request.token_ids)}"
                                      " (its weights or activations are not finite)")
+            before = len(request.token_ids)
             text, stop_hit = self._detokenize(request, final=reason is not None, drop_last=reason == "stop")
             if stop_hit:
                 reason = "stop"
+                new = new[: max(0, len(new) - (before - len(request.token_ids)))]
             if reason is not None:
                 outputs.append(self._finish(request, reason, new, text))
             elif new or text:
@@ -440,6 +442,7 @@ class Engine:
                       default=-1)
             if cut >= 0:
                 request.text, hit = request.text[:cut], True
+                self._drop_tokens_after_stop(request, ids)
         ready = len(request.text)
         if stop and not (hit or final):  # hold back a tail that may start a stop string
             longest = max(len(s) for s in stop) - 1
@@ -447,6 +450,18 @@ class Engine:
         delta = request.text[request._sent:ready]
         request._sent = ready
         return delta, hit
+
+    def _drop_tokens_after_stop(self, request: Request, ids: list[int]) -> None:
+        """Keep the generated ids up to the one whose text completes a stop string (a decode call
+        runs several steps: the ones after it are dropped, from the ids and the usage counts)."""
+        stop = request.params.stop
+        for n in range(max(1, request._prefix), len(ids) + 1):  # _prefix: no later than this call's first id
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            if any(s in text for s in stop):
+                dropped = len(request.token_ids) - n
+                del request.token_ids[n:]
+                self.counters["generated_tokens"] -= dropped
+                return
 
     def _finish(self, request: Request, reason: str, new: list[int] | None = None, text: str = "") -> Output:
         if request.slot is not None:

@@ -417,8 +417,13 @@ def test_stop_strings_and_stop_ids(model, tok):
     ]
     eng = engine(model, tok, steps_per_call=STEPS)
     deltas: dict[str, list[str]] = {}
-    requests = [eng.submit(p, q, listener=lambda out: deltas.setdefault(out.request_id, []).append(out.text))
-                for p, q in zip(prompts + [prompts[0]], params)]
+    streamed: dict[str, list[int]] = {}
+
+    def listener(out):
+        deltas.setdefault(out.request_id, []).append(out.text)
+        streamed.setdefault(out.request_id, []).extend(out.token_ids)
+
+    requests = [eng.submit(p, q, listener=listener) for p, q in zip(prompts + [prompts[0]], params)]
     eng.run()
     a, b, c, d = requests
 
@@ -428,6 +433,13 @@ def test_stop_strings_and_stop_ids(model, tok):
         assert "".join(deltas[r.id]) == r.text
         assert not any(s in delta for s in stops for delta in deltas[r.id])
         assert r.token_ids == refs[prompts.index(r.prompt_ids)][: len(r.token_ids)]
+    # The ids end with the one whose text completes the stop string, though the decode call that
+    # produced it ran further (STEPS steps per call); the stream and the usage count agree.
+    for r, stops, ref in ((a, stop0, refs[0]), (b, stop1, refs[1])):
+        n = next(n for n in range(1, len(ref) + 1) if any(s in tok.decode(ref[:n], skip_special_tokens=True)
+                                                          for s in stops))
+        assert r.token_ids == ref[:n] and streamed[r.id] == r.token_ids
+    assert eng.counters["generated_tokens"] == sum(len(r.token_ids) for r in requests)
     assert c.token_ids == refs[2][: k + 1] and c.text == tok.decode(refs[2][:k]) and "".join(deltas[c.id]) == c.text
     assert d.finish_reason == "length" and d.token_ids == refs[0] and d.text == texts[0]
 

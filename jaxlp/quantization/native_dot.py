@@ -1,0 +1,91 @@
+"""XLA's own low-precision dots for the FP8 and NestedFP linears (``implementation="xla_native"``).
+
+No hand-written kernel: each product is one ``dot_general`` on the stored low-precision
+operands with FP32 accumulation, which XLA lowers to cuBLASLt FP8 / FP16 GEMMs on Hopper
+(both operands contract their last axis: the "TN" layout FP8 tensor cores need). Scales are
+applied to the FP32 product, after the dot; ``QuantizedLinear.reference`` applies them to the
+operands before it, so the two differ by rounding of the scale products and summation order.
+
+- FP8 weights (``fp8_e4m3``, per channel or per tensor ``s_w``), no activation quantizer (W8A16):
+  ``(x @ f(W8).T) * s_w`` with ``f`` the exact cast of E4M3 to x's dtype (BF16 or FP16).
+- FP8 weights, ``fp8_token`` activations (W8A8): ``(e4m3(x / s_x) @ W8.T) * s_x * s_w`` with
+  ``s_x = amax(x) / 448`` per token (:mod:`jaxlp.formats.fp8`).
+- NestedFP, FP8 mode: ``(e4m3(x * s) @ upper.T) / s * 2**-8``, ``s`` the per-token scale of
+  the ``nestedfp_fp8`` activation quantizer (:mod:`jaxlp.quantization.activations`).
+- NestedFP, FP16 mode, FP16 activations: ``x @ merge(upper, lower).T`` (the FP16 weight rebuilt
+  from its two bytes inside the jitted program; XLA may fuse the merge into its GEMM).
+
+:func:`why_not` names what does not run here; ``"auto"`` takes this path only on a GPU, where
+it is the fast one (on a CPU these dots are emulated and the reference is the CPU path).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxlp.formats import fp8, nestedfp
+from jaxlp.quantization import activations
+
+IMPLEMENTATION = "xla_native"
+HALF_ACTIVATIONS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def why_not(layer, x: jax.Array) -> str | None:
+    """``None`` if :func:`matmul` computes this layer on ``x``, else the reason it does not."""
+    w = layer.weight.get_value()
+    fmt = getattr(w, "format", None)
+    if len(w.shape) != 2:
+        return f"needs a 2-D weight, got shape {w.shape}"
+    if fmt == fp8.FORMAT:
+        if layer.activation not in (None, "fp8_token"):
+            return f"FP8 weights with activation {layer.activation!r} (only none or 'fp8_token')"
+        if layer.activation is None and jnp.dtype(x.dtype) not in HALF_ACTIVATIONS:
+            return f"W8A16 needs bfloat16 or float16 activations, got {x.dtype}"
+        return None
+    if fmt == nestedfp.NestedFPArray.format:
+        if layer.activation is not None:
+            return f"NestedFP with an activation quantizer {layer.activation!r}"
+        if layer.mode != "fp8" and jnp.dtype(x.dtype) != jnp.dtype(jnp.float16):
+            return f"NestedFP's FP16 mode needs float16 activations (an FP16 model), got {x.dtype}"
+        return None
+    return f"weight format {fmt!r} (only {fp8.FORMAT!r} and 'nestedfp')"
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a [..., K] @ b [N, K].T`` with FP32 accumulation, as one 2-D dot (rows = tokens)."""
+    lead = a.shape[:-1]
+    y = jax.lax.dot_general(a.reshape(-1, a.shape[-1]), b, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.reshape(*lead, b.shape[0])
+
+
+def _nestedfp_fp8_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(e4m3(x * s), s)`` with ``s [..., 1]`` the NestedFP per-token scale (same math as
+    ``activations.fake_quantize(x, "nestedfp_fp8")``, which returns ``x8 / s``)."""
+    xf = x.astype(jnp.float32)
+    scale = activations.nestedfp_fp8_scale(xf)
+    return activations.nestedfp_fp8_codes(xf, scale), scale
+
+
+def matmul(layer, x: jax.Array) -> jax.Array:
+    """The layer's product before bias (``QuantizedLinear.reference``'s math), in x's dtype."""
+    why = why_not(layer, x)
+    if why is not None:
+        raise ValueError(f"implementation {IMPLEMENTATION!r} does not compute this layer: {why}")
+    w = layer.weight.get_value()
+    if w.format == fp8.FORMAT:
+        if layer.activation is None:
+            y = _dot(x, w.data.astype(x.dtype))
+        else:
+            x8, x_scale = fp8.quantize_arrays(x, granularity="token")
+            y = _dot(x8, w.data) * x_scale[..., None]
+        y = y * w.scale  # [N] broadcasts over the last axis; a per-tensor scale is a scalar
+    elif layer.mode == "fp8":
+        x8, scale = _nestedfp_fp8_activations(x)
+        y = _dot(x8, w.upper_as_fp8()) / scale * nestedfp.FP8_SCALE
+    else:
+        y = _dot(x, nestedfp.merge(w.upper, w.lower))
+    if layer.out_scale != 1.0:
+        y = y * layer.out_scale
+    return y.astype(x.dtype)
