@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxlp import kvcache
 from jaxlp.errors import NonFiniteLogitsError, check_choice, check_int
+from jaxlp.quantization import precision as precision_lib
 from jaxlp.sampling.base import Greedy, Sampler, token_entropy
 from jaxlp.sampling.baselines import base_decoding
 from jaxlp.sampling.calibration import TAU0_PERCENTILE, calibrate_tau0
@@ -48,6 +49,9 @@ class GenerationResult:
     nonfinite_step: ``[B]`` int, the first step whose logits held a NaN or Inf (the row
         stopped there: ``num_tokens`` equals it), -1 where every step was finite. Only a
         call with ``on_nonfinite="return"`` can return a row that is not -1.
+    fp8: ``[B, max_new_tokens]`` bool, only with a :class:`~jaxlp.quantization.precision.LoadThreshold`
+        ``precision``: whether the FP8 model computed the logits of each step (the same in every
+        row; step 0's come from the prefill).
     """
 
     tokens: np.ndarray
@@ -56,6 +60,7 @@ class GenerationResult:
     entropy: np.ndarray | None = None
     temperature: np.ndarray | None = None
     nonfinite_step: np.ndarray | None = None
+    fp8: np.ndarray | None = None
 
     def sequences(self) -> list[list[int]]:
         """Each row's generated tokens, without padding."""
@@ -81,16 +86,27 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.n
 
 
 def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, stop_ids, max_new_tokens, return_stats, pad_id,
-                      check_finite=True):
-    model = nnx.merge(graphdef, params)
+                      check_finite=True, graphdef_fp8=None, policy=None):
     batch, seq = tokens.shape
+
+    def call(fn, scheduled_tokens):
+        """``fn(model)``; with a precision policy, the FP8 or FP16 model as it decides (a cond)."""
+        if policy is None:
+            return fn(nnx.merge(graphdef, params)), None
+        use_fp8 = policy.use_fp8(scheduled_tokens)
+        return precision_lib.run(fn, graphdef, graphdef_fp8, params, use_fp8), use_fp8
+
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     # Padding gets a position past the cache, so that no cache stores or attends it (a
     # quantized cache could otherwise pack padding into a row's page before decode overwrites it).
     positions = jnp.where(positions < lengths[:, None], positions, seq + max_new_tokens)
-    hidden, cache = model.forward(tokens, positions, cache, fresh=True)
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = model.logits(last)
+
+    def prefill(model):
+        hidden, new_cache = model.forward(tokens, positions, cache, fresh=True)
+        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return model.logits(last), new_cache
+
+    (logits, cache), fp8_prefill = call(prefill, jnp.sum(lengths))
 
     nan = jnp.full((batch, max_new_tokens), jnp.nan, jnp.float32)
     carry = dict(
@@ -105,6 +121,7 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
         sampler_state=sampler.init(batch),
         nonfinite_step=jnp.full((batch,), -1, jnp.int32),
         nonfinite_any=jnp.bool_(False),  # in any row, finished ones included: the cache may hold NaN / Inf
+        fp8=None if policy is None else jnp.zeros((batch, max_new_tokens), bool).at[:, 0].set(fp8_prefill),
     )
 
     def cond(c):
@@ -134,15 +151,21 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
             new["temperature"] = c["temperature"].at[:, step].set(jnp.where(active, sample.temperature, jnp.nan))
         # Feed the token back in at the row's next position (lengths + step).
         # (finished rows keep computing on their sampled token; their output is padding).
-        hidden, new["cache"] = model.forward(sample.tokens[:, None], (lengths + step)[:, None], c["cache"])
-        new["logits"] = model.logits(hidden[:, 0])
+        def decode(model):
+            hidden, new_cache = model.forward(sample.tokens[:, None], (lengths + step)[:, None], c["cache"])
+            return model.logits(hidden[:, 0]), new_cache
+
+        # Scheduled tokens: the rows that go on after this step.
+        (new["logits"], new["cache"]), fp8 = call(decode, jnp.sum(active & ~new["finished"]))
+        if policy is not None:  # the model that computed the logits of step + 1
+            new["fp8"] = c["fp8"].at[:, step + 1].set(fp8, mode="drop")
         new["step"] = step + 1
         return new
 
     carry = jax.lax.while_loop(cond, body, carry)
     stats = (carry["entropy"], carry["temperature"])
     nonfinite = (carry["nonfinite_step"], carry["nonfinite_any"])
-    return carry["out"], carry["num_tokens"], carry["finished"], nonfinite, stats, carry["cache"]
+    return carry["out"], carry["num_tokens"], carry["finished"], nonfinite, stats, carry["fp8"], carry["cache"]
 
 
 # Caches returned by the last call of each shape, donated to the next call of that shape so
@@ -157,7 +180,7 @@ def clear_cache_pool() -> None:
 
 _generate_jit = jax.jit(
     _generate_program,
-    static_argnames=("graphdef", "max_new_tokens", "return_stats", "pad_id", "check_finite"),
+    static_argnames=("graphdef", "max_new_tokens", "return_stats", "pad_id", "check_finite", "graphdef_fp8"),
     donate_argnames=("cache",),
 )
 
@@ -195,6 +218,7 @@ def generate(
     max_length: int | None = None,
     cache_budget_bytes: int | None = None,
     on_nonfinite: str = "raise",
+    precision: str | precision_lib.LoadThreshold | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens for each prompt (lists of token ids).
 
@@ -209,11 +233,17 @@ def generate(
     step and row, ``"return"`` returns them in ``result.nonfinite_step``; ``"ignore"`` compiles
     the decode loop without the check (rows go on with whatever they sample; it is there to
     measure the check's cost, one reduction over the logits per step).
+
+    ``precision`` (NestedFP models): ``"fp16"`` or ``"fp8"`` for every step, or a
+    :class:`~jaxlp.quantization.precision.LoadThreshold` that picks per step inside the compiled
+    loop (both models compiled in, no recompilation when it switches or its fields change);
+    ``result.fp8`` then says which model computed each token's logits. None: the layers' own modes.
     Every setting is checked first (``ValueError`` naming the setting, the value and the range).
     """
     config = model.config
     limit = check_generation_settings(config, max_new_tokens=max_new_tokens, seed=seed, max_length=max_length,
                                       cache_budget_bytes=cache_budget_bytes, on_nonfinite=on_nonfinite)
+    precision_lib.check_policy(precision)
     if sampler is not None and not isinstance(sampler, Sampler):
         raise ValueError(f"generate: sampler must be a jaxlp.sampling sampler, got {type(sampler).__name__}")
     if cache_budget_bytes is not None:
@@ -224,7 +254,7 @@ def generate(
         if size < len(prompts):
             kwargs = dict(max_new_tokens=max_new_tokens, sampler=sampler, kv_cache=kv_cache, stop_tokens=stop_tokens,
                           seed=seed, return_stats=return_stats, pad_id=pad_id, max_length=max_length,
-                          on_nonfinite="ignore" if on_nonfinite == "ignore" else "return")
+                          on_nonfinite="ignore" if on_nonfinite == "ignore" else "return", precision=precision)
             parts = [generate(model, prompts[i : i + size], **kwargs) for i in range(0, len(prompts), size)]
             join = lambda name: (None if getattr(parts[0], name) is None  # noqa: E731
                                  else np.concatenate([getattr(p, name) for p in parts]))
@@ -251,11 +281,22 @@ def generate(
     cache = _cache_pool.pop(pool_key, None) if isinstance(cache_format, kvcache.Dense) else None
     if cache is None:
         cache = cache_format.init(config, tokens.shape[0], tokens.shape[1] + max_new_tokens)
-    graphdef, params = nnx.split(model)
-    out, num_tokens, finished, (nonfinite_step, nonfinite_any), (entropy, temperature), cache = _generate_jit(
+    graphdef_fp8 = policy = None
+    if precision is None:
+        graphdef, params = nnx.split(model)
+    else:
+        graphdef, graphdef_fp8, params = precision_lib.variants(model)
+        if precision == "fp8":
+            graphdef, graphdef_fp8 = graphdef_fp8, None
+        elif precision == "fp16":
+            graphdef_fp8 = None
+        else:
+            policy = precision if precision.max_tokens is not None else dataclasses.replace(
+                precision, max_tokens=tokens.shape[0])
+    out, num_tokens, finished, (nonfinite_step, nonfinite_any), (entropy, temperature), fp8, cache = _generate_jit(
         graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths), cache, jax.random.key(seed),
         sampler or Greedy(), stop_ids, max_new_tokens=max_new_tokens, return_stats=return_stats, pad_id=pad_id,
-        check_finite=on_nonfinite != "ignore",
+        check_finite=on_nonfinite != "ignore", graphdef_fp8=graphdef_fp8, policy=policy,
     )
     # A cache that may hold NaN / Inf (or, unchecked, might) is not reused: a masked stale slot
     # still multiplies its value by a zero weight, and 0 * NaN is NaN.
@@ -268,6 +309,7 @@ def generate(
         entropy=None if entropy is None else np.asarray(entropy),
         temperature=None if temperature is None else np.asarray(temperature),
         nonfinite_step=np.asarray(nonfinite_step),
+        fp8=None if fp8 is None else np.asarray(fp8),
     )
     return _check_finite(result, on_nonfinite)
 

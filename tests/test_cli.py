@@ -177,3 +177,21 @@ def test_prompt_rule_and_unused_option_note(capsys):
     assert main(["generate", "--model", "/nonexistent", "--prompt", "x", "--top-p", "0.9"]) == 2
     err = capsys.readouterr().err
     assert "--top-p has no effect with --sampler greedy" in err and "does not exist" in err
+
+
+def test_nestedfp_precision_flag(model_dir, tmp_path, capsys):
+    """--precision fp16 is the checkpoint's own text, fp8 and auto run; a non-NestedFP model refuses it."""
+    out = tmp_path / "nested"
+    assert main(["quantize", "--model", str(model_dir), "--recipe", "nestedfp", "--out", str(out),
+                 "--dtype", "float32"]) == 0
+    capsys.readouterr()
+    base = ["generate", "--model", str(out), "--prompts-file", str(tmp_path / "p.txt"), "--max-new-tokens", "6"]
+    (tmp_path / "p.txt").write_text("Q: 1+2\n\nQ: 3+4\n\nQ: 5+6\n")
+    texts = {}
+    for precision in (None, "fp16", "fp8", "auto"):
+        assert main(base + ([] if precision is None else ["--precision", precision])) == 0
+        texts[precision] = capsys.readouterr().out
+        assert texts[precision].count("--- prompt") == 3
+    assert texts["fp16"] == texts[None]
+    assert main(["generate", "--model", str(model_dir), "--prompt", "1", "--precision", "fp8"]) == 2
+    assert "no NestedFP layers" in capsys.readouterr().err

@@ -148,8 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_d(f"KV cache format, one of {', '.join(cache_formats)}"))
     g.add_argument("--fuse-projections", action="store_true",
                    help="one q/k/v and one gate/up linear per layer (faster decode; see jaxlp.models.fuse_projections)")
-    g.add_argument("--nestedfp-mode", default="fp16", choices=("fp16", "fp8"),
-                   help=_d("for NestedFP checkpoints: compute with the FP16 or the FP8 model"))
+    g.add_argument("--precision", default=None, choices=("fp16", "fp8", "auto"),
+                   help="NestedFP checkpoints: compute with the FP16 or the FP8 model, or auto: FP8 in the steps "
+                        "that schedule more than half the batch's tokens (the prefill, and decode steps while "
+                        "more than half the rows run; one compiled program) (default: the checkpoint's mode, FP16)")
     g.add_argument("--out", default=None, metavar="FILE", help="also write the completions to this JSON-lines file (written "
                    "complete or not at all; default: none)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
@@ -224,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_d("decode steps per device call (streaming granularity)"))
     v.add_argument("--max-waiting", type=int, default=256, metavar="N",
                    help=_d("requests that may wait for a slot; beyond, 503"))
+    v.add_argument("--precision", default=None, choices=("fp16", "fp8", "auto"),
+                   help="NestedFP models: the FP16 or the FP8 model, or auto: FP8 while running plus waiting "
+                        "requests exceed half the slots (default: the checkpoint's mode, FP16)")
+    v.add_argument("--slo-tpot-ms", type=float, default=None, metavar="X",
+                   help="NestedFP models: FP8 while a decode step takes longer than this target time per output "
+                        "token, FP16 once steps take under 0.6 of it (default: none)")
     v.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", parents=[common], formatter_class=_Formatter,

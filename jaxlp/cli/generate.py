@@ -40,10 +40,15 @@ def cmd_generate(args) -> int:
     model, tokenizer = load_model(args, reporter)
     if args.fuse_projections:
         model = fused_model(model)
-    if args.nestedfp_mode != "fp16":
-        from jaxlp.quantization import set_mode
+    precision = args.precision
+    if precision is not None:
+        from jaxlp.quantization import LoadThreshold
+        from jaxlp.quantization.precision import has_nestedfp
 
-        set_mode(model, args.nestedfp_mode)
+        if not has_nestedfp(model):
+            raise UserError(f"--precision {precision}: {args.model} has no NestedFP layers (quantize it with "
+                            "--recipe nestedfp)")
+        precision = LoadThreshold() if precision == "auto" else precision
 
     start = time.perf_counter()
     texts, counts, finished = [], [], []
@@ -51,7 +56,8 @@ def cmd_generate(args) -> int:
     with reporter.bar(f"compiling and generating up to {args.max_new_tokens} tokens", len(ids)) as advance:
         for n, rows in enumerate(batches):
             result = generate(model, [ids[i] for i in rows], max_new_tokens=args.max_new_tokens, sampler=sampler,
-                              seed=args.seed + n, kv_cache=args.kv_cache, on_nonfinite="return")
+                              seed=args.seed + n, kv_cache=args.kv_cache, on_nonfinite="return",
+                              precision=precision)
             steps = np.full(len(ids), -1)
             steps[list(rows)] = result.nonfinite_step
             raise_nonfinite(steps)  # naming the prompt by its index among all of them

@@ -51,6 +51,10 @@ def cmd_serve(args) -> int:
                         note="the model's context length is the most") or config.max_position_embeddings
     check_int(None, "--port", args.port, low=0, high=65535)
     _check_bindable(args.host, args.port)
+    if args.slo_tpot_ms is not None and not args.slo_tpot_ms > 0:
+        raise UserError(f"--slo-tpot-ms must be > 0, got {args.slo_tpot_ms}")
+    if args.slo_tpot_ms is not None and args.precision is not None:
+        raise UserError("--slo-tpot-ms and --precision are two policies: give one")
     budget = None
     if args.cache_gib is not None:
         if not args.cache_gib > 0:
@@ -64,7 +68,8 @@ def cmd_serve(args) -> int:
         with reporter.status(f"quantizing to {recipe.name}"):
             model = quantize_model(model, recipe)
     engine_kwargs = dict(max_len=max_len, slots=args.slots, cache_budget_bytes=budget,
-                         steps_per_call=args.steps_per_call, max_waiting=args.max_waiting)
+                         steps_per_call=args.steps_per_call, max_waiting=args.max_waiting,
+                         precision=_precision_policy(args, model))
     buckets = sorted({min(prompt_bucket(n), max_len - 1) for n in (2**k for k in range(4, max_len.bit_length() + 1))
                       if n < max_len})
     model_id = args.model_id or Path(args.model).resolve().name
@@ -74,3 +79,19 @@ def cmd_serve(args) -> int:
                  chat_template=chat_template, warmup_lengths=buckets, log_level="info" if args.debug else "warning",
                  **engine_kwargs)
     return 0
+
+
+def _precision_policy(args, model):
+    """The engine's NestedFP precision policy from --precision / --slo-tpot-ms (None: neither)."""
+    if args.precision is None and args.slo_tpot_ms is None:
+        return None
+    from jaxlp.quantization import LatencyTarget, LoadThreshold
+    from jaxlp.quantization.precision import has_nestedfp
+
+    option = "--slo-tpot-ms" if args.slo_tpot_ms is not None else f"--precision {args.precision}"
+    if not has_nestedfp(model):
+        raise UserError(f"{option}: the model has no NestedFP layers (serve a checkpoint quantized with --recipe "
+                        "nestedfp, or pass --recipe nestedfp)")
+    if args.slo_tpot_ms is not None:
+        return LatencyTarget(target_ms=args.slo_tpot_ms)
+    return LoadThreshold() if args.precision == "auto" else args.precision

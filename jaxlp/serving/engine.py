@@ -42,6 +42,7 @@ from flax import nnx
 from jaxlp import kvcache
 from jaxlp.errors import check_int
 from jaxlp.generation import prompt_bucket
+from jaxlp.quantization import precision as precision_lib
 from jaxlp.sampling.base import Greedy, Sampler
 from jaxlp.sampling.boundaries import boundary_ids
 from jaxlp.sampling.rows import RowSampler, RowSettings
@@ -134,17 +135,28 @@ class Request:
         return (self.finished_at - self.first_token) / (n - 1)
 
 
-def _prefill_program(graphdef, params, state, tokens, length, slot, row, *, cache_format, max_len, sampler, batched):
+def _call(fn, graphdef, graphdef_fp8, params, use_fp8):
+    """``fn(model)``: with a second graph definition, the FP8 one where ``use_fp8`` (one cond)."""
+    if graphdef_fp8 is None:
+        return fn(nnx.merge(graphdef, params))
+    return precision_lib.run(fn, graphdef, graphdef_fp8, params, use_fp8)
+
+
+def _prefill_program(graphdef, params, state, tokens, length, slot, row, use_fp8, *, cache_format, max_len, sampler,
+                     batched, graphdef_fp8=None):
     """One request's prompt into ``slot`` (see module doc). ``row``: its settings, ``max_new``
     and ``stop_ids`` with a leading axis of 1."""
-    model = nnx.merge(graphdef, params)
     seq = tokens.shape[1]
     positions = jnp.arange(seq, dtype=jnp.int32)[None]
     positions = jnp.where(positions < length[:, None], positions, max_len)  # padding: outside the cache
-    fresh = cache_format.init(model.config, 1, max_len)
-    hidden, fresh = model.forward(tokens, positions, fresh, fresh=True)
-    last = jnp.take_along_axis(hidden, (length - 1)[:, None, None], axis=1)[:, 0]
-    logits = model.logits(last)
+
+    def prefill(model):
+        fresh = cache_format.init(model.config, 1, max_len)
+        hidden, fresh = model.forward(tokens, positions, fresh, fresh=True)
+        last = jnp.take_along_axis(hidden, (length - 1)[:, None, None], axis=1)[:, 0]
+        return model.logits(last), fresh
+
+    logits, fresh = _call(prefill, graphdef, graphdef_fp8, params, use_fp8)
     slots = slot[None]
     put = lambda big, small: big.at[slots].set(small.astype(big.dtype))  # noqa: E731
     new = dict(state)
@@ -160,10 +172,9 @@ def _prefill_program(graphdef, params, state, tokens, length, slot, row, *, cach
     return new
 
 
-def _decode_program(graphdef, params, state, alive, *, steps, sampler):
+def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, graphdef_fp8=None):
     """``steps`` decode steps of every slot: ``(state, tokens [B, steps], reasons [B, steps])``;
     a token is -1 where the row emitted none, a reason is RUNNING until the row's last token."""
-    model = nnx.merge(graphdef, params)
     state = dict(state, active=state["active"] & alive)
 
     def body(s, _):
@@ -180,8 +191,12 @@ def _decode_program(graphdef, params, state, alive, *, steps, sampler):
         # A row that goes on feeds its token at its next position; the others write position 0
         # of their own row (garbage in a free slot, overwritten by the next prefill).
         position = jnp.where(active, s["position"], 0)
-        hidden, cache = model.forward(out.tokens[:, None], position[:, None], s["cache"])
-        new = dict(s, cache=cache, logits=model.logits(hidden[:, 0]), generated=generated, active=active,
+        def decode(model):
+            hidden, cache = model.forward(out.tokens[:, None], position[:, None], s["cache"])
+            return model.logits(hidden[:, 0]), cache
+
+        logits, cache = _call(decode, graphdef, graphdef_fp8, params, use_fp8)
+        new = dict(s, cache=cache, logits=logits, generated=generated, active=active,
                    position=s["position"] + emit, sampler_state=out.state)
         return new, (jnp.where(emit, out.tokens, -1), reason)
 
@@ -189,9 +204,10 @@ def _decode_program(graphdef, params, state, alive, *, steps, sampler):
     return state, tokens.T, reasons.T
 
 
-_prefill_jit = jax.jit(_prefill_program, static_argnames=("graphdef", "cache_format", "max_len", "sampler", "batched"),
-                       donate_argnames=("state",))
-_decode_jit = jax.jit(_decode_program, static_argnames=("graphdef", "steps", "sampler"), donate_argnames=("state",))
+_prefill_jit = jax.jit(_prefill_program, static_argnames=("graphdef", "cache_format", "max_len", "sampler", "batched",
+                                                         "graphdef_fp8"), donate_argnames=("state",))
+_decode_jit = jax.jit(_decode_program, static_argnames=("graphdef", "steps", "sampler", "graphdef_fp8"),
+                      donate_argnames=("state",))
 
 
 class Engine:
@@ -204,6 +220,11 @@ class Engine:
     this many); ``tokenizer`` (a ``tokenizers.Tokenizer``): needed for text, stop strings and
     ReSET rows; ``max_waiting``: requests that may wait for a slot before :meth:`submit`
     raises :class:`QueueFullError`; ``max_stop_tokens``: stop ids per request.
+    ``precision`` (NestedFP models, :mod:`jaxlp.quantization.precision`): ``"fp16"`` / ``"fp8"``,
+    a ``LoadThreshold`` (FP8 while running plus waiting requests exceed ``fraction`` of
+    ``max_tokens``, default the slot count) or a ``LatencyTarget`` (FP8 while the measured
+    decode step misses the TPOT target); the policy is asked before every device call, and both
+    modes live in the same compiled programs (switching compiles nothing).
 
     Thread safety: :meth:`submit` and :meth:`cancel` may be called from any thread; :meth:`step`
     from one thread at a time (see :class:`jaxlp.serving.EngineLoop`).
@@ -211,7 +232,8 @@ class Engine:
 
     def __init__(self, model, *, kv_cache: str | kvcache.CacheFormat = "bf16", max_len: int | None = None,
                  slots: int | None = None, cache_budget_bytes: int | None = None, steps_per_call: int = 4,
-                 tokenizer=None, max_waiting: int = 1024, max_stop_tokens: int = 8, reset_window: int = 32):
+                 tokenizer=None, max_waiting: int = 1024, max_stop_tokens: int = 8, reset_window: int = 32,
+                 precision=None):
         config = model.config
         context = config.max_position_embeddings
         self.max_len = check_int("Engine", "max_len", max_len, low=2, high=context, optional=True,
@@ -235,7 +257,19 @@ class Engine:
         ids = boundary_ids(tokenizer) if tokenizer is not None else None
         self.sampler = RowSampler(window=reset_window, double_newline_ids=ids.double_newline_ids if ids else (),
                                   newline_ids=ids.newline_ids if ids else ())
-        self.graphdef, self.params = nnx.split(model)
+        self.precision, self.graphdef_fp8, self.fp8 = precision, None, False
+        if precision is None:
+            self.graphdef, self.params = nnx.split(model)
+        else:
+            if not isinstance(precision, precision_lib.LatencyTarget):
+                precision_lib.check_policy(precision)
+            self.graphdef, self.graphdef_fp8, self.params = precision_lib.variants(model)
+            if isinstance(precision, str):  # a fixed mode: one graph definition, no conditional
+                if precision == "fp8":
+                    self.graphdef = self.graphdef_fp8
+                self.graphdef_fp8 = None
+            elif isinstance(precision, precision_lib.LoadThreshold) and precision.max_tokens is None:
+                self.precision = dataclasses.replace(precision, max_tokens=self.slots)
         self._batched = self.cache_format.batched_leaves(config, self.max_len)
         self.state = self._init_state()
         self.cache_bytes = kvcache.cache_bytes(self.cache_format, config, self.slots, self.max_len)
@@ -354,6 +388,7 @@ class Engine:
         for request in dropped + [r for r in self._running if r is not None and r.cancel_requested]:
             self._requests[request.id] = request
             outputs.append(self._finish(request, "cancelled"))
+        self._choose_precision()
         self._admit()
         if any(r is not None for r in self._running):
             self._decode(outputs)
@@ -383,21 +418,35 @@ class Engine:
             tokens[0, :n] = request.prompt_ids
             self.state = _prefill_jit(self.graphdef, self.params, self.state, jnp.asarray(tokens),
                                       jnp.asarray([n], jnp.int32), jnp.int32(slot), request._row,
-                                      cache_format=self.cache_format, max_len=self.max_len, sampler=self.sampler,
-                                      batched=self._batched)
+                                      jnp.bool_(self.fp8), cache_format=self.cache_format, max_len=self.max_len,
+                                      sampler=self.sampler, batched=self._batched, graphdef_fp8=self.graphdef_fp8)
             request.slot = slot
             self._running[slot] = request
             self.counters["prompt_tokens"] += n
 
+    def _choose_precision(self) -> None:
+        """The NestedFP mode of the next device call (``self.fp8``), from the policy: the load
+        (running plus waiting requests) or the last measured step time."""
+        if isinstance(self.precision, precision_lib.LoadThreshold):
+            with self._lock:
+                load = sum(r is not None for r in self._running) + len(self._waiting)
+            self.fp8 = load > self.precision.fraction * self.precision.max_tokens
+        elif isinstance(self.precision, precision_lib.LatencyTarget) and self.step_seconds:
+            self.fp8 = self.precision.update(self.step_seconds[-1] * 1e3)
+        else:
+            self.fp8 = self.precision == "fp8"
+
     def _decode(self, outputs: list[Output]) -> None:
         alive = jnp.asarray([r is not None for r in self._running])
         start = time.perf_counter()
-        self.state, tokens, reasons = _decode_jit(self.graphdef, self.params, self.state, alive,
-                                                  steps=self.steps_per_call, sampler=self.sampler)
+        self.state, tokens, reasons = _decode_jit(self.graphdef, self.params, self.state, alive, jnp.bool_(self.fp8),
+                                                  steps=self.steps_per_call, sampler=self.sampler,
+                                                  graphdef_fp8=self.graphdef_fp8)
         tokens, reasons = np.asarray(tokens), np.asarray(reasons)
         now = time.perf_counter()
         self.step_seconds.append((now - start) / self.steps_per_call)
         self.counters["decode_calls"] += 1
+        self.counters["fp8_decode_calls"] += self.fp8
         for slot, request in enumerate(self._running):
             if request is None:
                 continue

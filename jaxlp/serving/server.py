@@ -385,7 +385,9 @@ class Metrics:
                 for name, (doc, value) in gauges.items():
                     yield GaugeMetricFamily(name, doc, value=value)
                 for name, doc in (("prompt_tokens", "Prompt tokens prefilled"),
-                                  ("generated_tokens", "Tokens generated")):
+                                  ("generated_tokens", "Tokens generated"),
+                                  ("decode_calls", "Decode device calls"),
+                                  ("fp8_decode_calls", "Decode device calls that ran NestedFP's FP8 model")):
                     yield CounterMetricFamily(f"jaxlp_{name}", doc, value=stats.get(name, 0))
                 requests = CounterMetricFamily("jaxlp_requests", "Finished requests by finish reason",
                                                labels=["finish_reason"])

@@ -67,7 +67,11 @@ def test_serve_answers_the_openai_client_then_stops_on_ctrl_c():
     (["--cache-gib", "0"], "--cache-gib"),
     (["--recipe", "w4a4-nvfp4"], "quantize with jaxlp quantize first"),
     (["--host", "no-such-host.invalid"], "--host"),
-], ids=["port", "max-len-past-context", "max-len-1", "cache-gib", "static-recipe", "host"])
+    (["--slo-tpot-ms", "0"], "--slo-tpot-ms must be > 0"),
+    (["--slo-tpot-ms", "20", "--precision", "auto"], "give one"),
+    (["--precision", "fp8", "--port", "0", "--quiet"], "no NestedFP layers"),  # found after loading
+], ids=["port", "max-len-past-context", "max-len-1", "cache-gib", "static-recipe", "host", "slo-zero", "two-policies",
+        "precision-not-nestedfp"])
 def test_serve_bad_input(args, message):
     result = cli("--model", REASONER, *args)
     assert result.returncode == 2, result.stderr

@@ -586,3 +586,44 @@ def test_engine_loop_serves_from_another_thread(model, tok):
     for r, s in zip(requests, sync):
         assert r.token_ids == s.token_ids and r.finish_reason == s.finish_reason
         assert sum((o.token_ids for o in seen[r.id]), []) == r.token_ids
+
+
+# ---------------------------------------------------------------------- NestedFP precision per call
+
+
+def test_nestedfp_precision_policies(model, tok):
+    from jaxlp.quantization import LatencyTarget, LoadThreshold, quantize_model, set_mode
+
+    nested = quantize_model(model, "nestedfp")
+    greedy = SamplingParams(max_tokens=6, stop_token_ids=())
+    rng = np.random.default_rng(21)
+    prompts = [prompt_of(rng, n) for n in (5, 9, 3)]
+    fp8_model = set_mode(quantize_model(model, "nestedfp"), "fp8")
+
+    # Fixed modes: a request gets what generate gives it alone with that model.
+    for precision, ref_model in (("fp16", nested), ("fp8", fp8_model)):
+        eng = engine(nested, tok, precision=precision)
+        r = eng.submit(prompts[0], greedy)
+        eng.run()
+        assert r.token_ids == reference(ref_model, prompts[0], greedy)
+        assert eng.counters["fp8_decode_calls"] == (eng.counters["decode_calls"] if precision == "fp8" else 0)
+
+    # Load: FP8 while more than half the slots' worth of requests run or wait, FP16 after.
+    eng = engine(nested, tok, precision=LoadThreshold(0.5))
+    budgets = [dataclasses.replace(greedy, max_tokens=m) for m in (2, 4, 12)]
+    requests = [eng.submit(p, q) for p, q in zip(prompts, budgets)]
+    eng.run()
+    calls, fp8_calls = eng.counters["decode_calls"], eng.counters["fp8_decode_calls"]
+    assert 0 < fp8_calls < calls and all(r.finish_reason == "length" for r in requests)
+    compiled = eng.compilations
+    requests = [eng.submit(p, q) for p, q in zip(prompts, budgets)]  # switches again: nothing compiles
+    eng.run()
+    assert eng.compilations == compiled
+
+    # Latency: a target no step meets keeps FP8 on after the first measured call.
+    eng = engine(nested, tok, precision=LatencyTarget(target_ms=1e-6))
+    r = eng.submit(prompts[1], greedy)
+    eng.run()
+    assert eng.counters["fp8_decode_calls"] == eng.counters["decode_calls"] - 1 >= 1
+    with pytest.raises(ValueError, match="NestedFP layers"):
+        engine(model, tok, precision="fp8")

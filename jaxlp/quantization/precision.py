@@ -1,0 +1,121 @@
+"""NestedFP precision chosen per step inside one compiled program.
+
+A NestedFP model holds one copy of the weights and two models: FP16 (exact) and FP8 (the upper
+bytes). A layer's mode is static (part of the NNX graph definition), so :func:`variants`
+splits a model once into the graph definitions of both modes over the same parameter state,
+and :func:`run` calls one of them on a traced boolean (``lax.cond``: both are compiled into the
+program, so switching between steps or calls compiles nothing).
+
+Policies say when to use FP8:
+
+- ``"fp16"`` / ``"fp8"``: always that mode (one graph definition, no conditional).
+- :class:`LoadThreshold`, the NestedFP reference's rule: FP8 in a step whose scheduled tokens
+  exceed ``fraction`` of ``max_tokens`` (``generate``: the rows still running per decode step,
+  the prompt tokens for the prefill; ``max_tokens`` defaults to the batch size). Its fields
+  are traced: changing them does not recompile.
+- :class:`LatencyTarget`, for a loop that times its steps (a server): FP8 while the measured
+  step time misses ``target_ms``, back to FP16 once a step takes under ``recover`` times it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlp.errors import check_choice
+from jaxlp.quantization.linear import NESTEDFP_MODES
+from jaxlp.quantization.model import quantized_layers
+
+FIXED = NESTEDFP_MODES  # ("fp16", "fp8")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoadThreshold:
+    """FP8 when ``scheduled_tokens > fraction * max_tokens`` (None: the caller's batch size)."""
+
+    fraction: float = 0.5
+    max_tokens: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.fraction, (int, float)) and not 0.0 <= float(self.fraction) <= 1.0:
+            raise ValueError(f"LoadThreshold: fraction must be in [0, 1], got {self.fraction}")
+        if isinstance(self.max_tokens, int) and self.max_tokens < 1:
+            raise ValueError(f"LoadThreshold: max_tokens must be >= 1, got {self.max_tokens}")
+
+    def use_fp8(self, scheduled_tokens: jax.Array) -> jax.Array:
+        """Traced boolean: whether a step scheduling ``scheduled_tokens`` runs the FP8 model."""
+        if self.max_tokens is None:
+            raise ValueError("LoadThreshold.max_tokens is unset (generate sets it to the batch size)")
+        return jnp.asarray(scheduled_tokens, jnp.float32) > jnp.asarray(self.fraction, jnp.float32) * self.max_tokens
+
+
+@dataclasses.dataclass
+class LatencyTarget:
+    """Host-side SLO rule: FP8 while steps miss ``target_ms``; FP16 again after a step under
+    ``recover * target_ms`` (hysteresis: FP8 steps are faster, so the FP16 step they replace
+    would be slower than the one measured)."""
+
+    target_ms: float
+    recover: float = 0.6
+    fp8: bool = False
+
+    def __post_init__(self):
+        if not self.target_ms > 0:
+            raise ValueError(f"LatencyTarget: target_ms must be > 0, got {self.target_ms}")
+        if not 0.0 < self.recover <= 1.0:
+            raise ValueError(f"LatencyTarget: recover must be in (0, 1], got {self.recover}")
+
+    def update(self, step_ms: float) -> bool:
+        """Record a step's time; returns whether the next step runs FP8."""
+        if step_ms > self.target_ms:
+            self.fp8 = True
+        elif step_ms < self.recover * self.target_ms:
+            self.fp8 = False
+        return self.fp8
+
+
+def check_policy(policy) -> None:
+    """ValueError unless ``policy`` is None, ``"fp16"``, ``"fp8"`` or a :class:`LoadThreshold`."""
+    if policy is None or isinstance(policy, LoadThreshold):
+        return
+    if isinstance(policy, str):
+        check_choice("precision", "precision", policy, FIXED)
+        return
+    raise ValueError(f"precision must be 'fp16', 'fp8' or a LoadThreshold, got {type(policy).__name__}")
+
+
+def has_nestedfp(model) -> bool:
+    return any(layer.format == "nestedfp" for _, layer in quantized_layers(model))
+
+
+def variants(model) -> tuple[nnx.GraphDef, nnx.GraphDef, nnx.State]:
+    """``(graphdef_fp16, graphdef_fp8, state)`` of a NestedFP model: the same state under both
+    modes (the model's own modes are restored)."""
+    layers = [layer for _, layer in quantized_layers(model) if layer.format == "nestedfp"]
+    if not layers:
+        raise ValueError("a precision policy needs NestedFP layers (quantize with the 'nestedfp' recipe); "
+                         "this model has none")
+    modes = [layer.mode for layer in layers]
+    try:
+        for layer in layers:
+            layer.set_mode("fp16")
+        graphdef_fp16, state = nnx.split(model)
+        for layer in layers:
+            layer.set_mode("fp8")
+        graphdef_fp8 = nnx.graphdef(model)
+    finally:
+        for layer, mode in zip(layers, modes):
+            layer.set_mode(mode)
+    return graphdef_fp16, graphdef_fp8, state
+
+
+def run(fn: Callable, graphdef_fp16, graphdef_fp8, state, use_fp8: jax.Array):
+    """``fn(model)`` with the FP8 model where ``use_fp8`` (a traced boolean), else the FP16 one.
+    ``fn`` returns arrays (pytrees of them) of the same structure either way."""
+    return jax.lax.cond(use_fp8, lambda s: fn(nnx.merge(graphdef_fp8, s)),
+                        lambda s: fn(nnx.merge(graphdef_fp16, s)), state)
