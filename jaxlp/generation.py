@@ -91,9 +91,7 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
 
     def call(fn, scheduled_tokens):
         """``fn(model)``; with a precision policy, the FP8 or FP16 model as it decides (a cond)."""
-        if policy is None:
-            return fn(nnx.merge(graphdef, params)), None
-        use_fp8 = policy.use_fp8(scheduled_tokens)
+        use_fp8 = None if policy is None else policy.use_fp8(scheduled_tokens)
         return precision_lib.run(fn, graphdef, graphdef_fp8, params, use_fp8), use_fp8
 
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))

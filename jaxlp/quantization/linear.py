@@ -26,15 +26,13 @@ from jaxlp.quantization import activations, native_dot, nvfp4_dispatch
 NESTEDFP_MODES = ("fp16", "fp8")
 
 
-
 class Kernel(NamedTuple):
     """A GPU implementation of the product: ``why_not(layer, x)`` (None if it computes ``layer``
-    on ``x``, else the reason), ``matmul(layer, x)`` (the product before bias), and whether
-    ``"auto"`` may pick it off a GPU."""
+    on ``x``, else the reason) and ``matmul(layer, x)`` (the product before bias). ``"auto"``
+    tries them on a GPU only (off a GPU the reference is the path)."""
 
     why_not: Callable
     matmul: Callable
-    auto_off_gpu: bool = False
 
 
 def _nvfp4_why_not(layer, x):
@@ -143,12 +141,11 @@ class QuantizedLinear(nnx.Module):
         impl = self.implementation
         if impl == "auto":
             on_gpu = jax.default_backend() == "gpu"
-            impl = next((n for n, k in KERNELS.items() if (on_gpu or k.auto_off_gpu) and k.why_not(self, x) is None),
-                        "xla")
+            impl = next((n for n, k in KERNELS.items() if on_gpu and k.why_not(self, x) is None), "xla")
         if impl == "xla":
             y = self.reference(x)
         else:
-            why_not, matmul, _ = KERNELS[impl]
+            why_not, matmul = KERNELS[impl]
             reason = why_not(self, x)
             if reason is not None:
                 raise ValueError(f"implementation {impl!r} does not compute this layer on input {x.shape} "

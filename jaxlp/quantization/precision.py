@@ -115,7 +115,10 @@ def variants(model) -> tuple[nnx.GraphDef, nnx.GraphDef, nnx.State]:
 
 
 def run(fn: Callable, graphdef_fp16, graphdef_fp8, state, use_fp8: jax.Array):
-    """``fn(model)`` with the FP8 model where ``use_fp8`` (a traced boolean), else the FP16 one.
-    ``fn`` returns arrays (pytrees of them) of the same structure either way."""
+    """``fn(model)`` with the FP8 model where ``use_fp8`` (a traced boolean), else the FP16 one;
+    with ``graphdef_fp8`` None, ``fn`` of ``graphdef_fp16``'s model (no conditional). ``fn``
+    returns arrays (pytrees of them) of the same structure either way."""
+    if graphdef_fp8 is None:
+        return fn(nnx.merge(graphdef_fp16, state))
     return jax.lax.cond(use_fp8, lambda s: fn(nnx.merge(graphdef_fp8, s)),
                         lambda s: fn(nnx.merge(graphdef_fp16, s)), state)

@@ -135,13 +135,6 @@ class Request:
         return (self.finished_at - self.first_token) / (n - 1)
 
 
-def _call(fn, graphdef, graphdef_fp8, params, use_fp8):
-    """``fn(model)``: with a second graph definition, the FP8 one where ``use_fp8`` (one cond)."""
-    if graphdef_fp8 is None:
-        return fn(nnx.merge(graphdef, params))
-    return precision_lib.run(fn, graphdef, graphdef_fp8, params, use_fp8)
-
-
 def _prefill_program(graphdef, params, state, tokens, length, slot, row, use_fp8, *, cache_format, max_len, sampler,
                      batched, graphdef_fp8=None):
     """One request's prompt into ``slot`` (see module doc). ``row``: its settings, ``max_new``
@@ -156,7 +149,7 @@ def _prefill_program(graphdef, params, state, tokens, length, slot, row, use_fp8
         last = jnp.take_along_axis(hidden, (length - 1)[:, None, None], axis=1)[:, 0]
         return model.logits(last), fresh
 
-    logits, fresh = _call(prefill, graphdef, graphdef_fp8, params, use_fp8)
+    logits, fresh = precision_lib.run(prefill, graphdef, graphdef_fp8, params, use_fp8)
     slots = slot[None]
     put = lambda big, small: big.at[slots].set(small.astype(big.dtype))  # noqa: E731
     new = dict(state)
@@ -191,11 +184,12 @@ def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, 
         # A row that goes on feeds its token at its next position; the others write position 0
         # of their own row (garbage in a free slot, overwritten by the next prefill).
         position = jnp.where(active, s["position"], 0)
+
         def decode(model):
             hidden, cache = model.forward(out.tokens[:, None], position[:, None], s["cache"])
             return model.logits(hidden[:, 0]), cache
 
-        logits, cache = _call(decode, graphdef, graphdef_fp8, params, use_fp8)
+        logits, cache = precision_lib.run(decode, graphdef, graphdef_fp8, params, use_fp8)
         new = dict(s, cache=cache, logits=logits, generated=generated, active=active,
                    position=s["position"] + emit, sampler_state=out.state)
         return new, (jnp.where(emit, out.tokens, -1), reason)
