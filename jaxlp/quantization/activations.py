@@ -25,20 +25,12 @@ from jaxlp.formats.base import cast_rounded
 STATIC = {"nvfp4"}  # activation formats that need a calibrated amax
 
 
-def nestedfp_fp8_scale(x: jax.Array) -> jax.Array:
-    """NestedFP's per-token activation scale ``[..., 1]`` of float32 ``x [..., K]``."""
+def nestedfp_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NestedFP's FP8 activations of float32 ``x [..., K]``: ``(e4m3(x * s), s)`` with the
+    per-token scale ``s [..., 1]`` (module docstring); ``x ~ codes / s``."""
     absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    return jnp.clip(0.7 * 448.0 / jnp.maximum(absmax, 1e-5), 0.1, 50.0)
-
-
-def nestedfp_fp8_codes(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``e4m3(x * scale)`` (float8_e4m3fn, saturating at 448) of float32 ``x``."""
-    return cast_rounded(jnp.clip(x * scale, -448.0, 448.0), jnp.float8_e4m3fn)
-
-
-def _nestedfp_fp8(x):
-    scale = nestedfp_fp8_scale(x)
-    return nestedfp_fp8_codes(x, scale).astype(jnp.float32) / scale
+    scale = jnp.clip(0.7 * 448.0 / jnp.maximum(absmax, 1e-5), 0.1, 50.0)
+    return cast_rounded(jnp.clip(x * scale, -448.0, 448.0), jnp.float8_e4m3fn), scale
 
 
 def fake_quantize(x: jax.Array, kind: str, amax: jax.Array | None = None) -> jax.Array:
@@ -56,7 +48,8 @@ def fake_quantize(x: jax.Array, kind: str, amax: jax.Array | None = None) -> jax
     if kind == "fireq_fp8":
         return int4_fp8.dequantize_activation_fp8(*int4_fp8.quantize_activation_fp8(x), jnp.float32)
     if kind == "nestedfp_fp8":
-        return _nestedfp_fp8(x)
+        codes, scale = nestedfp_fp8(x)
+        return codes.astype(jnp.float32) / scale
     if kind == "dialect_fp4":
         return dialect_fp4.quantize(x, selection="two_stage").dequantize(jnp.float32)
     raise ValueError(f"unknown activation quantizer {kind!r}")

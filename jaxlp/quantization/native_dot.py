@@ -60,19 +60,9 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return y.reshape(*lead, b.shape[0])
 
 
-def _nestedfp_fp8_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(e4m3(x * s), s)`` with ``s [..., 1]`` the NestedFP per-token scale (same math as
-    ``activations.fake_quantize(x, "nestedfp_fp8")``, which returns ``x8 / s``)."""
-    xf = x.astype(jnp.float32)
-    scale = activations.nestedfp_fp8_scale(xf)
-    return activations.nestedfp_fp8_codes(xf, scale), scale
-
-
 def matmul(layer, x: jax.Array) -> jax.Array:
-    """The layer's product before bias (``QuantizedLinear.reference``'s math), in x's dtype."""
-    why = why_not(layer, x)
-    if why is not None:
-        raise ValueError(f"implementation {IMPLEMENTATION!r} does not compute this layer: {why}")
+    """The layer's product before bias (``QuantizedLinear.reference``'s math), in x's dtype, for a
+    layer :func:`why_not` accepts (``QuantizedLinear`` asks it first)."""
     w = layer.weight.get_value()
     if w.format == fp8.FORMAT:
         if layer.activation is None:
@@ -82,7 +72,7 @@ def matmul(layer, x: jax.Array) -> jax.Array:
             y = _dot(x8, w.data) * x_scale[..., None]
         y = y * w.scale  # [N] broadcasts over the last axis; a per-tensor scale is a scalar
     elif layer.mode == "fp8":
-        x8, scale = _nestedfp_fp8_activations(x)
+        x8, scale = activations.nestedfp_fp8(x.astype(jnp.float32))
         y = _dot(x8, w.upper_as_fp8()) / scale * nestedfp.FP8_SCALE
     else:
         y = _dot(x, nestedfp.merge(w.upper, w.lower))

@@ -79,14 +79,16 @@ class LatencyTarget:
         return self.fp8
 
 
-def check_policy(policy) -> None:
-    """ValueError unless ``policy`` is None, ``"fp16"``, ``"fp8"`` or a :class:`LoadThreshold`."""
-    if policy is None or isinstance(policy, LoadThreshold):
+def check_policy(policy, *, host_side: bool = False) -> None:
+    """ValueError unless ``policy`` is None, ``"fp16"``, ``"fp8"``, a :class:`LoadThreshold`, or
+    (``host_side``: a loop that times its steps) a :class:`LatencyTarget`."""
+    if policy is None or isinstance(policy, LoadThreshold) or (host_side and isinstance(policy, LatencyTarget)):
         return
     if isinstance(policy, str):
         check_choice("precision", "precision", policy, FIXED)
         return
-    raise ValueError(f"precision must be 'fp16', 'fp8' or a LoadThreshold, got {type(policy).__name__}")
+    allowed = "'fp16', 'fp8', a LoadThreshold" + (" or a LatencyTarget" if host_side else "")
+    raise ValueError(f"precision must be {allowed}, got {type(policy).__name__}")
 
 
 def has_nestedfp(model) -> bool:

@@ -255,8 +255,7 @@ class Engine:
         if precision is None:
             self.graphdef, self.params = nnx.split(model)
         else:
-            if not isinstance(precision, precision_lib.LatencyTarget):
-                precision_lib.check_policy(precision)
+            precision_lib.check_policy(precision, host_side=True)
             self.graphdef, self.graphdef_fp8, self.params = precision_lib.variants(model)
             if isinstance(precision, str):  # a fixed mode: one graph definition, no conditional
                 if precision == "fp8":

@@ -1,6 +1,7 @@
 """NestedFP precision per step: ``generate(..., precision=...)`` against the fixed-mode models,
 the LoadThreshold rule checked step by step, no recompilation, and the LatencyTarget rule."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ def models():
                          num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, max_position_embeddings=128,
                          eos_token_ids=(3,))
     m = Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(3))
-    nnx.update(m, __import__("jax").tree.map(lambda x: x * 3.0 if x.ndim == 2 else x, nnx.state(m, nnx.Param)))
+    nnx.update(m, jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x, nnx.state(m, nnx.Param)))
     fp16 = quantize_model(m, "nestedfp")
     fp8 = set_mode(quantize_model(m, "nestedfp"), "fp8")
     return m, fp16, fp8
