@@ -25,6 +25,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -37,47 +38,49 @@ SHAPES = "12288x4096,6144x4096,4096x4096,28672x4096,4096x14336"  # N x K: Llama-
 VARIANTS = ("bf16", "fp16", "nestedfp16", "nestedfp8", "w8a8", "w8a16")
 
 
-def per_call_us(fn, x, n1: int, n2: int, repeats: int) -> float:
-    """us per ``fn`` call: ``(t(n2) - t(n1)) / (n2 - n1)`` of a jitted loop feeding each output back."""
+def per_call_us(fn, params, x, n1: int, n2: int, repeats: int) -> float:
+    """us per ``fn(params, x)`` call: ``(t(n2) - t(n1)) / (n2 - n1)`` of a jitted loop feeding each
+    output back. ``params`` are arguments, not constants folded into the program."""
     def body(i, carry):
-        x, acc = carry
-        y = fn(x + acc.astype(x.dtype))
-        return x, (y[0, 0].astype(jnp.float32) * 1e-30)
+        params, x, acc = carry
+        y = fn(params, x + acc.astype(x.dtype))
+        return params, x, (y[0, 0].astype(jnp.float32) * 1e-30)
 
-    loop = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, body, (x, jnp.float32(0)))[1], static_argnums=1)
+    # n traced: one compiled while loop serves both lengths.
+    loop = jax.jit(lambda params, x, n: jax.lax.fori_loop(0, n, body, (params, x, jnp.float32(0)))[2])
     times = {}
     for n in (n1, n2, n1, n2):
         samples = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(loop(x, n))
+            jax.block_until_ready(loop(params, x, jnp.int32(n)))
             samples.append(time.perf_counter() - t0)
         times[n] = float(np.median(samples))
     return (times[n2] - times[n1]) / (n2 - n1) * 1e6
 
 
 def layers(w: np.ndarray, implementation: str) -> dict:
-    """Variant -> (callable on x, activation dtype, weight bytes, FP8 tensor-core rate?)."""
+    """Variant -> (fn(params, x), params, activation dtype, weight bytes, FP8 tensor-core rate?)."""
     w16 = jnp.asarray(w, jnp.float16)
     wb = jnp.asarray(w, jnp.bfloat16)
     nested = nestedfp.quantize(w16)
     w8 = fp8.quantize(jnp.asarray(w), granularity="channel")
     n, k = w.shape
 
-    def dot(weight):
-        return lambda x: jnp.einsum("mk,nk->mn", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
+    def dot(weight, x):
+        return jnp.einsum("mk,nk->mn", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def q(weight, **kw):
-        layer = QuantizedLinear(weight, implementation=implementation, **kw)
-        return lambda x: layer(x)
+        graphdef, state = nnx.split(QuantizedLinear(weight, implementation=implementation, **kw))
+        return (lambda state, x: nnx.merge(graphdef, state)(x)), state
 
     return {
-        "bf16": (dot(wb), jnp.bfloat16, 2 * n * k, False),
-        "fp16": (dot(w16), jnp.float16, 2 * n * k, False),
-        "nestedfp16": (q(nested), jnp.float16, 2 * n * k, False),
-        "nestedfp8": (q(nested, mode="fp8"), jnp.float16, n * k, True),
-        "w8a8": (q(w8, activation="fp8_token"), jnp.bfloat16, n * k, True),
-        "w8a16": (q(w8), jnp.bfloat16, n * k, False),
+        "bf16": (dot, wb, jnp.bfloat16, 2 * n * k, False),
+        "fp16": (dot, w16, jnp.float16, 2 * n * k, False),
+        "nestedfp16": (*q(nested), jnp.float16, 2 * n * k, False),
+        "nestedfp8": (*q(nested, mode="fp8"), jnp.float16, n * k, True),
+        "w8a8": (*q(w8, activation="fp8_token"), jnp.bfloat16, n * k, True),
+        "w8a16": (*q(w8), jnp.bfloat16, n * k, False),
     }
 
 
@@ -117,8 +120,8 @@ def main(argv=None):
                 x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
                 base = {}
                 for name in variants:
-                    fn, dtype, wbytes, fp8_rate = table[name]
-                    us = per_call_us(fn, x.astype(dtype), args.n1, args.n2, args.repeats)
+                    fn, params, dtype, wbytes, fp8_rate = table[name]
+                    us = per_call_us(fn, params, x.astype(dtype), args.n1, args.n2, args.repeats)
                     row = dict(n=n, k=k, m=m, variant=name, us=us, implementation=args.implementation)
                     if bandwidth:
                         flop_rate = rate * (2 if fp8_rate else 1)
