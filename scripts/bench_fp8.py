@@ -7,6 +7,7 @@ depends on the previous output, so nothing is hoisted; us per call):
 - ``bf16`` / ``fp16``: XLA's dot on the plain weight (the baselines);
 - ``nestedfp16`` / ``nestedfp8``: the NestedFP layer in FP16 / FP8 mode, FP16 activations;
 - ``w8a8`` / ``w8a16``: FP8 E4M3 per-channel weights with / without per-token FP8 activations;
+- ``w4a8_fireq``: FireQ INT4 weights (E4M3 group scales) with FireQ's per-token FP8 activations;
 
 each quantized layer with ``--implementation`` (``auto``: XLA's native FP8 / FP16 dots on a
 GPU, :mod:`jaxlp.quantization.native_dot`; ``xla``: the float32 reference). Floor: the larger of
@@ -30,12 +31,12 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxlp.evals import harness  # noqa: E402
-from jaxlp.formats import fp8, nestedfp  # noqa: E402
+from jaxlp.formats import fp8, int4_fp8, nestedfp  # noqa: E402
 from jaxlp.progress import Reporter  # noqa: E402
 from jaxlp.quantization.linear import QuantizedLinear  # noqa: E402
 
 SHAPES = "12288x4096,6144x4096,4096x4096,28672x4096,4096x14336"  # N x K: Llama-3.1-8B linears and the issue's
-VARIANTS = ("bf16", "fp16", "nestedfp16", "nestedfp8", "w8a8", "w8a16")
+VARIANTS = ("bf16", "fp16", "nestedfp16", "nestedfp8", "w8a8", "w8a16", "w4a8_fireq")
 
 
 def per_call_us(fn, params, x, n1: int, n2: int, repeats: int) -> float:
@@ -81,6 +82,8 @@ def layers(w: np.ndarray, implementation: str) -> dict:
         "nestedfp8": (*q(nested, mode="fp8"), jnp.float16, n * k, True),
         "w8a8": (*q(w8, activation="fp8_token"), jnp.bfloat16, n * k, True),
         "w8a16": (*q(w8), jnp.bfloat16, n * k, False),
+        "w4a8_fireq": (*q(int4_fp8.quantize(jnp.asarray(w)), activation="fireq_fp8"), jnp.bfloat16,
+                       n * k // 2 + n * k // int4_fp8.GROUP_SIZE, True),
     }
 
 

@@ -110,6 +110,10 @@ class Int4FP8Array(QuantizedArray):
         """``fp8_e4m3(q * s)`` (the kernel's pre-scaled FP8 table), cast to ``dtype``."""
         return _dequantize(self.codes, self.scales, self.group_size).astype(dtype)
 
+    def fp8_values(self) -> jax.Array:
+        """``fp8_e4m3(q * s)`` as ``float8_e4m3fn [..., K]``: the FP8 operand of the GEMM."""
+        return _dequantize(self.codes, self.scales, self.group_size)
+
 
 @functools.partial(jax.jit, static_argnames="group_size")
 def _dequantize(codes: jax.Array, scales: jax.Array, group_size: int) -> jax.Array:

@@ -7,7 +7,7 @@ dequantized values in float32 (for NVFP4 every element product is exact, so only
 summation order separates this from a tensor-core kernel). :data:`KERNELS` lists the GPU
 implementations (``"nvfp4_cuda"``: :mod:`jaxlp.quantization.nvfp4_dispatch`, whose measured table
 picks CUDA, Pallas or XLA per shape; ``"xla_native"``: :mod:`jaxlp.quantization.native_dot`, XLA's
-FP8 and FP16 dots on the stored bytes for FP8 and NestedFP weights); ``"auto"`` takes the first
+FP8 and FP16 dots on the stored bytes for FP8, NestedFP and FireQ INT4 weights); ``"auto"`` takes the first
 that supports the layer and the input, else ``"xla"``.
 """
 

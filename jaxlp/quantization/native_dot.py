@@ -14,6 +14,11 @@ operands before it, so the two differ by rounding of the scale products and summ
   the ``nestedfp_fp8`` activation quantizer (:mod:`jaxlp.quantization.activations`).
 - NestedFP, FP16 mode, FP16 activations: ``x @ merge(upper, lower).T`` (the FP16 weight rebuilt
   from its two bytes inside the jitted program; XLA may fuse the merge into its GEMM).
+- FireQ INT4 (``int4_fp8``) with ``fireq_fp8`` activations (W4A8): ``(x8 @ W8.T) * s_x`` with
+  ``W8 = e4m3(q * s_group)`` (the exact pre-scaled FP8 weight, materialized by XLA before its
+  FP8 GEMM), ``x8, s_x`` the per-token FP8 codes and BF16 scale of
+  :func:`jaxlp.formats.int4_fp8.quantize_activation_fp8`; without an activation quantizer
+  (W4A16) ``x @ f(W8).T``.
 
 :func:`why_not` names what does not run here; ``"auto"`` takes this path only on a GPU, where
 it is the fast one (on a CPU these dots are emulated and the reference is the CPU path).
@@ -24,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlp.formats import fp8, nestedfp
+from jaxlp.formats import fp8, int4_fp8, nestedfp
 from jaxlp.quantization import activations
 
 IMPLEMENTATION = "xla_native"
@@ -49,7 +54,13 @@ def why_not(layer, x: jax.Array) -> str | None:
         if layer.mode != "fp8" and jnp.dtype(x.dtype) != jnp.dtype(jnp.float16):
             return f"NestedFP's FP16 mode needs float16 activations (an FP16 model), got {x.dtype}"
         return None
-    return f"weight format {fmt!r} (only {fp8.FORMAT!r} and 'nestedfp')"
+    if fmt == int4_fp8.Int4FP8Array.format:
+        if layer.activation not in (None, "fireq_fp8"):
+            return f"FireQ INT4 weights with activation {layer.activation!r} (only none or 'fireq_fp8')"
+        if layer.activation is None and jnp.dtype(x.dtype) not in HALF_ACTIVATIONS:
+            return f"W4A16 needs bfloat16 or float16 activations, got {x.dtype}"
+        return None
+    return f"weight format {fmt!r} (only {fp8.FORMAT!r}, 'nestedfp' and {int4_fp8.Int4FP8Array.format!r})"
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -71,6 +82,12 @@ def matmul(layer, x: jax.Array) -> jax.Array:
             x8, x_scale = fp8.quantize_arrays(x, granularity="token")
             y = _dot(x8, w.data) * x_scale[..., None]
         y = y * w.scale  # [N] broadcasts over the last axis; a per-tensor scale is a scalar
+    elif w.format == int4_fp8.Int4FP8Array.format:
+        if layer.activation is None:
+            y = _dot(x, w.fp8_values().astype(x.dtype))
+        else:
+            x8, x_scale = int4_fp8.quantize_activation_fp8(x)
+            y = _dot(x8, w.fp8_values()) * x_scale.astype(jnp.float32)
     elif layer.mode == "fp8":
         x8, scale = activations.nestedfp_fp8(x.astype(jnp.float32))
         y = _dot(x8, w.upper_as_fp8()) / scale * nestedfp.FP8_SCALE

@@ -1,5 +1,6 @@
-"""``implementation="xla_native"``: XLA's FP8 / FP16 dots on the stored bytes of FP8 and NestedFP
-linears, against float64 NumPy products of the quantized values (``ml_dtypes`` casts), on CPU."""
+"""``implementation="xla_native"``: XLA's FP8 / FP16 dots on the stored bytes of FP8, NestedFP and
+FireQ INT4 linears, against float64 NumPy products of the quantized values (``ml_dtypes`` casts),
+on CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxlp.formats import fp8, nestedfp
+from jaxlp.formats import fp8, int4_fp8, nestedfp
 from jaxlp.quantization.linear import QuantizedLinear
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -94,6 +95,48 @@ def test_nestedfp_matches_float64(mode):
     assert rel(y, ref) <= 1e-3
 
 
+def fireq_weight_fp8(wq) -> np.ndarray:
+    """``e4m3(q * s)`` of a FireQ weight in float64, decoded here from its bytes (low nibble first,
+    two's complement; E4M3 group scales; products beyond +-448 saturate)."""
+    codes = np.asarray(wq.codes)
+    nib = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1).astype(np.int64)
+    q = np.where(nib >= 8, nib - 16, nib).astype(np.float64)
+    s = np.asarray(wq.scales).astype(np.float64).repeat(wq.group_size, axis=-1)
+    return np.clip(q * s, -448, 448).astype(E4M3).astype(np.float64)
+
+
+@pytest.mark.parametrize("lead", [(1,), (2, 3)])
+def test_fireq_w4a8_matches_float64_of_quantized_tokens(lead):
+    """W4A8-FireQ: per-token FP8 codes (scale ``amax / 448``, applied in BF16) times the exact FP8
+    weight; PTS's output scale; an all-zero token and output channel; weights spanning scales."""
+    rng = np.random.default_rng(len(lead))
+    w = weights(rng, 48, 256)
+    w[3] *= 1e-4  # tiny groups: scales near the E4M3 subnormal floor
+    w[4, :128] *= 300.0  # large group: q * s near the E4M3 range
+    wq = int4_fp8.quantize(jnp.asarray(w))
+    x = activations(rng, lead + (256,), jnp.float32)
+    xf = np.asarray(x, np.float32)
+    scale = np.abs(xf).max(-1, keepdims=True) / np.float32(448)
+    x8 = np.clip(xf / np.where(scale > 0, scale, 1), -448, 448).astype(E4M3).astype(np.float64)
+    xq = x8 * scale.astype(ml_dtypes.bfloat16).astype(np.float64)
+    ref = xq @ fireq_weight_fp8(wq).T * 0.25
+    layer = QuantizedLinear(wq, activation="fireq_fp8", out_scale=0.25, implementation="xla_native")
+    y = native(layer, x)
+    assert y.shape == lead + (48,) and rel(y, ref) <= 1e-5  # float32 out: summation order only
+    assert np.all(np.asarray(y).reshape(-1, 48)[0] == 0) and np.all(np.asarray(y)[..., 1] == 0)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(QuantizedLinear(wq, activation="fireq_fp8", out_scale=0.25)(x)),
+                               rtol=1e-5, atol=1e-6 * np.abs(ref).max())  # the reference path agrees
+
+
+def test_fireq_w4a16_matches_float64():
+    rng = np.random.default_rng(21)
+    wq = int4_fp8.quantize(jnp.asarray(weights(rng, 40, 128)))
+    x = activations(rng, (5, 128), jnp.bfloat16)
+    ref = np.asarray(x, np.float64) @ fireq_weight_fp8(wq).T
+    y = native(QuantizedLinear(wq, implementation="xla_native"), x)
+    assert y.dtype == jnp.bfloat16 and rel(y, ref) <= 4e-3
+
+
 def test_the_dots_run_on_the_stored_low_precision_operands():
     """Not float32 emulation: the HLO dot takes the E4M3 / FP16 operands."""
     rng = np.random.default_rng(3)
@@ -104,6 +147,8 @@ def test_the_dots_run_on_the_stored_low_precision_operands():
                          mode="fp8"), jnp.float16, "f8E4M3FN"),
         (QuantizedLinear(nestedfp.quantize(jnp.asarray(weights(rng, 32, 64, limit=1.5))), implementation="xla_native"),
                          jnp.float16, "f16"),
+        (QuantizedLinear(int4_fp8.quantize(jnp.asarray(weights(rng, 32, 64)), group_size=32), activation="fireq_fp8",
+                         implementation="xla_native"), jnp.bfloat16, "f8E4M3FN"),
     ]
     for layer, dtype, operand in cases:
         hlo = jax.jit(lambda x, layer=layer: layer(x)).lower(jnp.ones((4, 64), dtype)).as_text()
@@ -126,6 +171,10 @@ def test_refusals_name_the_reason():
                          implementation="xla_native")
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         w8(jnp.ones((2, 32), jnp.float32))
+    w4 = QuantizedLinear(int4_fp8.quantize(jnp.asarray(weights(rng, 16, 32)), group_size=32),
+                         activation="fp8_token", implementation="xla_native")
+    with pytest.raises(ValueError, match="only none or 'fireq_fp8'"):
+        w4(jnp.ones((2, 32), jnp.bfloat16))
 
 
 def test_auto_keeps_the_reference_off_a_gpu():
@@ -160,3 +209,8 @@ def test_auto_on_a_gpu_takes_the_native_dots_and_matches_float64(m):
     assert rel(y8, x8 @ upper.T) <= 1e-3
     hlo = jax.jit(lambda x: QuantizedLinear(nested, implementation="auto", mode="fp8")(x)).lower(x).as_text()
     assert "f8E4M3FN" in "".join(line for line in hlo.splitlines() if "dot_general" in line)
+    fireq = int4_fp8.quantize(jnp.asarray(w))  # W4A8: FP8 x FP8 with the per-token BF16 scale
+    xb = x.astype(jnp.bfloat16)
+    y4 = native(QuantizedLinear(fireq, activation="fireq_fp8", implementation="auto"), xb)
+    want = native(QuantizedLinear(fireq, activation="fireq_fp8", implementation="xla"), xb)
+    assert rel(y4, want) <= 8e-3  # BF16 outputs of two summation orders
