@@ -41,10 +41,13 @@ VARIANTS = ("bf16", "fp16", "nestedfp16", "nestedfp8", "w8a8", "w8a16", "w4a8_fi
 
 def per_call_us(fn, params, x, n1: int, n2: int, repeats: int) -> float:
     """us per ``fn(params, x)`` call: ``(t(n2) - t(n1)) / (n2 - n1)`` of a jitted loop feeding each
-    output back. ``params`` are arguments, not constants folded into the program."""
+    output back. ``params`` are arguments, not constants folded into the program, and pass an
+    optimization barrier with each output, so work on the weights alone (a dequantize, a merge)
+    cannot be hoisted out of the loop."""
     def body(i, carry):
         params, x, acc = carry
         y = fn(params, x + acc.astype(x.dtype))
+        params, y = jax.lax.optimization_barrier((params, y))
         return params, x, (y[0, 0].astype(jnp.float32) * 1e-30)
 
     # n traced: one compiled while loop serves both lengths.
