@@ -1,11 +1,18 @@
 """Bad input through the command line: one line on stderr, the right exit status, no traceback,
 nothing written or changed; and the Python API refuses the same settings with the same message.
 
-Each case runs ``python -m jaxlp.cli`` as a subprocess (from a scratch working directory) and
-checks: the exit status; exactly one ``jaxlp: error:`` line on stderr, holding the expected
-words; every other stderr line a ``jaxlp: `` status line; no "Traceback" anywhere; and the
-source model and any existing output byte-identical afterwards (a hash of every file before
-and after). ``docs/errors.md`` is the same table in words.
+Each case runs the command line from a scratch working directory and checks: the exit status;
+exactly one ``jaxlp: error:`` line on stderr, holding the expected words; every other stderr
+line a ``jaxlp: `` status line; no "Traceback" anywhere; and the source model and any existing
+output byte-identical afterwards (a hash of every file before and after). ``docs/errors.md`` is
+the same table in words.
+
+Most cases call ``jaxlp.cli.main(argv)`` in the test process (file-descriptor capture of stdout
+and stderr; a warning Python would print or a log record of WARNING or above counts as a stderr
+line); the cases marked ``process`` run ``python -m jaxlp.cli`` as a subprocess, one of each
+kind of failure (usage, sampler setting, Hugging Face and Orbax checkpoint, output),
+for what only a fresh process shows (noise at import, the program's own exit). Interrupts and the
+shadowing package folder always run as subprocesses.
 
 The fixtures are built once per module from the embedded reasoner (``jaxlp/assets/reasoner``):
 variants share its unchanged files through symlinks, and one quantized copy (W4A16 NVFP4, no
@@ -17,12 +24,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -38,9 +47,45 @@ EMBED = "model.embed_tokens.weight"  # in shard 1 (the index says which)
 
 
 def _cli(args, cwd, timeout=180, **kwargs):
+    """``python -m jaxlp.cli args`` as a subprocess (a ``CompletedProcess``)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "jaxlp.cli", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=env, **kwargs)
+
+
+@dataclasses.dataclass
+class Run:
+    """What an in-process run of the command line left, named as in ``subprocess.CompletedProcess``."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+# Warnings a fresh Python process does not print (its default filters).
+SILENT_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+@pytest.fixture
+def main_in_process(capfd, caplog, monkeypatch):
+    """``main_in_process(args, cwd) -> Run``: ``jaxlp.cli.main(args)`` in this process from ``cwd``,
+    stdout and stderr captured at the file descriptors. A warning a fresh process would print and a
+    log record of WARNING or above become stderr lines (so they count as noise, as they would
+    there)."""
+    from jaxlp.cli import main
+
+    def run(args, cwd):
+        monkeypatch.chdir(cwd)
+        capfd.readouterr()
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            status = main([str(a) for a in args])
+        out, err = capfd.readouterr()
+        noise = [f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in caught
+                 if not issubclass(w.category, SILENT_WARNINGS)]
+        noise += [f"{r.name}: {r.levelname}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+        return Run(status, out, err + "".join(f"{line}\n" for line in noise))
+
+    return run
 
 
 def tree_hash(path: Path) -> str | None:
@@ -151,9 +196,10 @@ def ws(tmp_path_factory):
     p["plain_dir"].mkdir()
     (p["plain_dir"] / "keep.txt").write_text("precious\n")
 
+    from jaxlp.cli import main
+
     q = root / "q"
-    proc = _cli(["quantize", "--model", p["reasoner"], "--recipe", "w4a16-nvfp4", "--out", q, "--quiet"], cwd)
-    assert proc.returncode == 0, proc.stderr
+    assert main(["quantize", "--model", str(p["reasoner"]), "--recipe", "w4a16-nvfp4", "--out", str(q), "--quiet"]) == 0
     p["q"] = q
 
     def q_variant(name, edit):
@@ -194,6 +240,7 @@ class Case:
     keep: tuple = ("reasoner",)  # workspace entries that must be byte-identical afterwards
     absent: tuple = ()  # paths (relative to the workspace root) that must not exist afterwards
     api: Callable | None = None  # the same setting through the Python API: must raise ValueError(same message)
+    process: bool = False  # run as ``python -m jaxlp.cli`` in a subprocess (else main(argv) in this process)
 
 
 def _categorical(**kw):
@@ -215,7 +262,7 @@ CASES = [
     # sampler settings: every range edge (checked before the weights load, by the sampler classes)
     Case("temperature-negative", GEN + ("--sampler", "temperature", "--temperature", "-1"),
          "temperature must be a finite number >= 0 (0 means greedy), got -1.0",
-         api=_categorical(temperature=-1.0)),
+         api=_categorical(temperature=-1.0), process=True),
     Case("temperature-nan", GEN + ("--sampler", "temperature", "--temperature", "nan"), "temperature",
          api=_categorical(temperature=float("nan"))),
     Case("temperature-inf", GEN + ("--sampler", "temperature", "--temperature", "inf"), "got inf",
@@ -286,7 +333,7 @@ CASES = [
          keep=("reasoner", "file")),
     # damaged checkpoints: Hugging Face
     Case("nan-weights", ("generate", "--model", "{nan}", "--prompt", "Q: 1+2"),
-         "tensor 'model.embed_tokens.weight' holds 7 NaN", keep=("nan",)),
+         "tensor 'model.embed_tokens.weight' holds 7 NaN", keep=("nan",), process=True),
     Case("inf-weights", ("generate", "--model", "{inf}", "--prompt", "Q: 1+2"), "holds 0 NaN and 1 Inf", keep=("inf",)),
     Case("nan-weights-unchecked", ("generate", "--model", "{nan}", "--prompt", "Q: 1+2", "--no-check"),
          "NaN or Inf logits at decode step 0 of prompt 0", keep=("nan",)),
@@ -310,7 +357,7 @@ CASES = [
     Case("no-tokenizer", ("generate", "--model", "{notok}", "--prompt", "x"), "no tokenizer.json", keep=("notok",)),
     # damaged checkpoints: quantized (Orbax data and the jaxlp_model.json marker)
     Case("truncated-orbax-data", ("generate", "--model", "{q_trunc}", "--prompt", "x"),
-         "under arrays/ is truncated", keep=("q_trunc",)),
+         "under arrays/ is truncated", keep=("q_trunc",), process=True),
     Case("truncated-orbax-data-info", ("info", "--model", "{q_trunc}"), "is truncated", keep=("q_trunc",)),
     Case("truncated-orbax-metadata", ("info", "--model", "{q_meta}"), "array metadata", keep=("q_meta",)),
     Case("missing-orbax-data", ("generate", "--model", "{q_noarrays}", "--prompt", "x"),
@@ -331,12 +378,13 @@ CASES = [
     Case("out-under-a-file", QUANT + ("--out", "{file}/q"), "is a file, so", keep=("reasoner", "file")),
     Case("out-not-a-checkpoint", QUANT + ("--out", "{plain_dir}", "--overwrite"), "refusing to overwrite",
          keep=("reasoner", "plain_dir")),
-    Case("out-exists", QUANT + ("--out", "{q_existing}"), "exists and is not empty", keep=("reasoner", "q_existing")),
+    Case("out-exists", QUANT + ("--out", "{q_existing}"), "exists and is not empty", keep=("reasoner", "q_existing"),
+         process=True),
     Case("unknown-recipe", QUANT[:4] + ("w2a2", "--out", "{root}/out_r"), "invalid choice: 'w2a2'",
          absent=("out_r",)),
     # usage
     Case("no-command", (), "the following arguments are required: COMMAND", keep=()),
-    Case("unknown-option", GEN + ("--temprature", "0.5"), "unrecognized arguments: --temprature"),
+    Case("unknown-option", GEN + ("--temprature", "0.5"), "unrecognized arguments: --temprature", process=True),
     Case("missing-model", ("generate", "--prompt", "x"), "the following arguments are required: --model", keep=()),
 ]
 
@@ -361,12 +409,13 @@ def check_clean_failure(proc, status: int, words: str) -> str:
 
 def test_enough_cases():
     assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
+    assert 4 <= sum(c.process for c in CASES) <= 8  # a few through a real process, the rest in this one
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input(ws, case):
+def test_bad_input(ws, main_in_process, case):
     keep = {k: tree_hash(Path(ws[k])) for k in case.keep}
-    proc = _cli(_fill(case.argv, ws), ws["cwd"])
+    proc = (_cli if case.process else main_in_process)(_fill(case.argv, ws), ws["cwd"])
     line = check_clean_failure(proc, case.status, case.words)
     for k, before in keep.items():
         assert tree_hash(Path(ws[k])) == before, f"{k} changed"
@@ -396,12 +445,12 @@ def reasoner_model():
     (dict(max_new_tokens=0), ("--max-new-tokens", "0")),
     (dict(max_new_tokens=2000), ("--max-new-tokens", "2000")),
 ])
-def test_generate_settings_same_message_as_cli(ws, reasoner_model, kwargs, cli):
+def test_generate_settings_same_message_as_cli(ws, main_in_process, reasoner_model, kwargs, cli):
     import jaxlp
 
     with pytest.raises(ValueError) as raised:
         jaxlp.generate(reasoner_model, [[1, 5, 6]], **kwargs)
-    proc = _cli(_fill(GEN + cli, ws), ws["cwd"])
+    proc = main_in_process(_fill(GEN + cli, ws), ws["cwd"])
     assert check_clean_failure(proc, 2, "max_new_tokens") == f"jaxlp: error: {raised.value}"
 
 
@@ -470,19 +519,20 @@ def test_interrupt(ws, args, wait_for, keep, absent):
 # ----------------------------------------------------------------------------- good input, for contrast
 
 
-def test_prompt_and_prompts_file_agree(ws, tmp_path):
-    """The trailing-newline rule: --prompt with or without it and a --prompts-file line give one text."""
+def test_prompt_and_prompts_file_agree(ws, main_in_process, tmp_path):
+    """The trailing-newline rule: --prompt with or without it and a --prompts-file line give one text
+    (the first run as a subprocess: with --quiet, a fresh process prints nothing on stderr)."""
     one = tmp_path / "one.txt"
     one.write_text("Q: 4071+2289")
     runs = [
-        ("--prompt", "Q: 4071+2289"),
-        ("--prompt", "Q: 4071+2289\n"),
-        ("--prompts-file", str(one)),
+        (_cli, "--prompt", "Q: 4071+2289"),
+        (main_in_process, "--prompt", "Q: 4071+2289\n"),
+        (main_in_process, "--prompts-file", str(one)),
     ]
     outs = []
-    for flag, value in runs:
-        proc = _cli(["generate", "--model", ws["reasoner"], flag, value, "--max-new-tokens", "60", "--quiet"],
-                    ws["cwd"])
+    for run, flag, value in runs:
+        proc = run(["generate", "--model", ws["reasoner"], flag, value, "--max-new-tokens", "60", "--quiet"],
+                   ws["cwd"])
         assert proc.returncode == 0 and not proc.stderr, proc.stderr
         outs.append(proc.stdout)
     assert outs[0] == outs[1] == outs[2] and "Answer: 6360" in outs[0], outs
@@ -499,12 +549,12 @@ def test_from_any_directory_and_version(ws, tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("jaxlp ")
 
 
-def test_help_shows_defaults_and_registry_choices(ws):
+def test_help_shows_defaults_and_registry_choices(ws, main_in_process):
     from jaxlp import kvcache
     from jaxlp.quantization import RECIPES
 
-    gen = " ".join(_cli(["generate", "--help"], ws["cwd"]).stdout.split())
-    quant = " ".join(_cli(["quantize", "--help"], ws["cwd"]).stdout.split())
+    gen = " ".join(main_in_process(["generate", "--help"], ws["cwd"]).stdout.split())
+    quant = " ".join(main_in_process(["quantize", "--help"], ws["cwd"]).stdout.split())
     assert all(name in gen for name in kvcache.formats())
     assert all(name in quant for name in RECIPES)
     assert "(default: 64)" in gen and "(default: 512)" in quant and "default: 0.95" in gen
