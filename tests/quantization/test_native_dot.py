@@ -192,7 +192,7 @@ def test_auto_keeps_the_reference_off_a_gpu():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 8, 33, 256])
 def test_auto_on_a_gpu_takes_the_native_dots_and_matches_float64(m):
-    """cuBLASLt's FP8 / FP16 GEMMs (N not a multiple of 64, K of 128) against float64."""
+    """cuBLASLt's FP8 / FP16 GEMMs (N not a multiple of 64, K not of 128 for NestedFP) against float64."""
     rng = np.random.default_rng(m)
     w = weights(rng, 1000, 1040, limit=1.75)
     w16 = w.astype(np.float16)
@@ -209,8 +209,9 @@ def test_auto_on_a_gpu_takes_the_native_dots_and_matches_float64(m):
     assert rel(y8, x8 @ upper.T) <= 1e-3
     hlo = jax.jit(lambda x: QuantizedLinear(nested, implementation="auto", mode="fp8")(x)).lower(x).as_text()
     assert "f8E4M3FN" in "".join(line for line in hlo.splitlines() if "dot_general" in line)
-    fireq = int4_fp8.quantize(jnp.asarray(w))  # W4A8: FP8 x FP8 with the per-token BF16 scale
-    xb = x.astype(jnp.bfloat16)
+    # W4A8: FP8 x FP8 with the per-token BF16 scale; FireQ's groups need K a multiple of 128 (9 groups)
+    fireq = int4_fp8.quantize(jnp.asarray(weights(rng, 1000, 1152, limit=1.75)))
+    xb = activations(rng, (m, 1152), jnp.bfloat16)
     y4 = native(QuantizedLinear(fireq, activation="fireq_fp8", implementation="auto"), xb)
     want = native(QuantizedLinear(fireq, activation="fireq_fp8", implementation="xla"), xb)
     assert rel(y4, want) <= 8e-3  # BF16 outputs of two summation orders
