@@ -18,6 +18,15 @@
 // The 4 warps' partials are merged in shared memory; the CTA writes its split's unnormalized
 // output o (relative to its max m), m (natural log units) and l = sum exp(s - m); XLA merges the
 // splits. An empty range gives o = 0, m = -inf, l = 0.
+//
+// The whole cache in one call (the cache call, `tail` = 1): the stream range [lo, hi) then runs to
+// the row's last token, and a token's key (value) is read from the FP16 ring, slot j % R, where
+// j >= qk (qv), the row's quantized count, and the ring's slot still holds j; elsewhere from its
+// packed unit (a rewound row's overwritten slot), or zero past the units -- as the cache's
+// reference view reads it. The ring tokens of a block are copied over its unpacked codes. One
+// more block follows the stream's: the FP16 sink (tokens [0, off), visible in [sink_lo, sink_hi))
+// and the new token (row off, visible if new_ok). Per-row bounds: lo, hi, qk, qv, sink_lo,
+// sink_hi, new_ok (an int32 [B, 8]).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -40,8 +49,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 struct Params {
   const float* q;  // [B, KVH, G, D], times the softmax scale
-  const int32_t* lo;
-  const int32_t* hi;  // [B] stream range
+  const int32_t* bounds;  // [B, 8]: lo, hi (stream range), qk, qv, sink_lo, sink_hi, new_ok, 0
   const uint8_t* k_low;    // [B, Uk, KVH, D, 32]
   const uint8_t* k_high;   // [B, Uk, KVH, NB, 32] (NB = 0: none)
   const uint8_t* k_boost;  // [B, Uk, KVH, D] (NB > 0)
@@ -50,14 +58,33 @@ struct Params {
   const uint8_t* v_codes;  // [B, Uv, KVH, VT, D/4]
   const __half* v_scale;   // [B, Uv, KVH, VT, D/VGROUP]
   const __half* v_min;
+  const __half* k_ring;        // [B, RK, KVH, D] (RK = 0: none)
+  const int32_t* k_ring_pos;   // [B, RK]: the stream index each slot holds
+  const __half* v_ring;        // [B, RV, KVH, D]
+  const int32_t* v_ring_pos;   // [B, RV]
+  const __half* sink_k;        // [B, OFF, KVH, D]
+  const __half* sink_v;
+  const __half* new_k;         // [B, KVH, D]
+  const __half* new_v;
   float* o;  // [B, KVH, S, G, D]
   float* m;  // [B, KVH, S, G]
   float* l;
   int kvh, g, splits;
   int k_units, nb, kg;         // key blocks per row, boosted channels, scale groups per block (1 or 4)
   int v_units, vt, v_group;    // value units per row, tokens per value unit (128 or 1), channels per value scale
+  int rk, rv, off, tail;        // ring slots, sink tokens, 1: the sink + new-token block after the stream
   float softcap;               // <= 0: none
 };
+
+// Per-row bounds (see the file's head).
+struct Bounds {
+  int lo, hi, qk, qv, sink_lo, sink_hi, new_ok;
+};
+
+__device__ __forceinline__ Bounds row_bounds(const Params& p, int b) {
+  const int32_t* r = p.bounds + 8 * b;
+  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6]};
+}
 
 __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t s) { return __byte_perm(x, 0, s); }
 
@@ -110,32 +137,36 @@ struct BlockRegs {
 // Kitty: the ranks of this thread's key channels in block `blk` (which high row holds their bits),
 // loaded one block ahead of the codes so that the high rows' loads do not wait on them.
 template <int D>
-__device__ __forceinline__ void load_ranks(const Params& p, int b, int kh, int blk, int blocks_end, int tid,
+__device__ __forceinline__ void load_ranks(const Params& p, int b, int kh, int blk, int kend, int tid,
                                            int (&ranks)[D / 64]) {
 #pragma unroll
   for (int i = 0; i < D / 64; ++i) {
     const long kbase = (static_cast<long>(b) * p.k_units + blk) * p.kvh + kh;
-    ranks[i] = p.nb > 0 && blk < blocks_end ? p.k_boost[kbase * D + ((tid + kThreads * i) >> 1)] : 0;
+    ranks[i] = p.nb > 0 && blk < kend ? p.k_boost[kbase * D + ((tid + kThreads * i) >> 1)] : 0;
   }
 }
 
+// Block `blk`'s packed keys (if blk < kend: a key unit of a stream block) and the values of its
+// tokens in [lo, hi) that a value unit holds; zeros elsewhere.
 template <int D, int KG, int VPL>
-__device__ __forceinline__ void load_block(const Params& p, int b, int kh, int blk, int lo, int hi, int tid,
-                                           const int (&ranks)[D / 64], BlockRegs<D, KG, VPL>& r) {
+__device__ __forceinline__ void load_block(const Params& p, int b, int kh, int blk, int kend, int lo, int hi,
+                                           int tid, const int (&ranks)[D / 64], BlockRegs<D, KG, VPL>& r) {
   constexpr int kN = BlockRegs<D, KG, VPL>::kN;
-  const long kbase = (static_cast<long>(b) * p.k_units + blk) * p.kvh + kh;
+  const bool keys = blk < kend;
+  const long kbase = (static_cast<long>(b) * p.k_units + (keys ? blk : 0)) * p.kvh + kh;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     const int idx = tid + kThreads * i;  // piece: channel idx / 2, bytes 16 (idx % 2) ..
     const int c = idx >> 1, half = idx & 1;
-    r.low[i] = __ldg(reinterpret_cast<const uint4*>(p.k_low + (kbase * D + c) * 32 + half * 16));
+    r.low[i] = keys ? __ldg(reinterpret_cast<const uint4*>(p.k_low + (kbase * D + c) * 32 + half * 16))
+                    : make_uint4(0, 0, 0, 0);
     r.high[i] = make_uint4(0, 0, 0, 0);
-    if (p.nb > 0 && ranks[i] < p.nb)
+    if (keys && p.nb > 0 && ranks[i] < p.nb)
       r.high[i] = __ldg(reinterpret_cast<const uint4*>(p.k_high + (kbase * p.nb + ranks[i]) * 32 + half * 16));
 #pragma unroll
     for (int t = 0; t < KG; ++t) {
-      r.ks[i][t] = __half2half2(p.k_scale[(kbase * KG + t) * D + c]);
-      r.km[i][t] = __half2half2(p.k_min[(kbase * KG + t) * D + c]);
+      r.ks[i][t] = keys ? __half2half2(p.k_scale[(kbase * KG + t) * D + c]) : __float2half2_rn(0.f);
+      r.km[i][t] = keys ? __half2half2(p.k_min[(kbase * KG + t) * D + c]) : __float2half2_rn(0.f);
     }
   }
   constexpr int kPieces = D / 64;  // 16-byte pieces per value token (D / 4 bytes)
@@ -206,6 +237,55 @@ __device__ __forceinline__ void unpack_block(const BlockRegs<D, KG, VPL>& r, int
   }
 }
 
+// Eight FP16 numbers from global memory (16 bytes), or zeros.
+__device__ __forceinline__ uint4 load8(const __half* src) {
+  return src ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
+}
+
+// Eight FP16 key channels c8 * 8 .. + 7 of token `tok` into the channel-major tile.
+template <int D>
+__device__ __forceinline__ void store_key8(__half* kt, int c8, int tok, uint4 x) {
+  constexpr int kKStride = kBlock + kPad;
+  const __half* h = reinterpret_cast<const __half*>(&x);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) kt[(c8 * 8 + i) * kKStride + tok] = h[i];
+}
+
+// The FP16 tokens of block `blk` over its unpacked codes (see the file's head): ring keys and values
+// where the ring holds them, or (the tail block) the sink and the new token, zeros elsewhere.
+template <int D>
+__device__ void fill_block(const Params& p, int b, int kh, int blk, bool tail, const Bounds& r, int tid,
+                           __half* kt, __half* vsm) {
+  constexpr int kVStride = D + kPad, kC8 = D / 8;
+  for (int e = tid; e < kBlock * kC8; e += kThreads) {
+    const int tok = e % kBlock, c8 = e / kBlock;  // keys: consecutive threads, consecutive tokens
+    const int j = blk * kBlock + tok;
+    if (tail) {
+      const __half* src = tok < p.off ? p.sink_k + ((static_cast<long>(b) * p.off + tok) * p.kvh + kh) * D
+                          : tok == p.off ? p.new_k + (static_cast<long>(b) * p.kvh + kh) * D : nullptr;
+      store_key8<D>(kt, c8, tok, load8(src ? src + c8 * 8 : nullptr));
+    } else if (p.rk > 0 && j >= r.qk && j >= r.lo && j < r.hi) {
+      const int slot = j % p.rk;
+      if (p.k_ring_pos[static_cast<long>(b) * p.rk + slot] == j)
+        store_key8<D>(kt, c8, tok, load8(p.k_ring + ((static_cast<long>(b) * p.rk + slot) * p.kvh + kh) * D + c8 * 8));
+    }
+  }
+  for (int e = tid; e < kBlock * kC8; e += kThreads) {
+    const int tok = e / kC8, c8 = e % kC8;  // values: token-major, consecutive channels
+    const int j = blk * kBlock + tok;
+    uint4* dst = reinterpret_cast<uint4*>(vsm + tok * kVStride + c8 * 8);
+    if (tail) {
+      const __half* src = tok < p.off ? p.sink_v + ((static_cast<long>(b) * p.off + tok) * p.kvh + kh) * D
+                          : tok == p.off ? p.new_v + (static_cast<long>(b) * p.kvh + kh) * D : nullptr;
+      *dst = load8(src ? src + c8 * 8 : nullptr);
+    } else if (p.rv > 0 && j >= r.qv && j >= r.lo && j < r.hi) {
+      const int slot = j % p.rv;
+      if (p.v_ring_pos[static_cast<long>(b) * p.rv + slot] == j)
+        *dst = load8(p.v_ring + ((static_cast<long>(b) * p.rv + slot) * p.kvh + kh) * D + c8 * 8);
+    }
+  }
+}
+
 template <int D>
 constexpr int min_ctas() { return D == 256 ? 1 : 3; }
 
@@ -221,12 +301,14 @@ __global__ void __launch_bounds__(kThreads, min_ctas<D>()) units_kernel(Params p
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tg = lane & 3;  // mma fragment coordinates
   const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
-  const int lo = p.lo[b], hi = p.hi[b];
+  const Bounds rb = row_bounds(p, b);
+  const int lo = rb.lo, hi = rb.hi;
 
-  // This split's blocks of the row's range.
+  // This split's blocks of the row's range: stream blocks [first, last), then (tail) block `last`.
   const int first = max(lo, 0) / kBlock, last = hi > lo ? (hi + kBlock - 1) / kBlock : first;
-  const int per = (last - first + p.splits - 1) / p.splits;
-  const int b0 = first + split * per, b1 = min(b0 + per, last);
+  const int kend = min(last, p.k_units);  // blocks whose keys a unit holds
+  const int per = (last - first + p.tail + p.splits - 1) / p.splits;
+  const int b0 = first + split * per, b1 = min(b0 + per, last + p.tail);
 
   // Q (times the softmax scale) to shared memory as FP16; read as mma A fragments by ldmatrix.
   {
@@ -244,16 +326,22 @@ __global__ void __launch_bounds__(kThreads, min_ctas<D>()) units_kernel(Params p
   BlockRegs<D, KG, VPL> regs;
   int ranks[D / 64];
   if (b0 < b1) {
-    load_ranks<D>(p, b, kh, b0, b1, tid, ranks);
-    load_block<D, KG, VPL>(p, b, kh, b0, lo, hi, tid, ranks, regs);
-    load_ranks<D>(p, b, kh, b0 + 1, b1, tid, ranks);
+    load_ranks<D>(p, b, kh, b0, kend, tid, ranks);
+    load_block<D, KG, VPL>(p, b, kh, b0, kend, lo, hi, tid, ranks, regs);
+    load_ranks<D>(p, b, kh, b0 + 1, kend, tid, ranks);
   }
   for (int blk = b0; blk < b1; ++blk) {
     __syncthreads();  // the previous block's reads of shared memory are done (and qsm written)
     unpack_block<D, KG, VPL>(regs, tid, kt, vsm);
     if (blk + 1 < b1) {
-      load_block<D, KG, VPL>(p, b, kh, blk + 1, lo, hi, tid, ranks, regs);
-      load_ranks<D>(p, b, kh, blk + 2, b1, tid, ranks);
+      load_block<D, KG, VPL>(p, b, kh, blk + 1, kend, lo, hi, tid, ranks, regs);
+      load_ranks<D>(p, b, kh, blk + 2, kend, tid, ranks);
+    }
+    const bool tail = p.tail && blk == last;
+    const int end = (blk + 1) * kBlock;
+    if (tail || (p.rk > 0 && end > rb.qk) || (p.rv > 0 && end > rb.qv)) {
+      __syncthreads();  // the unpacked codes are written: the FP16 tokens go over them
+      fill_block<D>(p, b, kh, blk, tail, rb, tid, kt, vsm);
     }
     __syncthreads();
 
@@ -282,10 +370,12 @@ __global__ void __launch_bounds__(kThreads, min_ctas<D>()) units_kernel(Params p
     for (int n = 0; n < 4; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int j = blk * kBlock + warp * 32 + n * 8 + 2 * tg + (e & 1);
+        const int tok = warp * 32 + n * 8 + 2 * tg + (e & 1), j = blk * kBlock + tok;
+        const bool seen = tail ? (tok >= rb.sink_lo && tok < rb.sink_hi) || (tok == p.off && rb.new_ok)
+                               : j >= lo && j < hi;
         float x = s[n][e];
         if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
-        x = (j >= lo && j < hi) ? x * kLog2e : -INFINITY;
+        x = seen ? x * kLog2e : -INFINITY;
         s[n][e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
@@ -425,12 +515,15 @@ cudaError_t launch(cudaStream_t stream, const Params& p, int batch) {
   return launch_variant<D, 4, 4>(stream, p, batch);
 }
 
-ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
+ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> bounds,
                      ffi::Buffer<ffi::U8> k_low, ffi::Buffer<ffi::U8> k_high, ffi::Buffer<ffi::U8> k_boost,
                      ffi::Buffer<ffi::F16> k_scale, ffi::Buffer<ffi::F16> k_min, ffi::Buffer<ffi::U8> v_codes,
-                     ffi::Buffer<ffi::F16> v_scale, ffi::Buffer<ffi::F16> v_min, ffi::Result<ffi::Buffer<ffi::F32>> o,
+                     ffi::Buffer<ffi::F16> v_scale, ffi::Buffer<ffi::F16> v_min, ffi::Buffer<ffi::F16> k_ring,
+                     ffi::Buffer<ffi::S32> k_ring_pos, ffi::Buffer<ffi::F16> v_ring, ffi::Buffer<ffi::S32> v_ring_pos,
+                     ffi::Buffer<ffi::F16> sink_k, ffi::Buffer<ffi::F16> sink_v, ffi::Buffer<ffi::F16> new_k,
+                     ffi::Buffer<ffi::F16> new_v, ffi::Result<ffi::Buffer<ffi::F32>> o,
                      ffi::Result<ffi::Buffer<ffi::F32>> m, ffi::Result<ffi::Buffer<ffi::F32>> l, int64_t nb, int64_t kg,
-                     int64_t vt, int64_t v_group, float softcap) {
+                     int64_t vt, int64_t v_group, int64_t tail, float softcap) {
   auto qd = q.dimensions();
   auto od = o->dimensions();
   auto kd = k_low.dimensions();
@@ -445,10 +538,36 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   if (kg != 1 && kg != 4) return bad("key scale groups per block must be 1 or 4");
   if (v_group < 4 || d % v_group) return bad("value scale group must divide head_dim and be >= 4");
   if (od[0] != batch || od[1] != kvh || od[3] != g || od[4] != d) return bad("output shape does not match q");
+  auto bd = bounds.dimensions();
+  if (bd.size() != 2 || bd[0] != batch || bd[1] != 8) return bad("bounds must be int32 [B, 8]");
+  auto rkd = k_ring.dimensions(), rvd = v_ring.dimensions(), skd = sink_k.dimensions(), svd = sink_v.dimensions();
+  auto nkd = new_k.dimensions(), nvd = new_v.dimensions();
+  auto heads = [&](decltype(rkd) x) { return x.size() == 4 && x[0] == batch && x[2] == kvh && x[3] == d; };
+  if (!heads(rkd) || !heads(rvd)) return bad("rings must be FP16 [B, R, KVH, D]");
+  if (k_ring_pos.dimensions().size() != 2 || k_ring_pos.dimensions()[0] != batch || k_ring_pos.dimensions()[1] != rkd[1] ||
+      v_ring_pos.dimensions().size() != 2 || v_ring_pos.dimensions()[0] != batch || v_ring_pos.dimensions()[1] != rvd[1])
+    return bad("ring positions must be int32 [B, R] beside their rings");
+  if (!heads(skd) || !heads(svd) || skd[1] != svd[1]) return bad("sinks must be FP16 [B, OFF, KVH, D], keys as values");
+  if (tail && skd[1] >= kBlock) return bad("the sink and the new token must fit one block: sink < 128 tokens");
+  if (nkd.size() != 3 || nvd.size() != 3 || nkd[0] != batch || nkd[1] != kvh || nkd[2] != d || nvd[0] != batch ||
+      nvd[1] != kvh || nvd[2] != d)
+    return bad("new keys / values must be FP16 [B, KVH, D]");
   Params p;
   p.q = q.typed_data();
-  p.lo = lo.typed_data();
-  p.hi = hi.typed_data();
+  p.bounds = bounds.typed_data();
+  auto f16 = [](auto& x) { return reinterpret_cast<const __half*>(x.typed_data()); };
+  p.k_ring = f16(k_ring);
+  p.k_ring_pos = k_ring_pos.typed_data();
+  p.v_ring = f16(v_ring);
+  p.v_ring_pos = v_ring_pos.typed_data();
+  p.sink_k = f16(sink_k);
+  p.sink_v = f16(sink_v);
+  p.new_k = f16(new_k);
+  p.new_v = f16(new_v);
+  p.rk = static_cast<int>(rkd[1]);
+  p.rv = static_cast<int>(rvd[1]);
+  p.off = static_cast<int>(skd[1]);
+  p.tail = tail ? 1 : 0;
   p.k_low = k_low.typed_data();
   p.k_high = k_high.typed_data();
   p.k_boost = k_boost.typed_data();
@@ -490,8 +609,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [B, KVH, G, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // lo [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // hi [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // bounds [B, 8]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // key low codes
                                   .Arg<ffi::Buffer<ffi::U8>>()   // key high codes
                                   .Arg<ffi::Buffer<ffi::U8>>()   // key boost index
@@ -500,6 +618,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Arg<ffi::Buffer<ffi::U8>>()   // value codes
                                   .Arg<ffi::Buffer<ffi::F16>>()  // value scale
                                   .Arg<ffi::Buffer<ffi::F16>>()  // value min
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // key ring [B, RK, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // key ring positions [B, RK]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // value ring [B, RV, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // value ring positions [B, RV]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // sink keys [B, OFF, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // sink values
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // new key [B, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // new value
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o [B, KVH, S, G, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m [B, KVH, S, G]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
@@ -507,5 +633,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Attr<int64_t>("kg")
                                   .Attr<int64_t>("vt")
                                   .Attr<int64_t>("v_group")
+                                  .Attr<int64_t>("tail")
                                   .Attr<float>("softcap"),
                               {ffi::Traits::kCmdBufferCompatible});

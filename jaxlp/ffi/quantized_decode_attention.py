@@ -16,6 +16,13 @@ Layouts read (the kernel's block is 128 tokens; bit packing planar as in :mod:`j
 * values, token-major 2-bit codes ``[D/4]`` per token: Kitty pages of 128 tokens (FP16 ``scale,
   min`` per token) and KIVI-2 value tokens (FP16 ``scale, min`` per token and group of channels).
 
+    out, m, l = attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, rings, sinks, new, ...)
+
+The whole one-token step of a cache in one kernel (:func:`attend_cache`): the stream range runs
+to the row's last token, whose newest keys and values the kernel reads from the FP16 rings where
+they hold them (else their units, as the cache's reference view does), and one more block holds
+the FP16 sink and the new token.
+
 Design (``quantized_decode_attention.cu``): one CTA per (row, KV head, split) unpacks each block
 into shared memory as FP16 (``(code) * scale + min`` by HFMA2; never to global memory), then runs
 ``mma.sync`` m16n8k16 flash-decoding over it with the KV head's query heads as the 16 rows (FP16
@@ -108,6 +115,44 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
     ``(out [B, H, D] float32 normalized, m [B, H], l [B, H])`` (module doc). ``hi`` must not pass
     the quantized tokens of either store."""
     b, h, d = q.shape
+    kvh = jax.tree.leaves(k_store)[0].shape[2]
+    lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)
+    zero = jnp.zeros_like(lo)
+    bounds = jnp.stack([lo, hi, hi, hi, zero, zero, zero, zero], axis=1)
+    ring = jnp.zeros((b, 0, kvh, d), jnp.float16), jnp.zeros((b, 0), jnp.int32)
+    new = jnp.zeros((b, kvh, d), jnp.float16)
+    return _call(q, k_store, v_store, k_codec, v_codec, bounds, ring, ring, (ring[0], ring[0]), (new, new),
+                 tail=False, scale=scale, softcap=softcap, splits=splits)
+
+
+def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, scale: float,
+                 softcap: float | None = None, splits: int | None = None):
+    """One query per row ``q [B, H, D]`` over a whole quantized cache (module doc):
+    ``bounds [B, 8]`` int32 per row: the stream range ``lo, hi`` (hi: the row's non-sink tokens),
+    ``qk, qv`` (its quantized keys and values), the visible sink tokens ``[sink_lo, sink_hi)``,
+    ``new_ok`` (the new token is seen), 0; ``k_ring, v_ring``: ``(ring [B, R, KVH, D], slot
+    positions [B, R])``; ``sink``: keys and values ``[B, OFF, KVH, D]`` (OFF < 128); ``new``: the new
+    token's key and value ``[B, KVH, D]``. Rings, sink and new token go to the kernel as FP16
+    (clipped to its range). Returns ``(out [B, H, D] float32 normalized, m, l)``."""
+    if sink[0].shape[1] >= BLOCK:
+        raise ValueError(f"attend_cache: the sink and the new token must fit one {BLOCK}-token block, "
+                         f"got a sink of {sink[0].shape[1]}")
+    k_ring, v_ring = (_fp16(k_ring[0]), k_ring[1].astype(jnp.int32)), (_fp16(v_ring[0]), v_ring[1].astype(jnp.int32))
+    return _call(q, k_store, v_store, k_codec, v_codec, bounds.astype(jnp.int32), k_ring, v_ring,
+                 tuple(map(_fp16, sink)), tuple(map(_fp16, new)), tail=True, scale=scale, softcap=softcap,
+                 splits=splits)
+
+
+def _fp16(x):
+    """``x`` as FP16, clipped to its range (no inf from a large BF16 / float32 number)."""
+    if x.dtype == jnp.float16:
+        return x
+    fmax = float(jnp.finfo(jnp.float16).max)
+    return jnp.clip(x.astype(jnp.float32), -fmax, fmax).astype(jnp.float16)
+
+
+def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, tail, scale, softcap, splits):
+    b, h, d = q.shape
     kleaves = jax.tree.leaves(k_store)
     kvh = kleaves[0].shape[2]
     if h % kvh:
@@ -126,7 +171,7 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
                            ("value codes", v_codes, (b, v_codes.shape[1], kvh, lay.value_tokens, d // 4))):
         if x.shape != shape or x.dtype != jnp.uint8:
             raise ValueError(f"attend_units: {name} must be uint8 {shape}, got {x.dtype} {x.shape}")
-    blocks = k_low.shape[1]
+    blocks = k_low.shape[1] + (-(-max(k_ring[0].shape[1], v_ring[0].shape[1]) // BLOCK) + 1 if tail else 0)
     splits = splits or default_splits(b, kvh, blocks)
     if build.on_gpu():
         LIBRARY.load()
@@ -136,9 +181,9 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
                                      jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
                                      jax.ShapeDtypeStruct((b, kvh, splits, g), f32)))
     half = lambda x: x.astype(jnp.float16)  # noqa: E731
-    o, m, l = call(qg, lo.astype(jnp.int32), hi.astype(jnp.int32), k_low, k_high, k_boost, half(k_scale), half(k_min),
-                   v_codes, half(v_store.scale), half(v_store.min), nb=np.int64(lay.n_boost),
+    o, m, l = call(qg, bounds, k_low, k_high, k_boost, half(k_scale), half(k_min), v_codes, half(v_store.scale),
+                   half(v_store.min), *k_ring, *v_ring, *sink, *new, nb=np.int64(lay.n_boost),
                    kg=np.int64(lay.key_groups), vt=np.int64(lay.value_tokens), v_group=np.int64(lay.value_group),
-                   softcap=np.float32(softcap or 0.0))
+                   tail=np.int64(tail), softcap=np.float32(softcap or 0.0))
     out, m_all, den = merge_splits(o, m, l)
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)

@@ -36,10 +36,12 @@ Attention (:meth:`~QuantizedLayerCache.attend`): the reference
 full-precision ``[B, max_len, KVH, D]`` keys and values with :meth:`dequantize`, then runs
 :func:`jaxlp.attention.reference.causal_attention` in float32. One-token (decode) steps on a GPU
 (the format's ``attention`` field: "auto", "cuda", "pallas", "interpret"; "xla" keeps the
-reference) never build them: :func:`jaxlp.ffi.quantized_decode_attention.attend_units` (2-bit
-Kitty and KIVI units, CUDA) or :func:`jaxlp.pallas.quantized_decode_attention.attend_units`
-(every format, Pallas) reads the packed units that hold both keys and values, XLA attends the sink, the at most ``max(ring)`` newer
-stream tokens and the new token, and the two softmax partials are merged.
+reference) never build them. CUDA (:func:`jaxlp.ffi.quantized_decode_attention.attend_cache`,
+2-bit Kitty and KIVI units) reads the whole step in one kernel: packed units, the FP16 rings where
+they hold a token, the sink and the new token. Pallas
+(:func:`jaxlp.pallas.quantized_decode_attention.attend_units`, every format) reads the packed units
+that hold both keys and values, XLA attends the sink, the at most ``max(ring)`` newer stream tokens
+and the new token, and the two softmax partials are merged.
 """
 
 from __future__ import annotations
@@ -259,10 +261,11 @@ class QuantizedLayerCache(LayerCache):
 
     def _attend_one(self, q, k, v, p, *, scale, window, softcap):
         """One query per row ``q [B, H, D]`` at position ``p [B]`` (new ``k, v [B, KVH, D]``), never
-        building the dequantized cache: the packed units that hold both keys and values go through
-        the kernel; the sink, the window of at most ``max(ring)`` newer stream tokens (ring or
-        units, as :meth:`dequantize` reads them) and the new token through XLA; the two softmax
-        partials are merged. Float32 out."""
+        building the dequantized cache. CUDA: one kernel reads everything (units, rings where they
+        hold a token, sink, new token; :func:`~jaxlp.ffi.quantized_decode_attention.attend_cache`).
+        Pallas: the packed units that hold both keys and values go through the kernel; the sink,
+        the window of at most ``max(ring)`` newer stream tokens (ring or units, as :meth:`dequantize`
+        reads them) and the new token through XLA; the two softmax partials are merged. Float32 out."""
         b = q.shape[0]
         off = self.sink_len
         valid = (p >= 0) & (p < self.max_len)
@@ -271,11 +274,22 @@ class QuantizedLayerCache(LayerCache):
         qk, qv = self.k_spec.quantized(m_tokens), self.v_spec.quantized(m_tokens)
         hi = jnp.minimum(qk, qv)
         first = jnp.zeros_like(p) if window is None else jnp.maximum(p - window + 1, 0)  # oldest visible position
+        implementation = self._decode_implementation(q.shape[1])
+        if implementation == "cuda" and self.k_spec.units and self.v_spec.units and off < cuda_attention.BLOCK:
+            # One kernel: units, rings, sink and the new token (the XLA partial below is not built).
+            zero = jnp.zeros_like(p)
+            bounds = jnp.stack([jnp.clip(first - off, 0, m_tokens), m_tokens, qk, qv, jnp.clip(first, 0, off),
+                                jnp.minimum(start, off), valid.astype(p.dtype), zero], axis=1)
+            out, _, _ = cuda_attention.attend_cache(
+                q, self.k_store, self.v_store, self.k_spec.codec, self.v_spec.codec, bounds,
+                (self.k_ring, self.k_ring_pos), (self.v_ring, self.v_ring_pos), (self.sink_k, self.sink_v), (k, v),
+                scale=scale, softcap=softcap)
+            return out
         parts = []
         if self.k_spec.units and self.v_spec.units:
             lo = jnp.clip(first - off, 0, hi)
             args = (q, self.k_store, self.v_store, self.k_spec.codec, self.v_spec.codec, lo, hi)
-            if self._decode_implementation(q.shape[1]) == "cuda":
+            if implementation == "cuda":
                 parts.append(cuda_attention.attend_units(*args, scale=scale, softcap=softcap))
             else:
                 parts.append(units_attention.attend_units(*args, scale=scale, softcap=softcap,

@@ -3,6 +3,7 @@ lowering (CPU), and on a GPU the compiled kernel against float64 NumPy (the layo
 and the pure-JAX reference, on fresh random caches encoded by the real codecs."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,35 @@ def test_lowers_to_one_custom_call_for_cuda(name):
     f = jax.jit(lambda q, ks, vs, lo, hi: cuda.attend_units(q, ks, vs, kc, vc, lo, hi, scale=0.125, softcap=30.0))
     text = f.trace(q, ks, vs, rows, rows + 128).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(cuda.TARGET) == 1
+
+
+def cache_operands(b, kvh, d, rk, rv, off):
+    f16 = functools.partial(jnp.zeros, dtype=jnp.float16)
+    ring = lambda r: (f16((b, r, kvh, d)), jnp.full((b, r), -1, jnp.int32))  # noqa: E731
+    return (jnp.zeros((b, 8), jnp.int32), ring(rk), ring(rv), (f16((b, off, kvh, d)), f16((b, off, kvh, d))),
+            (jnp.zeros((b, kvh, d), jnp.bfloat16), jnp.zeros((b, kvh, d), jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("name", READ)
+def test_the_cache_step_lowers_to_one_custom_call_for_cuda(name):
+    """attend_cache: units, rings, sink and new token in the one custom call (no XLA attention)."""
+    kc, vc = CODECS[name]
+    b, n, kvh, g, d = 2, 256, 2, 4, 64
+    k, v = random_kv(0, b, n, kvh, d)
+    ks, vs = stores((kc, vc), k, v)
+    q = jnp.zeros((b, kvh * g, d), jnp.bfloat16)
+    f = jax.jit(lambda q, ks, vs, ops: cuda.attend_cache(q, ks, vs, kc, vc, *ops, scale=0.125))
+    text = f.trace(q, ks, vs, cache_operands(b, kvh, d, 127, 255, 32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(cuda.TARGET) == 1
+    assert "dot_general" not in text
+
+
+def test_the_cache_step_refuses_a_sink_of_a_block():
+    kc, vc = CODECS["kitty"]
+    k, v = random_kv(0, 1, 128, 2, 64)
+    ks, vs = stores((kc, vc), k, v)
+    with pytest.raises(ValueError, match="fit one 128-token block"):
+        cuda.attend_cache(jnp.zeros((1, 4, 64)), ks, vs, kc, vc, *cache_operands(1, 2, 64, 127, 255, 128), scale=1.0)
 
 
 def test_bad_operands_are_refused():

@@ -220,6 +220,23 @@ def test_gpu_decode_step_at_the_reasoner_shape(name, attention):
         assert rel(got, want) < 2e-3, (kw, rel(got, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", CUDA_READS + ("kivi-k2v2*",))
+def test_gpu_cuda_step_is_one_kernel_over_rings_sink_and_rewound_rows(name):
+    """The CUDA step reads units, rings, sink and the new token in one kernel: rows at page
+    boundaries, below the sink, and rows that rewind (stale ring slots read from their units), with
+    and without a window and a softcap; its program holds one custom call and no XLA attention."""
+    layer = dataclasses.replace(filled_layer(name, STORED, 320, h=8, kvh=2, seed=7), attention="cuda")
+    q, k, v = step_inputs(layer, 8, 7)
+    for kw in (dict(), dict(window=100, softcap=5.0)):
+        got, want = both_compiled(layer, q, k, v, LENGTHS, **kw)
+        assert_rows_close(got, want)
+    step = jax.jit(lambda layer, q, k, v, p: layer.attend(q, k, v, p, scale=0.125, window=None, softcap=None)[0])
+    text = step.lower(layer, q, k, v, jnp.asarray(LENGTHS, jnp.int32)[:, None]).as_text()
+    assert text.count("jaxlp_quantized_decode_attention") == 1 and "dot_general" not in text
+
+
 def teacher_forced_logits(model, fmt, prompts, tokens):
     """Logits ``[B, T, V]`` of each decode step fed the given ``tokens [B, T]`` (no sampling), after
     the prompt call on prompts padded as :func:`jaxlp.generate` pads them, in a cache of its length."""
