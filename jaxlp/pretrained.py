@@ -7,7 +7,8 @@ from pathlib import Path
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxlp.models.loading import check_model_dir, load_hf, shard_model
+from jaxlp.models.loading import check_model_dir, load_hf
+from jaxlp.models.sharding import shard_model
 from jaxlp.models.transformer import Transformer
 from jaxlp.quantization.saving import is_quantized_checkpoint, load_quantized
 

@@ -195,3 +195,31 @@ def test_nestedfp_precision_flag(model_dir, tmp_path, capsys):
     assert texts["fp16"] == texts[None]
     assert main(["generate", "--model", str(model_dir), "--prompt", "1", "--precision", "fp8"]) == 2
     assert "no NestedFP layers" in capsys.readouterr().err
+
+
+def test_generate_tp_gives_the_single_device_text(model_dir, tmp_path, capsys):
+    """--tp 2 over two of the four simulated CPU devices: the same greedy text for the dense test
+    checkpoint and a W4A16-NVFP4 reasoner; a clear error where a split would cut NVFP4 blocks, for
+    more devices than there are, and with fused projections."""
+    from importlib.resources import files
+
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(files("jaxlp") / "assets" / "reasoner"), "--recipe", "w4a16-nvfp4",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    for model in (model_dir, out):
+        args = ["generate", "--model", str(model), "--prompt", "12 + 35 =", "--max-new-tokens", "6", "--kv-cache",
+                "kitty-pro"]
+        assert main(args) == 0
+        single = capsys.readouterr().out
+        assert main(args + ["--tp", "2"]) == 0
+        assert capsys.readouterr().out == single
+    tiny = tmp_path / "tiny"  # intermediate size 112: 56 per device, not whole 16-element blocks
+    assert main(["quantize", "--model", str(model_dir), "--recipe", "w4a16-nvfp4", "--out", str(tiny)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tiny), "--prompt", "1", "--tp", "2"]) == 2
+    assert "down_proj.weight: nvfp4 weight with K = 112 cannot be split over 2 devices" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir), "--prompt", "1", "--tp", "64"]) == 2
+    assert "--tp 64: this machine has" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir), "--prompt", "1", "--tp", "2", "--fuse-projections"]) == 2
+    assert "do not combine" in capsys.readouterr().err

@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_d(f"KV cache format, one of {', '.join(cache_formats)}"))
     g.add_argument("--fuse-projections", action="store_true",
                    help="one q/k/v and one gate/up linear per layer (faster decode; see jaxlp.models.fuse_projections)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism over the first N local devices (heads and MLP columns split, one "
+                        "all-reduce per row-parallel layer; quantized kernels run on each device's shard) (default: 1)")
     g.add_argument("--precision", default=None, choices=("fp16", "fp8", "auto"),
                    help="NestedFP checkpoints: compute with the FP16 or the FP8 model, or auto: FP8 in the steps "
                         "that schedule more than half the batch's tokens (the prefill, and decode steps while "

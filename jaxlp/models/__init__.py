@@ -2,7 +2,8 @@
 
 from jaxlp.models.config import ModelConfig, RopeConfig, from_hf_config
 from jaxlp.models.fusion import fuse_projections
-from jaxlp.models.loading import load_hf, read_config, shard_model
+from jaxlp.models.loading import load_hf, read_config
+from jaxlp.models.sharding import shard_model
 from jaxlp.models.saving import save_pretrained
 from jaxlp.models.transformer import Transformer
 

@@ -5,25 +5,22 @@ up_proj.weight`` -> ``layers.0.mlp.up_proj.weight``); ``lm_head.weight`` is skip
 embeddings. A missing, unexpected or mis-shaped tensor is an error that names it.
 
 With ``mesh=``, parameters are placed for tensor parallelism along the mesh axis ``"tp"``
-(or the mesh's only axis): query/key/value projections split by output features (heads),
-``o_proj`` by input features, MLP gate/up by columns and down by rows; embeddings and norms
-are replicated. XLA's SPMD partitioner inserts the collectives.
+(:mod:`jaxlp.models.sharding`).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from jaxlp.errors import CheckpointFormatError, NonFiniteWeightsError, UnsupportedConfigError, one_line
 from jaxlp.models.config import ModelConfig, from_hf_config
+from jaxlp.models.sharding import shard_model
 from jaxlp.models.transformer import Transformer
 
 
@@ -128,53 +125,6 @@ def _read_tensors(files: list[Path]) -> tuple[dict[str, np.ndarray], dict[str, P
 def _hf_name(param_path: tuple) -> str:
     name = ".".join(str(p) for p in param_path)
     return name if name.startswith("lm_head.") else "model." + name
-
-
-def tp_spec(name: str, shape: tuple[int, ...], config: ModelConfig, tp: int) -> P:
-    """PartitionSpec of a parameter for tensor parallelism of degree ``tp``."""
-    c = config
-
-    def split(axis: int, heads: int | None = None) -> P:
-        if (heads if heads is not None else shape[axis]) % tp:
-            return P()  # not divisible: replicate (e.g. a single KV head)
-        spec = [None] * len(shape)
-        spec[axis] = "tp"
-        return P(*spec)
-
-    if re.search(r"self_attn\.q_proj\.(weight|bias)$", name):
-        return split(0, c.num_heads)
-    if re.search(r"self_attn\.[kv]_proj\.(weight|bias)$", name):
-        return split(0, c.num_kv_heads)
-    if name.endswith("self_attn.o_proj.weight"):
-        return split(1, c.num_heads)
-    if re.search(r"mlp\.(gate|up)_proj\.(weight|bias)$", name):
-        return split(0)
-    if name.endswith("mlp.down_proj.weight"):
-        return split(1)
-    return P()
-
-
-def shard_model(model: Transformer, mesh: Mesh) -> Transformer:
-    """Place the model's parameters for tensor parallelism over ``mesh`` (in place; returned)."""
-    axis = "tp" if "tp" in mesh.axis_names else None
-    if axis is None:
-        if len(mesh.axis_names) != 1:
-            raise ValueError(f"mesh needs an axis named 'tp' (axes: {mesh.axis_names})")
-        mesh = Mesh(mesh.devices, ("tp",))
-    tp = mesh.shape["tp"]
-    if model.config.fused_projections and tp > 1:
-        raise ValueError("shard_model splits q/k/v and gate/up by heads and rows: shard an unfused model "
-                         "(fused qkv_proj / gate_up_proj rows cannot be split per device)")
-    state = nnx.state(model)
-    flat = nnx.to_flat_state(state)
-    for path, var in flat:
-        name = ".".join(str(p) for p in path)
-        value = var.get_value()
-        if not isinstance(value, jax.Array):
-            raise ValueError(f"tensor parallelism of quantized layers is not supported yet ({name})")
-        var.set_value(jax.device_put(value, NamedSharding(mesh, tp_spec(name, value.shape, model.config, tp))))
-    nnx.update(model, nnx.from_flat_state(flat))
-    return model
 
 
 def _check_tensor_finite(name: str, file: Path, source, value, dtype) -> None:

@@ -9,21 +9,35 @@ implementations (``"nvfp4_cuda"``: :mod:`jaxlp.quantization.nvfp4_dispatch`, who
 picks CUDA, Pallas or XLA per shape; ``"xla_native"``: :mod:`jaxlp.quantization.native_dot`, XLA's
 FP8 and FP16 dots on the stored bytes for FP8, NestedFP and FireQ INT4 weights); ``"auto"`` takes the first
 that supports the layer and the input, else ``"xla"``.
+
+Tensor parallelism (:func:`jaxlp.models.shard_model` calls :meth:`QuantizedLinear.set_parallel`):
+a column-parallel layer computes its rows of the output from the whole input on each device, a
+row-parallel one its partial product from its share of the input features, summed by one
+all-reduce; the product (any implementation, GPU kernels included) runs on the local shards under
+``shard_map``. A row-parallel layer whose activation quantizer reduces over the whole input (a
+per-token FP8 scale) is left to XLA's SPMD partitioner instead, which keeps the single-device
+numerics (a kernel's operands are then gathered).
 """
 
 from __future__ import annotations
 
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxlp.formats import QuantizedArray, concatenate_rows
+from jaxlp.models.sharding import AXIS, quantized_specs
 from jaxlp.quantization import activations, native_dot, nvfp4_dispatch
 
 NESTEDFP_MODES = ("fp16", "fp8")
+PARALLEL_ROLES = ("column", "row")
+# Activation quantizers whose scales are local to blocks of the input features (or calibrated):
+# a row-parallel shard quantizes its features exactly as the whole layer does.
+LOCAL_ACTIVATIONS = (None, "nvfp4", "mxfp4")
 
 
 class Kernel(NamedTuple):
@@ -85,6 +99,7 @@ class QuantizedLinear(nnx.Module):
         self.act_amax = None if act_amax is None else nnx.Param(jnp.asarray(act_amax, jnp.float32))
         self.activation = activation
         self.out_scale = float(out_scale)
+        self.parallel: tuple[Mesh, str] | None = None
         self.set_mode(mode)
         self.set_implementation(implementation)
 
@@ -120,6 +135,15 @@ class QuantizedLinear(nnx.Module):
             raise ValueError(f"unknown implementation {implementation!r}; available: {implementations()}")
         self.implementation = implementation
 
+    def set_parallel(self, mesh: Mesh | None, role: str | None) -> None:
+        """Tensor-parallel role over ``mesh``'s axis ``"tp"`` (module doc): ``"column"`` (output
+        features split), ``"row"`` (input features split) or ``None`` (replicated)."""
+        if role is not None and role not in PARALLEL_ROLES:
+            raise ValueError(f"tensor-parallel role must be one of {PARALLEL_ROLES} or None, got {role!r}")
+        if role is not None and (mesh is None or AXIS not in mesh.axis_names):
+            raise ValueError(f"a {role}-parallel layer needs a mesh with an axis named {AXIS!r}")
+        self.parallel = None if role is None else (mesh, role)
+
     def reference(self, x: jax.Array) -> jax.Array:
         """The pure-JAX product (before bias), in x's dtype."""
         w = self.weight.get_value()
@@ -137,20 +161,43 @@ class QuantizedLinear(nnx.Module):
             y = y * self.out_scale
         return y.astype(x.dtype)
 
+    def _product(self, matmul: Callable, x: jax.Array) -> jax.Array:
+        """``matmul(layer, x)`` (the product before bias), on the local shards when the layer is
+        tensor-parallel and its activation quantizer allows it (module doc)."""
+        if self.parallel is None:
+            return matmul(self, x)
+        mesh, role = self.parallel
+        act = "nestedfp_fp8" if self.mode == "fp8" and self.format == "nestedfp" else self.activation
+        if role == "row" and act not in LOCAL_ACTIVATIONS:
+            return matmul(self, x)  # XLA's SPMD partitioner: single-device numerics
+        w = self.weight.get_value()
+        lead = (None,) * (x.ndim - 1)
+        x_spec, out_spec = (P(*lead, None), P(*lead, AXIS)) if role == "column" else (P(*lead, AXIS), P(*lead, None))
+        extra = () if self.act_amax is None else (self.act_amax[...],)
+
+        def local(w, x, *extra):
+            view = SimpleNamespace(weight=SimpleNamespace(get_value=lambda: w), act_amax=extra[0] if extra else None,
+                                   activation=self.activation, out_scale=self.out_scale, mode=self.mode, bias=None)
+            y = matmul(view, x)
+            return jax.lax.psum(y.astype(jnp.float32), AXIS).astype(y.dtype) if role == "row" else y
+
+        specs = (quantized_specs(w, role, mesh.shape[AXIS]), x_spec) + (P(),) * len(extra)
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)(w, x, *extra)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         impl = self.implementation
         if impl == "auto":
             on_gpu = jax.default_backend() == "gpu"
             impl = next((n for n, k in KERNELS.items() if on_gpu and k.why_not(self, x) is None), "xla")
         if impl == "xla":
-            y = self.reference(x)
+            y = self._product(type(self).reference, x)
         else:
             why_not, matmul = KERNELS[impl]
             reason = why_not(self, x)
             if reason is not None:
                 raise ValueError(f"implementation {impl!r} does not compute this layer on input {x.shape} "
                                  f"{x.dtype}: {reason}")
-            y = matmul(self, x)
+            y = self._product(matmul, x)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y

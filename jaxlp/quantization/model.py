@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxlp import formats
 from jaxlp.formats import int4_fp8, nestedfp
 from jaxlp.models.layers import Linear
+from jaxlp.models.sharding import shard_model
 from jaxlp.quantization.activations import STATIC
 from jaxlp.quantization.linear import QuantizedLinear
 from jaxlp.quantization.recipes import Recipe, get_recipe
@@ -159,6 +161,7 @@ def quantize_model(
     implementation: str = "xla",
     inplace: bool = False,
     progress: Progress | None = None,
+    mesh: Mesh | None = None,
 ):
     """Return a copy of ``model`` (unless ``inplace``) whose selected linears compute in the recipe's format.
 
@@ -166,8 +169,11 @@ def quantize_model(
     W4A4), ``S`` at most the model's context length. The result has ``model.quantization``, a
     :class:`QuantizationReport`. ``progress(what, done, total)``, if given, is called as the
     calibration batches (``"calibrating"``) and the layers (``"quantizing"``) are done.
+    ``mesh``: place the result for tensor parallelism (:func:`jaxlp.models.shard_model`); a model
+    whose parameters already lie on a mesh with a ``"tp"`` axis is placed on that mesh again.
     """
     recipe = get_recipe(recipe)
+    mesh = mesh if mesh is not None else _tp_mesh_of(model)
     if calibration is not None:
         check_calibration(model.config, calibration)
     if not inplace:
@@ -207,7 +213,15 @@ def quantize_model(
         if progress is not None:
             progress("quantizing", len(quantized) + len(kept), len(layers))
     model.quantization = QuantizationReport(recipe.name, tuple(quantized), tuple(kept))
-    return model
+    return shard_model(model, mesh) if mesh is not None else model
+
+
+def _tp_mesh_of(model) -> Mesh | None:
+    """The mesh of the model's first parameter when it has a ``"tp"`` axis of more than one device."""
+    leaf = jax.tree.leaves(nnx.state(model))[0]
+    sharding = getattr(leaf, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return mesh if isinstance(mesh, Mesh) and mesh.shape.get("tp", 1) > 1 else None
 
 
 def quantized_layers(model) -> Iterable[tuple[str, QuantizedLinear]]:

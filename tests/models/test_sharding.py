@@ -38,3 +38,106 @@ def test_mesh_needs_tp_axis(hf_checkpoint):
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     with pytest.raises(ValueError, match="'tp'"):
         jaxlp.from_pretrained(path, dtype=jnp.float32, mesh=mesh)
+
+
+# --- quantized models -----------------------------------------------------------------------------
+
+from flax import nnx  # noqa: E402
+
+from jaxlp.models import ModelConfig, Transformer, shard_model  # noqa: E402
+from jaxlp.quantization import RECIPES, quantize_model, save_quantized  # noqa: E402
+
+
+def mesh_of(n):
+    return Mesh(np.array(jax.devices()[:n]), ("tp",))
+
+
+def tp_model(hidden=512, intermediate=1024):
+    """K of every row-parallel layer splits over 4 devices at FireQ's 128-wide groups."""
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=hidden, intermediate_size=intermediate,
+                      num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64)
+    return Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tp_model()
+
+
+def token_ids(seed, shape=(2, 12)):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 256, shape))
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_recipe_sharded_gives_the_single_device_logits(base, recipe):
+    """Quantized weights split along their blocks over 4 devices: the logits of the single-device
+    model (local products under shard_map, or XLA's partitioner for per-token FP8 activations)."""
+    single = quantize_model(base, recipe, calibration=token_ids(1, (4, 16)))
+    sharded = shard_model(nnx.clone(single), mesh_of(4))
+    q, down = sharded.layers[0].self_attn.q_proj, sharded.layers[0].mlp.down_proj
+    assert q.parallel[1] == "column" and down.parallel[1] == "row"
+    for layer, spec in ((q, P("tp", None)), (down, P(None, "tp"))):
+        fields = [leaf for leaf in jax.tree.leaves(layer.weight.get_value()) if leaf.ndim == 2]
+        assert fields and all(f.sharding.spec == spec and len(f.sharding.device_set) == 4 for f in fields)
+    scalars = [leaf for leaf in jax.tree.leaves(down.weight.get_value()) if leaf.ndim == 0]
+    assert all(s.sharding.spec == P() for s in scalars)  # tensor scales replicated
+    ids = token_ids(0)
+    want = np.asarray(single(ids))
+    got = np.asarray(jax.jit(lambda m, x: m(x))(sharded, ids))
+    # Activation quantizers round each activation: a summation-order difference of 1e-7 upstream
+    # can move one FP8 code across a rounding boundary (w8a8-fp8: 3e-4 here).
+    tol = 1e-4 if RECIPES[recipe].activation is None else 1e-3
+    assert rel(got, want) <= tol, rel(got, want)
+
+
+def test_row_parallel_kernels_run_on_local_shards(base):
+    """A weight-only row-parallel layer: one shard_map with an all-reduce, no gathered weight."""
+    sharded = shard_model(quantize_model(base, "w4a16-nvfp4"), mesh_of(4))
+    layer = sharded.layers[0].mlp.down_proj
+    x = jax.device_put(jnp.ones((2, 1024), jnp.float32), jax.sharding.NamedSharding(mesh_of(4), P(None, "tp")))
+    text = jax.jit(lambda layer, x: layer(x)).lower(layer, x).as_text()
+    assert "all_reduce" in text or "all-reduce" in text
+    assert "all_gather" not in text and "all-gather" not in text
+
+
+def test_quantize_model_keeps_the_mesh_of_a_sharded_model(base):
+    sharded = shard_model(nnx.clone(base), mesh_of(4))
+    q = quantize_model(sharded, "w4a16-mxfp4")
+    data = q.layers[1].self_attn.o_proj.weight.get_value().data
+    assert data.sharding.spec == P(None, "tp") and q.layers[1].self_attn.o_proj.parallel[1] == "row"
+    q2 = quantize_model(base, "w4a16-mxfp4", mesh=mesh_of(2))
+    assert len(q2.layers[0].mlp.up_proj.weight.get_value().data.sharding.device_set) == 2
+
+
+def test_a_split_that_cuts_a_block_is_refused():
+    """FireQ's 128-wide groups: down_proj's K = 768 is 192 per device of 4 (a group cut in half),
+    384 per device of 2 (three whole groups)."""
+    fireq = quantize_model(tp_model(hidden=512, intermediate=768), "w4a8-fireq")
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*K = 768.*128-element block boundaries"):
+        shard_model(nnx.clone(fireq), mesh_of(4))
+    shard_model(fireq, mesh_of(2))  # 384 per device: whole groups
+
+
+def test_save_on_one_mesh_load_on_another_is_bit_exact(base, tmp_path):
+    single = quantize_model(base, "w4a16-nvfp4")
+    save_quantized(shard_model(nnx.clone(single), mesh_of(4)), tmp_path / "q")
+    loaded = jaxlp.from_pretrained(tmp_path / "q", mesh=mesh_of(2))
+    for a, b in zip(jax.tree.leaves(nnx.state(single)), jax.tree.leaves(nnx.state(loaded))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(loaded.layers[0].mlp.down_proj.weight.get_value().data.sharding.device_set) == 2
+    ids = token_ids(3)
+    np.testing.assert_allclose(np.asarray(loaded(ids)), np.asarray(single(ids)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["kitty-pro", "fireq-int4"])
+def test_greedy_tokens_under_tp_with_quantized_caches(base, cache):
+    single = quantize_model(base, "w4a16-nvfp4")
+    sharded = shard_model(nnx.clone(single), mesh_of(4))
+    prompts = [token_ids(5, (1, 9))[0].tolist(), token_ids(6, (1, 4))[0].tolist()]
+    runs = [jaxlp.generate(m, prompts, max_new_tokens=5, kv_cache=cache, stop_tokens=()) for m in (single, sharded)]
+    assert runs[1].sequences() == runs[0].sequences()

@@ -1,0 +1,125 @@
+"""Tensor parallelism: where each parameter lives on a mesh axis ``"tp"`` of ``tp`` devices.
+
+Megatron layout: query/key/value projections and MLP gate/up are *column-parallel* (output
+features split: heads, MLP columns), ``o_proj`` and ``down_proj`` *row-parallel* (input features
+split), embeddings, norms and the LM head replicated. A projection whose heads do not divide
+``tp`` (a single KV head) is replicated.
+
+Quantized weights (:class:`jaxlp.formats.QuantizedArray` ``[N, K]``) split along their block
+structure: column-parallel, every field with a leading axis of N rows (packed codes, block and
+channel scales) splits its rows; row-parallel, every ``[N, K / b]`` field splits its last axis, so
+``K / tp`` must be a multiple of the format's block (16 for NVFP4, 32 for MXFP4 and DialectFP4, 128
+for FireQ groups; a :class:`ValueError` names the layer otherwise), and per-row or per-tensor
+scales are replicated. Quantized linears learn their role
+(:meth:`~jaxlp.quantization.linear.QuantizedLinear.set_parallel`): their GPU kernels then run on
+each device's shard under ``shard_map`` (one all-reduce per row-parallel layer). XLA's SPMD
+partitioner inserts the collectives everywhere else.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxlp.formats import QuantizedArray
+from jaxlp.models.config import ModelConfig
+
+AXIS = "tp"
+
+
+def role(name: str, config: ModelConfig, tp: int) -> str | None:
+    """``"column"``, ``"row"`` or ``None`` (replicated) for the layer (or parameter) at dotted
+    path ``name`` (``layers.0.self_attn.q_proj`` or ``...q_proj.weight``)."""
+    base = re.sub(r"\.(weight|bias|act_amax)$", "", name)
+    heads = None
+    if base.endswith("self_attn.q_proj") or base.endswith("self_attn.o_proj"):
+        heads = config.num_heads
+    elif base.endswith("self_attn.k_proj") or base.endswith("self_attn.v_proj"):
+        heads = config.num_kv_heads
+    if heads is not None and heads % tp:
+        return None
+    if re.search(r"self_attn\.[qkv]_proj$|mlp\.(gate|up)_proj$", base):
+        return "column"
+    if re.search(r"self_attn\.o_proj$|mlp\.down_proj$", base):
+        return "row" if name.endswith(".weight") or name == base else None  # the bias is replicated
+    return None
+
+
+def tp_spec(name: str, shape: tuple[int, ...], config: ModelConfig, tp: int) -> P:
+    """PartitionSpec of a dense parameter for tensor parallelism of degree ``tp``."""
+    r = role(name, config, tp)
+    if r is None or not shape:
+        return P()
+    axis = 0 if r == "column" else len(shape) - 1
+    if shape[axis] % tp:
+        return P()
+    spec = [None] * len(shape)
+    spec[axis] = AXIS
+    return P(*spec)
+
+
+def quantized_specs(w: QuantizedArray, parallel: str | None, tp: int, *, name: str = "weight") -> Any:
+    """PartitionSpecs (a pytree like ``w``) of a quantized ``[N, K]`` weight's fields for role
+    ``parallel`` (module doc); ValueError when a shard boundary would cut a block."""
+    n, k = w.shape
+    if parallel == "row":
+        # The block: K over the fewest columns of a [N, K / b] field (16 for NVFP4's block scales).
+        widths = [leaf.shape[-1] for leaf in jax.tree.leaves(w) if getattr(leaf, "ndim", 0) >= 2 and leaf.shape[0] == n]
+        block = k // min(widths) if widths else 1
+        if k % (tp * block):
+            raise ValueError(f"{name}: {w.format} weight with K = {k} cannot be split over {tp} devices at "
+                             f"{block}-element block boundaries (K / tp must be a multiple of {block})")
+    elif parallel == "column" and n % tp:
+        raise ValueError(f"{name}: {w.format} weight with N = {n} rows cannot be split over {tp} devices")
+
+    def spec(leaf):
+        rowwise = getattr(leaf, "ndim", 0) >= 1 and leaf.shape[0] == n
+        if parallel == "column" and rowwise:
+            return P(AXIS, *([None] * (leaf.ndim - 1)))
+        if parallel == "row" and rowwise and leaf.ndim >= 2:
+            return P(*([None] * (leaf.ndim - 1)), AXIS)
+        return P()
+
+    return jax.tree.map(spec, w)
+
+
+def tp_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with its axis named ``"tp"`` (a mesh of one axis of another name is renamed)."""
+    if AXIS in mesh.axis_names:
+        return mesh
+    if len(mesh.axis_names) != 1:
+        raise ValueError(f"mesh needs an axis named 'tp' (axes: {mesh.axis_names})")
+    return Mesh(mesh.devices, (AXIS,))
+
+
+def shard_model(model, mesh: Mesh):
+    """Place the model's parameters for tensor parallelism over ``mesh`` (in place; returned).
+    Layers with a ``set_parallel(mesh, role)`` method (quantized linears) are told their role, so
+    that their kernels run on local shards."""
+    mesh = tp_mesh(mesh)
+    tp = mesh.shape[AXIS]
+    if model.config.fused_projections and tp > 1:
+        raise ValueError("shard_model splits q/k/v and gate/up by heads and rows: shard an unfused model "
+                         "(fused qkv_proj / gate_up_proj rows cannot be split per device)")
+    for path, layer in nnx.iter_modules(model):
+        if hasattr(layer, "set_parallel"):
+            name = ".".join(str(p) for p in path)
+            layer.set_parallel(mesh, role(name, model.config, tp) if tp > 1 else None)
+    flat = nnx.to_flat_state(nnx.state(model))
+    for path, var in flat:
+        name = ".".join(str(p) for p in path)
+        value = var.get_value()
+        if isinstance(value, QuantizedArray):
+            specs = quantized_specs(value, role(name, model.config, tp), tp, name=name)
+            placed = jax.tree.map(lambda leaf, s: jax.device_put(leaf, NamedSharding(mesh, s)), value, specs)
+        elif isinstance(value, jax.Array):
+            placed = jax.device_put(value, NamedSharding(mesh, tp_spec(name, value.shape, model.config, tp)))
+        else:
+            raise ValueError(f"shard_model: parameter {name} is a {type(value).__name__}, not an array")
+        var.set_value(placed)
+    nnx.update(model, nnx.from_flat_state(flat))
+    return model

@@ -1,0 +1,111 @@
+"""Tensor-parallel decode: ms/token at TP = 1 and TP = N, side by side in one run (issue #22).
+
+    python scripts/bench_tp.py --tp 1,2 --formats bf16,w4a16 --layers 36 --batch 1 --out tp.json
+
+A Qwen3-8B-shaped model with random weights (``--layers`` of them; ``--tiny``: a small model of the
+same family, for smoke runs on simulated CPU devices with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4``), greedy decode through ``jaxlp.generate``
+(the ``length`` differencing of ``scripts/bench_decode.py``: time of n2 tokens minus n1, over
+n2 - n1). Each TP degree places the same weights with :func:`jaxlp.models.shard_model` over the
+first N devices; NVFP4 W4A16 is quantized once per degree (``quantize_model(mesh=...)``), kernels
+``"auto"``. Prints a table (speed-up over TP = 1 per format), checks that every degree gives the
+TP = 1 greedy tokens, and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jaxlp  # noqa: E402
+from bench_decode import CONTEXTS, QWEN3_8B, build_model, prompts  # noqa: E402
+from jaxlp.evals import harness  # noqa: E402
+from jaxlp.models import from_hf_config, shard_model  # noqa: E402
+from jaxlp.progress import Reporter  # noqa: E402
+from jaxlp.quantization import quantize_model, set_implementation  # noqa: E402
+
+FORMATS = ("bf16", "w4a16")
+
+
+def decode_ms(model, batch: int, ctx: str, *, n1: int, n2: int, repeats: int):
+    """(ms per token, greedy tokens of the n2-token call)."""
+    p = prompts(batch, CONTEXTS[ctx], model.config.vocab_size, seed=batch * 31 + len(ctx))
+    run = lambda n: jaxlp.generate(model, p, max_new_tokens=n, stop_tokens=(), kv_cache="bf16")  # noqa: E731
+    tokens = np.asarray(run(n2).tokens)  # compiles
+    run(n1)
+    long = harness.time_call(lambda: run(n2).tokens, repeats=repeats)
+    short = harness.time_call(lambda: run(n1).tokens, repeats=repeats)
+    return 1e-3 * (long.median_us - short.median_us) / (n2 - n1), tokens
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", default="1,2", help="TP degrees, comma separated (1 first: the baseline)")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"of {FORMATS}")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", default="short", choices=sorted(CONTEXTS))
+    ap.add_argument("--n1", type=int, default=16)
+    ap.add_argument("--n2", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="a small model of the same family (smoke runs)")
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    args = ap.parse_args(argv)
+    degrees = [int(t) for t in args.tp.split(",")]
+    formats = args.formats.split(",")
+    if degrees[0] != 1 or any(t < 1 for t in degrees):
+        ap.error("--tp must start with 1 (the baseline) and hold positive degrees")
+    if set(formats) - set(FORMATS):
+        ap.error(f"unknown formats {sorted(set(formats) - set(FORMATS))}; known: {FORMATS}")
+    if max(degrees) > jax.device_count():
+        ap.error(f"--tp {max(degrees)}: {jax.device_count()} devices here")
+
+    cfg = dict(QWEN3_8B, num_hidden_layers=args.layers, max_window_layers=args.layers)
+    if args.tiny:
+        cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                   vocab_size=2048)
+    config = dataclasses.replace(from_hf_config(cfg))
+    base = build_model(config)
+    result = {**harness.run_metadata(argv), "model": f"Qwen3-8B shape, {args.layers} layers, random weights",
+              "batch": args.batch, "context": args.context, "runs": []}
+    tokens_at_1 = {}
+    with Reporter().bar("tensor-parallel decode", len(degrees) * len(formats)) as advance:
+        for tp in degrees:
+            mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",)) if tp > 1 else None
+            model = shard_model(nnx.clone(base), mesh) if mesh is not None else nnx.clone(base)
+            for fmt in formats:
+                if fmt == "w4a16":
+                    model = quantize_model(model, "w4a16-nvfp4", mesh=mesh)
+                    set_implementation(model, "auto")
+                ms, tokens = decode_ms(model, args.batch, args.context, n1=args.n1, n2=args.n2, repeats=args.repeats)
+                if tp == 1:
+                    tokens_at_1[fmt] = tokens
+                same = bool(np.array_equal(tokens, tokens_at_1[fmt]))
+                rec = dict(tp=tp, format=fmt, ms_per_token=ms, same_tokens_as_tp1=same)
+                result["runs"].append(rec)
+                advance(1, description=f"tp {tp} {fmt}: {ms:.3f} ms/token")
+                jaxlp.generation.clear_cache_pool()
+            if args.out:
+                harness.write_json(args.out, result)
+
+    base_ms = {r["format"]: r["ms_per_token"] for r in result["runs"] if r["tp"] == 1}
+    print(f"\n## decode ms/token, {jax.devices()[0].device_kind}, {args.layers} layers, batch {args.batch}")
+    print(f"{'format':8s} {'tp':>3s} {'ms/tok':>8s} {'x tp=1':>7s} {'tokens':>7s}")
+    for r in result["runs"]:
+        print(f"{r['format']:8s} {r['tp']:3d} {r['ms_per_token']:8.3f} {base_ms[r['format']] / r['ms_per_token']:6.2f}x "
+              f"{'same' if r['same_tokens_as_tp1'] else 'DIFFER':>7s}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
