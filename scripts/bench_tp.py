@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -93,10 +94,11 @@ def main(argv=None):
                 same = bool(np.array_equal(tokens, tokens_at_1[fmt]))
                 rec = dict(tp=tp, format=fmt, ms_per_token=ms, same_tokens_as_tp1=same)
                 result["runs"].append(rec)
+                print(json.dumps(rec), flush=True)
+                if args.out:  # after every run: a call cut at its time limit keeps what it measured
+                    harness.write_json(args.out, result)
                 advance(1, description=f"tp {tp} {fmt}: {ms:.3f} ms/token")
                 jaxlp.generation.clear_cache_pool()
-            if args.out:
-                harness.write_json(args.out, result)
 
     base_ms = {r["format"]: r["ms_per_token"] for r in result["runs"] if r["tp"] == 1}
     print(f"\n## decode ms/token, {jax.devices()[0].device_kind}, {args.layers} layers, batch {args.batch}")

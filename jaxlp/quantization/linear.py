@@ -21,6 +21,7 @@ numerics (a kernel's operands are then gathered).
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType, SimpleNamespace
 from typing import Callable, Mapping, NamedTuple
 
@@ -171,17 +172,21 @@ class QuantizedLinear(nnx.Module):
         if role == "row" and act not in LOCAL_ACTIVATIONS:
             return matmul(self, x)  # XLA's SPMD partitioner: single-device numerics
         w = self.weight.get_value()
+        tp = mesh.shape[AXIS]
+        n, k = w.shape
+        local_shape = (n // tp, k) if role == "column" else (n, k // tp)  # the shard's own [N, K]
         lead = (None,) * (x.ndim - 1)
         x_spec, out_spec = (P(*lead, None), P(*lead, AXIS)) if role == "column" else (P(*lead, AXIS), P(*lead, None))
         extra = () if self.act_amax is None else (self.act_amax[...],)
 
         def local(w, x, *extra):
+            w = dataclasses.replace(w, shape=local_shape)
             view = SimpleNamespace(weight=SimpleNamespace(get_value=lambda: w), act_amax=extra[0] if extra else None,
                                    activation=self.activation, out_scale=self.out_scale, mode=self.mode, bias=None)
             y = matmul(view, x)
             return jax.lax.psum(y.astype(jnp.float32), AXIS).astype(y.dtype) if role == "row" else y
 
-        specs = (quantized_specs(w, role, mesh.shape[AXIS]), x_spec) + (P(),) * len(extra)
+        specs = (quantized_specs(w, role, tp), x_spec) + (P(),) * len(extra)
         return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)(w, x, *extra)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -105,6 +105,24 @@ def test_row_parallel_kernels_run_on_local_shards(base):
     assert "all_gather" not in text and "all-gather" not in text
 
 
+def test_the_local_product_sees_each_shards_own_shape(base):
+    """Under shard_map a kernel gets the shard as a weight of its own shape (a kernel reading
+    ``w.shape`` of the whole layer crashed on two H100s): column rows / tp, row K / tp."""
+    sharded = shard_model(quantize_model(base, "w4a16-nvfp4"), mesh_of(4))
+    for layer, local in ((sharded.layers[0].self_attn.q_proj, (128, 512)), (sharded.layers[0].mlp.down_proj,
+                                                                            (512, 256))):
+        seen = []
+
+        def spy(view, x):
+            w = view.weight.get_value()
+            w.check()  # fields agree with the shape
+            seen.append(w.shape)
+            return type(layer).reference(view, x)
+
+        y = layer._product(spy, jnp.ones((2, layer.in_features)))
+        assert seen == [local] and y.shape == (2, layer.out_features)
+
+
 def test_quantize_model_keeps_the_mesh_of_a_sharded_model(base):
     sharded = shard_model(nnx.clone(base), mesh_of(4))
     q = quantize_model(sharded, "w4a16-mxfp4")
