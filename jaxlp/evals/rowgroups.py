@@ -74,6 +74,9 @@ class RowGroupLayerCache(LayerCache):
             start += n
         return jnp.concatenate(outs, axis=0), RowGroupLayerCache(tuple(parts), self.sizes)
 
+    def head_specs(self, axis: str):
+        return RowGroupLayerCache(tuple(p.head_specs(axis) for p in self.parts), self.sizes)
+
 
 @dataclasses.dataclass(frozen=True)
 class RowGroupCache(CacheFormat):

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxlp.attention import prefill
 
@@ -40,6 +41,11 @@ class LayerCache:
                fresh: bool = False):
         """Store ``k, v`` at ``positions`` and attend ``q``: returns ``(out [B, S, H, D], new layer)``."""
         raise NotImplementedError
+
+    def head_specs(self, axis: str):
+        """PartitionSpecs (a pytree like this layer) that split its KV heads over mesh ``axis``
+        (tensor parallelism): arrays ``[B, T, KVH, ...]`` split axis 2, the rest are replicated."""
+        return jax.tree.map(lambda x: P(None, None, axis) if x.ndim >= 3 else P(), self)
 
 
 def prompt_attention(q, k, v, positions, max_len: int, *, scale, window, softcap, attention: str):

@@ -29,6 +29,7 @@ from typing import ClassVar, TYPE_CHECKING, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxlp.kvcache.base import KVCache, LayerCache
 from jaxlp.kvcache.quant import absmax_int4_quantize, fake_quantize_fp8, pack_int4, unpack_int4
@@ -97,6 +98,10 @@ class FireQLayerCache(LayerCache):
             scale=scale, window=window, softcap=softcap, fresh=fresh,
         )
         return out.astype(q.dtype), dataclasses.replace(self, inner=inner)
+
+    def head_specs(self, axis: str):
+        """The quantized layer's, and the CRS scales ``[KVH, D]`` split by head."""
+        return dataclasses.replace(self, inner=self.inner.head_specs(axis), k_scale=P(axis, None))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,9 @@ structure: column-parallel, every field with a leading axis of N rows (packed co
 channel scales) splits its rows; row-parallel, every ``[N, K / b]`` field splits its last axis, so
 ``K / tp`` must be a multiple of the format's block (16 for NVFP4, 32 for MXFP4 and DialectFP4, 128
 for FireQ groups; a :class:`ValueError` names the layer otherwise), and per-row or per-tensor
-scales are replicated. Quantized linears learn their role
+scales are replicated. Attention with a KV cache runs under ``shard_map`` on each device's heads
+and its share of the cache (every cache format; ``LayerCache.head_specs``) when the query and KV
+heads both divide ``tp``. Quantized linears learn their role
 (:meth:`~jaxlp.quantization.linear.QuantizedLinear.set_parallel`): their GPU kernels then run on
 each device's shard under ``shard_map`` (one all-reduce per row-parallel layer). XLA's SPMD
 partitioner inserts the collectives everywhere else.
@@ -105,10 +107,14 @@ def shard_model(model, mesh: Mesh):
     if model.config.fused_projections and tp > 1:
         raise ValueError("shard_model splits q/k/v and gate/up by heads and rows: shard an unfused model "
                          "(fused qkv_proj / gate_up_proj rows cannot be split per device)")
+    c = model.config
+    local_heads = tp > 1 and not (c.num_heads % tp or c.num_kv_heads % tp)
     for path, layer in nnx.iter_modules(model):
-        if hasattr(layer, "set_parallel"):
+        if hasattr(layer, "set_parallel"):  # quantized linears
             name = ".".join(str(p) for p in path)
             layer.set_parallel(mesh, role(name, model.config, tp) if tp > 1 else None)
+        if hasattr(layer, "set_mesh"):  # attention with a cache: on the local heads
+            layer.set_mesh(mesh if local_heads else None)
     flat = nnx.to_flat_state(nnx.state(model))
     for path, var in flat:
         name = ".".join(str(p) for p in path)

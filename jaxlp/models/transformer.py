@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxlp.kvcache.base import KVCache
 from jaxlp.attention.reference import causal_attention
@@ -32,6 +33,7 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         c = config
         self.config, self.layer = c, layer
+        self.mesh: Mesh | None = None  # tensor parallelism: attention over each device's heads and cache
         if c.fused_projections:
             self.qkv_proj = Linear(c.hidden_size, sum(qkv_sizes(c)), bias=c.qkv_bias, dtype=dtype, rngs=rngs)
         else:
@@ -62,8 +64,50 @@ class Attention(nnx.Module):
         if cache_layer is None:
             out = causal_attention(q, k, v, positions, positions, **kwargs)
         else:
-            out, cache_layer = cache_layer.attend(q, k, v, positions, fresh=fresh, **kwargs)
+            out, cache_layer = self._attend_cache(cache_layer, q, k, v, positions, fresh, kwargs)
         return self.o_proj(out.reshape(b, s, c.num_heads * c.head_dim)), cache_layer
+
+
+    def set_mesh(self, mesh: Mesh | None) -> None:
+        """Attend with the cache on each device's heads over ``mesh``'s axis ``"tp"`` (None: one device)."""
+        c = self.config
+        if mesh is not None and (c.num_heads % mesh.shape["tp"] or c.num_kv_heads % mesh.shape["tp"]):
+            raise ValueError(f"{c.num_heads} query / {c.num_kv_heads} KV heads do not split over {mesh.shape['tp']} "
+                             "devices")
+        self.mesh = mesh
+
+    def _attend_cache(self, cache_layer, q, k, v, positions, fresh, kwargs):
+        """``cache_layer.attend``, under ``shard_map`` on the local heads and their share of the
+        cache when the layer has a mesh (the cache's kernels then run on local shards)."""
+        if self.mesh is None:
+            return cache_layer.attend(q, k, v, positions, fresh=fresh, **kwargs)
+        heads = P(None, None, "tp", None)
+        leaves, treedef = jax.tree.flatten(cache_layer)
+        specs = jax.tree.leaves(cache_layer.head_specs("tp"), is_leaf=lambda x: isinstance(x, P))
+        # Empty arrays (a cache too short for one quantized unit) stay outside: XLA's CPU compiler
+        # crashes on zero-size operands of a shard_map (jax 0.11.2).
+        kept = [i for i, leaf in enumerate(leaves) if leaf.size]
+        tp = self.mesh.shape["tp"]
+
+        def shard_shape(leaf, spec):
+            return tuple(n // tp if i < len(spec) and spec[i] == "tp" else n for i, n in enumerate(leaf.shape))
+
+        def rebuild(parts, on_shard):
+            full = [jnp.zeros(shard_shape(leaf, spec), leaf.dtype) if on_shard and not leaf.size else leaf
+                    for leaf, spec in zip(leaves, specs)]
+            for i, part in zip(kept, parts):
+                full[i] = part
+            return jax.tree.unflatten(treedef, full)
+
+        def local(q, k, v, p, parts):
+            out, new = rebuild(parts, True).attend(q, k, v, p, fresh=fresh, **kwargs)
+            return out, [jax.tree.leaves(new)[i] for i in kept]
+
+        part_specs = [specs[i] for i in kept]
+        out, parts = jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, P(), part_specs),
+                                   out_specs=(heads, part_specs), check_vma=False)(
+            q, k, v, positions, [leaves[i] for i in kept])
+        return out, rebuild(parts, False)
 
 
 class MLP(nnx.Module):

@@ -152,10 +152,38 @@ def test_save_on_one_mesh_load_on_another_is_bit_exact(base, tmp_path):
     np.testing.assert_allclose(np.asarray(loaded(ids)), np.asarray(single(ids)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache", ["kitty-pro", "fireq-int4"])
-def test_greedy_tokens_under_tp_with_quantized_caches(base, cache):
+@pytest.fixture(scope="module")
+def w4a16_pair(base):
     single = quantize_model(base, "w4a16-nvfp4")
-    sharded = shard_model(nnx.clone(single), mesh_of(4))
+    return single, shard_model(nnx.clone(single), mesh_of(4))
+
+
+@pytest.mark.parametrize("cache", jaxlp.kvcache.formats())
+def test_every_cache_format_attends_on_local_heads(w4a16_pair, cache):
+    """Attention runs on each device's heads and its share of the cache: after a prompt and a
+    decode step every non-empty cache array of the sharded model is split by KV head, and the
+    logits are the single-device ones."""
+    single, sharded = w4a16_pair
+    assert sharded.layers[0].self_attn.mesh is not None
+    fmt = jaxlp.kvcache.get(cache)
+    step = jax.jit(lambda m, ids, pos, c, fresh: m.forward(ids, pos, c, fresh=fresh), static_argnums=4)
+    ids, pos = token_ids(7, (2, 140)), jnp.tile(jnp.arange(140), (2, 1))  # past one 128-token unit
+    outs = []
+    for model in (single, sharded):
+        c = fmt.init(model.config, 2, 160)
+        _, c = step(model, ids, pos, c, True)
+        hidden, c = step(model, ids[:, :1], pos[:, :1] + 140, c, False)
+        outs.append(np.asarray(model.logits(hidden[:, 0])))
+    assert rel(outs[1], outs[0]) <= 1e-4, rel(outs[1], outs[0])
+    for leaf in jax.tree.leaves(c.layers[0]):
+        if leaf.ndim >= 3 and leaf.size:
+            assert leaf.sharding.spec[:3] == (None, None, "tp"), (leaf.shape, leaf.sharding.spec)
+
+
+@pytest.mark.parametrize("cache", ["kitty-pro", "fireq-int4"])
+def test_greedy_tokens_under_tp_with_quantized_caches(w4a16_pair, cache):
+    """generate's compiled loop (prompt buckets, a cache too short for one quantized unit)."""
+    single, sharded = w4a16_pair
     prompts = [token_ids(5, (1, 9))[0].tolist(), token_ids(6, (1, 4))[0].tolist()]
     runs = [jaxlp.generate(m, prompts, max_new_tokens=5, kv_cache=cache, stop_tokens=()) for m in (single, sharded)]
     assert runs[1].sequences() == runs[0].sequences()
