@@ -29,9 +29,11 @@ Dialect selection:
   half-open interval between the midpoints to its neighbours, e.g. ``[4.5, 5.75)`` for
   dialect 4). More elements wins; ties go to the even member.
 
-Storage is ``4 + 16/block_size`` bits per element (a byte each for the id and the exponent);
-the format's information content, :attr:`DialectFP4Array.effective_bits`, is
-``4 + 9/block_size`` (4.28 at 32), which is what a bit-packed layout would take.
+Storage is ``4 + 12/block_size`` bits per element (4.375 at 32): the dialect ids two per byte
+(block ``2i`` in the low nibble, as the codes), the exponents a byte each, so that a kernel reads
+a block's id with its codes and its exponent as one byte. The format's information content,
+:attr:`DialectFP4Array.effective_bits`, is ``4 + 9/block_size`` (4.28 at 32), what packing the
+5-bit exponents too would take.
 """
 
 from __future__ import annotations
@@ -200,6 +202,21 @@ def _quantize_blocks(x: jax.Array, block_size: int, selection: str, formatbook: 
     return codes, dialect.astype(jnp.uint8), code.astype(jnp.uint8)
 
 
+def pack_dialects(ids: jax.Array) -> jax.Array:
+    """Dialect ids uint8 ``[..., nb]`` (0..15) two per byte ``[..., ceil(nb/2)]``: block ``2i`` in
+    the low nibble, ``2i + 1`` in the high one (0 past an odd count)."""
+    ids = jnp.asarray(ids, jnp.uint8)
+    if ids.shape[-1] % 2:
+        ids = jnp.pad(ids, [(0, 0)] * (ids.ndim - 1) + [(0, 1)])
+    return ids[..., 0::2] | (ids[..., 1::2] << 4)
+
+
+def unpack_dialects(packed: jax.Array, num_blocks: int) -> jax.Array:
+    """The inverse of :func:`pack_dialects`: uint8 ids ``[..., num_blocks]``."""
+    ids = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return ids[..., :num_blocks]
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "formatbook"))
 def _dequantize_blocks(codes, dialects, exponents, block_size: int, formatbook: Formatbook):
     book = jnp.asarray(np.asarray(formatbook, np.float32))
@@ -216,8 +233,9 @@ def _dequantize_blocks(codes, dialects, exponents, block_size: int, formatbook: 
 class DialectFP4Array(QuantizedArray):
     """BlockDialect DialectFP4 blocks.
 
-    ``codes`` uint8 ``[..., K/2]`` (two sign + index nibbles per byte), ``dialects`` and
-    ``exponents`` uint8 ``[..., K/block_size]``.
+    ``codes`` uint8 ``[..., K/2]`` (two sign + index nibbles per byte), ``dialect_pairs`` uint8
+    ``[..., ceil(K/block_size / 2)]`` (two dialect ids per byte, see :func:`pack_dialects`; the
+    ids themselves: :attr:`dialects`), ``exponents`` uint8 ``[..., K/block_size]``.
 
     ``exponents`` holds the 5-bit code ``floor(log2(block_amax)) + 16`` (see the module
     docstring); the block scale is ``2**(code - 18)``.
@@ -226,7 +244,7 @@ class DialectFP4Array(QuantizedArray):
     format = "dialect_fp4"
 
     codes: jax.Array
-    dialects: jax.Array
+    dialect_pairs: jax.Array
     exponents: jax.Array
     shape: tuple[int, ...] = static_field()
     block_size: int = static_field(default=32)
@@ -243,8 +261,14 @@ class DialectFP4Array(QuantizedArray):
         check_blocks(self.shape, self.block_size, "dialect_fp4")
         lead, k = self.shape[:-1], self.shape[-1]
         check_field("dialect_fp4", "codes", self.codes, lead + (k // 2,), jnp.uint8)
-        check_field("dialect_fp4", "dialects", self.dialects, lead + (k // self.block_size,), jnp.uint8)
+        check_field("dialect_fp4", "dialect_pairs", self.dialect_pairs, lead + (-(-k // self.block_size // 2),),
+                    jnp.uint8)
         check_field("dialect_fp4", "exponents", self.exponents, lead + (k // self.block_size,), jnp.uint8)
+
+    @property
+    def dialects(self) -> jax.Array:
+        """The dialect id of each block, uint8 ``[..., K/block_size]``."""
+        return unpack_dialects(self.dialect_pairs, self.shape[-1] // self.block_size)
 
     @property
     def effective_bits(self) -> float:
@@ -279,7 +303,7 @@ def quantize(x: jax.Array, *, block_size: int = 32, selection: str = "mse", form
     codes, dialects, exponents = _quantize_blocks(x, block_size, selection, book)
     return DialectFP4Array(
         codes=codes,
-        dialects=dialects,
+        dialect_pairs=pack_dialects(dialects),
         exponents=exponents,
         shape=tuple(x.shape),
         block_size=block_size,

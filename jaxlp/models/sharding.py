@@ -75,6 +75,9 @@ def quantized_specs(w: QuantizedArray, parallel: str | None, tp: int, *, name: s
         if k % (tp * block):
             raise ValueError(f"{name}: {w.format} weight with K = {k} cannot be split over {tp} devices at "
                              f"{block}-element block boundaries (K / tp must be a multiple of {block})")
+        if any(width % tp for width in widths):
+            raise ValueError(f"{name}: {w.format} weight with K = {k} cannot be split over {tp} devices: its "
+                             f"fields along K have {widths} columns")
     elif parallel == "column" and n % tp:
         raise ValueError(f"{name}: {w.format} weight with N = {n} rows cannot be split over {tp} devices")
 

@@ -229,8 +229,8 @@ def test_storage_and_pytree():
     for block_size in (16, 32, 64):
         q = quantize(x, block_size=block_size)
         nb = 128 // block_size
-        assert q.nbytes == 4 * (64 + 2 * nb)
-        assert q.bits_per_element == 4 + 16 / block_size
+        assert q.nbytes == 4 * (64 + nb // 2 + nb)  # codes, two dialect ids per byte, exponents
+        assert q.bits_per_element == 4 + 12 / block_size
         assert q.effective_bits == 4 + 9 / block_size
     assert quantize(x).effective_bits == pytest.approx(4.28125)
     q = base.quantize(x, "dialect_fp4", block_size=16, selection="two_stage")
@@ -316,9 +316,33 @@ def test_check_and_checkpoint_round_trip(tmp_path):
     assert isinstance(back, DialectFP4Array) and back.static_fields() == q.static_fields()
     np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(q.dequantize()))
     fields = q.static_fields()
-    with pytest.raises(ValueError, match="dialects"):
-        DialectFP4Array(q.codes, q.dialects[:, :2], q.exponents, **fields).check()
+    with pytest.raises(ValueError, match="dialect_pairs"):
+        DialectFP4Array(q.codes, q.dialect_pairs[:, :1], q.exponents, **fields).check()
+    with pytest.raises(ValueError, match="dialect_pairs"):
+        DialectFP4Array(q.codes, q.dialects, q.exponents, **fields).check()  # unpacked ids: one per block
     with pytest.raises(ValueError, match="exponents"):
-        DialectFP4Array(q.codes, q.dialects, q.exponents.astype(jnp.int8), **fields).check()
+        DialectFP4Array(q.codes, q.dialect_pairs, q.exponents.astype(jnp.int8), **fields).check()
     with pytest.raises(ValueError, match="block_size"):
-        DialectFP4Array(q.codes, q.dialects, q.exponents, **{**fields, "block_size": 8}).check()
+        DialectFP4Array(q.codes, q.dialect_pairs, q.exponents, **{**fields, "block_size": 8}).check()
+
+
+@pytest.mark.parametrize("num_blocks", [1, 3, 4, 17])
+def test_dialect_ids_are_packed_two_per_byte(num_blocks):
+    """Every id 0..15 at even and odd blocks, odd block counts (a zero high nibble pads the last
+    byte): block 2i in the low nibble, 2i + 1 in the high one, and back bit for bit; the stored
+    array holds the packed bytes and reads the same ids and values as the unpacked reference."""
+    rng = np.random.default_rng(num_blocks)
+    ids = rng.integers(0, 16, (5, num_blocks)).astype(np.uint8)
+    ids[0, :] = np.arange(num_blocks) % 16
+    packed = np.asarray(dialect_fp4.pack_dialects(jnp.asarray(ids)))
+    assert packed.shape == (5, (num_blocks + 1) // 2) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(packed & 0xF, ids[:, 0::2])
+    np.testing.assert_array_equal(packed[:, : num_blocks // 2] >> 4, ids[:, 1::2])
+    if num_blocks % 2:
+        assert (packed[:, -1] >> 4 == 0).all()
+    np.testing.assert_array_equal(np.asarray(dialect_fp4.unpack_dialects(jnp.asarray(packed), num_blocks)), ids)
+    x = jnp.asarray(rng.standard_normal((5, 32 * num_blocks)) * np.exp(rng.uniform(-4, 4, (5, 1))), jnp.float32)
+    q = quantize(x)
+    ref_ids = reference_quantize(np.asarray(x), 32, "mse")[0].reshape(5, num_blocks)
+    np.testing.assert_array_equal(np.asarray(q.dialect_pairs), np.asarray(dialect_fp4.pack_dialects(ref_ids)))
+    np.testing.assert_array_equal(np.asarray(q.dialects), ref_ids)
