@@ -67,7 +67,6 @@ class Attention(nnx.Module):
             out, cache_layer = self._attend_cache(cache_layer, q, k, v, positions, fresh, kwargs)
         return self.o_proj(out.reshape(b, s, c.num_heads * c.head_dim)), cache_layer
 
-
     def set_mesh(self, mesh: Mesh | None) -> None:
         """Attend with the cache on each device's heads over ``mesh``'s axis ``"tp"`` (None: one device)."""
         c = self.config
