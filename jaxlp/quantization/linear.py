@@ -15,8 +15,8 @@ a column-parallel layer computes its rows of the output from the whole input on 
 row-parallel one its partial product from its share of the input features, summed by one
 all-reduce; the product (any implementation, GPU kernels included) runs on the local shards under
 ``shard_map``. A row-parallel layer whose activation quantizer reduces over the whole input (a
-per-token FP8 scale) is left to XLA's SPMD partitioner instead, which keeps the single-device
-numerics (a kernel's operands are then gathered).
+per-token FP8 scale: W8A8-FP8, FireQ, NestedFP's FP8 mode) is left to XLA's SPMD partitioner
+instead, which keeps the single-device numerics (a kernel's operands are then gathered).
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from jaxlp.quantization import activations, native_dot, nvfp4_dispatch
 
 NESTEDFP_MODES = ("fp16", "fp8")
 PARALLEL_ROLES = ("column", "row")
-# Activation quantizers whose scales are local to blocks of the input features (or calibrated):
-# a row-parallel shard quantizes its features exactly as the whole layer does.
-LOCAL_ACTIVATIONS = (None, "nvfp4", "mxfp4")
+# Activation quantizers whose scales are local to blocks of the input features (NVFP4's tensor
+# scale is calibrated), by block: a row-parallel shard of whole blocks quantizes its features
+# exactly as the whole layer does.
+LOCAL_ACTIVATIONS = {None: 1, "nvfp4": 16, "mxfp4": 32, "dialect_fp4": 32}
 
 
 class Kernel(NamedTuple):
@@ -169,11 +170,11 @@ class QuantizedLinear(nnx.Module):
             return matmul(self, x)
         mesh, role = self.parallel
         act = "nestedfp_fp8" if self.mode == "fp8" and self.format == "nestedfp" else self.activation
-        if role == "row" and act not in LOCAL_ACTIVATIONS:
-            return matmul(self, x)  # XLA's SPMD partitioner: single-device numerics
         w = self.weight.get_value()
         tp = mesh.shape[AXIS]
         n, k = w.shape
+        if role == "row" and (act not in LOCAL_ACTIVATIONS or (k // tp) % LOCAL_ACTIVATIONS[act]):
+            return matmul(self, x)  # XLA's SPMD partitioner: single-device numerics
         local_shape = (n // tp, k) if role == "column" else (n, k // tp)  # the shard's own [N, K]
         lead = (None,) * (x.ndim - 1)
         x_spec, out_spec = (P(*lead, None), P(*lead, AXIS)) if role == "column" else (P(*lead, AXIS), P(*lead, None))
