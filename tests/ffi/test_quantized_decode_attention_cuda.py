@@ -69,14 +69,21 @@ def test_cuda_without_a_gpu_says_why():
     assert out.shape == (1, 1, 4, 64)
 
 
+LOWERING = dict(b=2, kvh=2, d=64)  # 2 rows, 2 KV heads of 4 query heads, head_dim 64, 256 tokens
+
+
+def lowering_inputs(name):
+    """``(key codec, value codec, q, key store, value store)`` at the :data:`LOWERING` shape."""
+    kc, vc = CODECS[name]
+    b, kvh, d = LOWERING["b"], LOWERING["kvh"], LOWERING["d"]
+    ks, vs = stores((kc, vc), *random_kv(0, b, 256, kvh, d))
+    return kc, vc, jnp.zeros((b, kvh * 4, d), jnp.bfloat16), ks, vs
+
+
 @pytest.mark.parametrize("name", READ)
 def test_lowers_to_one_custom_call_for_cuda(name):
     """The wrapper's operands and attributes lower for CUDA on any machine (no kernel runs)."""
-    kc, vc = CODECS[name]
-    b, n, kvh, g, d = 2, 256, 2, 4, 64
-    k, v = random_kv(0, b, n, kvh, d)
-    ks, vs = stores((kc, vc), k, v)
-    q = jnp.zeros((b, kvh * g, d), jnp.bfloat16)
+    kc, vc, q, ks, vs = lowering_inputs(name)
     rows = jnp.asarray([0, 128], jnp.int32)
     f = jax.jit(lambda q, ks, vs, lo, hi: cuda.attend_units(q, ks, vs, kc, vc, lo, hi, scale=0.125, softcap=30.0))
     text = f.trace(q, ks, vs, rows, rows + 128).lower(lowering_platforms=("cuda",)).as_text()
@@ -93,13 +100,10 @@ def cache_operands(b, kvh, d, rk, rv, off):
 @pytest.mark.parametrize("name", READ)
 def test_the_cache_step_lowers_to_one_custom_call_for_cuda(name):
     """attend_cache: units, rings, sink and new token in the one custom call (no XLA attention)."""
-    kc, vc = CODECS[name]
-    b, n, kvh, g, d = 2, 256, 2, 4, 64
-    k, v = random_kv(0, b, n, kvh, d)
-    ks, vs = stores((kc, vc), k, v)
-    q = jnp.zeros((b, kvh * g, d), jnp.bfloat16)
+    kc, vc, q, ks, vs = lowering_inputs(name)
     f = jax.jit(lambda q, ks, vs, ops: cuda.attend_cache(q, ks, vs, kc, vc, *ops, scale=0.125))
-    text = f.trace(q, ks, vs, cache_operands(b, kvh, d, 127, 255, 32)).lower(lowering_platforms=("cuda",)).as_text()
+    ops = cache_operands(LOWERING["b"], LOWERING["kvh"], LOWERING["d"], 127, 255, 32)
+    text = f.trace(q, ks, vs, ops).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(cuda.TARGET) == 1
     assert "dot_general" not in text
 
