@@ -103,19 +103,20 @@ def tp_mesh(mesh: Mesh) -> Mesh:
 
 def shard_model(model, mesh: Mesh):
     """Place the model's parameters for tensor parallelism over ``mesh`` (in place; returned).
-    Layers with a ``set_parallel(mesh, role)`` method (quantized linears) are told their role, so
-    that their kernels run on local shards."""
+    Layers with a ``set_parallel(mesh, role)`` method (quantized linears) are told their role, and
+    those with ``set_mesh(mesh)`` (attention) the mesh when the heads split, so that their kernels
+    run on local shards."""
     mesh = tp_mesh(mesh)
     tp = mesh.shape[AXIS]
-    if model.config.fused_projections and tp > 1:
+    c = model.config
+    if c.fused_projections and tp > 1:
         raise ValueError("shard_model splits q/k/v and gate/up by heads and rows: shard an unfused model "
                          "(fused qkv_proj / gate_up_proj rows cannot be split per device)")
-    c = model.config
     local_heads = tp > 1 and not (c.num_heads % tp or c.num_kv_heads % tp)
     for path, layer in nnx.iter_modules(model):
         if hasattr(layer, "set_parallel"):  # quantized linears
             name = ".".join(str(p) for p in path)
-            layer.set_parallel(mesh, role(name, model.config, tp) if tp > 1 else None)
+            layer.set_parallel(mesh, role(name, c, tp) if tp > 1 else None)
         if hasattr(layer, "set_mesh"):  # attention with a cache: on the local heads
             layer.set_mesh(mesh if local_heads else None)
     flat = nnx.to_flat_state(nnx.state(model))
@@ -123,10 +124,10 @@ def shard_model(model, mesh: Mesh):
         name = ".".join(str(p) for p in path)
         value = var.get_value()
         if isinstance(value, QuantizedArray):
-            specs = quantized_specs(value, role(name, model.config, tp), tp, name=name)
+            specs = quantized_specs(value, role(name, c, tp), tp, name=name)
             placed = jax.tree.map(lambda leaf, s: jax.device_put(leaf, NamedSharding(mesh, s)), value, specs)
         elif isinstance(value, jax.Array):
-            placed = jax.device_put(value, NamedSharding(mesh, tp_spec(name, value.shape, model.config, tp)))
+            placed = jax.device_put(value, NamedSharding(mesh, tp_spec(name, value.shape, c, tp)))
         else:
             raise ValueError(f"shard_model: parameter {name} is a {type(value).__name__}, not an array")
         var.set_value(placed)

@@ -19,6 +19,7 @@ from jaxlp.kvcache.base import KVCache
 from jaxlp.attention.reference import causal_attention
 from jaxlp.models.config import ModelConfig
 from jaxlp.models.layers import Embedding, Linear, RMSNorm, apply_rope, rope_cos_sin
+from jaxlp.models.sharding import AXIS
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
@@ -70,8 +71,8 @@ class Attention(nnx.Module):
     def set_mesh(self, mesh: Mesh | None) -> None:
         """Attend with the cache on each device's heads over ``mesh``'s axis ``"tp"`` (None: one device)."""
         c = self.config
-        if mesh is not None and (c.num_heads % mesh.shape["tp"] or c.num_kv_heads % mesh.shape["tp"]):
-            raise ValueError(f"{c.num_heads} query / {c.num_kv_heads} KV heads do not split over {mesh.shape['tp']} "
+        if mesh is not None and (c.num_heads % mesh.shape[AXIS] or c.num_kv_heads % mesh.shape[AXIS]):
+            raise ValueError(f"{c.num_heads} query / {c.num_kv_heads} KV heads do not split over {mesh.shape[AXIS]} "
                              "devices")
         self.mesh = mesh
 
@@ -80,16 +81,16 @@ class Attention(nnx.Module):
         cache when the layer has a mesh (the cache's kernels then run on local shards)."""
         if self.mesh is None:
             return cache_layer.attend(q, k, v, positions, fresh=fresh, **kwargs)
-        heads = P(None, None, "tp", None)
+        heads = P(None, None, AXIS, None)
         leaves, treedef = jax.tree.flatten(cache_layer)
-        specs = jax.tree.leaves(cache_layer.head_specs("tp"), is_leaf=lambda x: isinstance(x, P))
+        specs = jax.tree.leaves(cache_layer.head_specs(AXIS), is_leaf=lambda x: isinstance(x, P))
         # Empty arrays (a cache too short for one quantized unit) stay outside: XLA's CPU compiler
         # crashes on zero-size operands of a shard_map (jax 0.11.2).
         kept = [i for i, leaf in enumerate(leaves) if leaf.size]
-        tp = self.mesh.shape["tp"]
+        tp = self.mesh.shape[AXIS]
 
         def shard_shape(leaf, spec):
-            return tuple(n // tp if i < len(spec) and spec[i] == "tp" else n for i, n in enumerate(leaf.shape))
+            return tuple(n // tp if i < len(spec) and spec[i] == AXIS else n for i, n in enumerate(leaf.shape))
 
         def rebuild(parts, on_shard):
             full = [jnp.zeros(shard_shape(leaf, spec), leaf.dtype) if on_shard and not leaf.size else leaf
@@ -100,7 +101,8 @@ class Attention(nnx.Module):
 
         def local(q, k, v, p, parts):
             out, new = rebuild(parts, True).attend(q, k, v, p, fresh=fresh, **kwargs)
-            return out, [jax.tree.leaves(new)[i] for i in kept]
+            new_leaves = jax.tree.leaves(new)
+            return out, [new_leaves[i] for i in kept]
 
         part_specs = [specs[i] for i in kept]
         out, parts = jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, P(), part_specs),
