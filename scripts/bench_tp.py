@@ -15,7 +15,6 @@ TP = 1 greedy tokens, and writes JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -75,7 +74,7 @@ def main(argv=None):
     if args.tiny:
         cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    vocab_size=2048)
-    config = dataclasses.replace(from_hf_config(cfg))
+    config = from_hf_config(cfg)
     base = build_model(config)
     result = {**harness.run_metadata(argv), "model": f"Qwen3-8B shape, {args.layers} layers, random weights",
               "batch": args.batch, "context": args.context, "runs": []}
