@@ -41,7 +41,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import QWEN3_8B, build_model  # noqa: E402
+from bench_decode import QWEN3_8B, build_model, step_profile  # noqa: E402
 
 from jaxlp import kvcache  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
@@ -99,10 +99,13 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / (t.median_us * 1e-6)
 
 
-def loop_us(body, carry, args) -> float:
+def loop_us(body, carry, args, profile: dict | None = None) -> float:
     """Microseconds per iteration of ``body(i, carry)`` in a jitted ``fori_loop`` with the carry
-    donated (as a decode loop runs): ``(t(n2) - t(n1)) / (n2 - n1)``, medians of ``--repeats``."""
-    run = jax.jit(lambda c, n: jax.lax.fori_loop(0, n, body, c), static_argnums=1, donate_argnums=0)
+    donated (as a decode loop runs): ``(t(n2) - t(n1)) / (n2 - n1)``, medians of ``--repeats``.
+    With ``profile`` (a dict): also fills it with the GPU kernel time per iteration by kernel, from
+    profiler traces of one call at each length (``bench_decode.step_profile``)."""
+    run = jax.jit(lambda c, n: jax.lax.fori_loop(0, n, body, c), static_argnums=1, donate_argnums=0,
+                  compiler_options=args.compiler_options or None)
     times = {}
     for n in (args.n1, args.n2, args.n1, args.n2):  # compile both lengths, then time
         samples = []
@@ -111,6 +114,16 @@ def loop_us(body, carry, args) -> float:
             carry = jax.block_until_ready(run(carry, n))
             samples.append(time.perf_counter() - t0)
         times[n] = float(np.median(samples))
+    if profile is not None:
+        state = {"carry": carry}
+
+        def call(n):
+            def go():
+                state["carry"] = run(state["carry"], n)
+                return state["carry"]
+            return go
+
+        profile.update(step_profile(call(args.n2), call(args.n1), args.n2 - args.n1, top=8))
     return (times[args.n2] - times[args.n1]) / (args.n2 - args.n1) * 1e6
 
 
@@ -149,9 +162,12 @@ def attention_part(args, config, rows):
                     out, lay = lay.attend(q, kv, kv, pos, scale=d**-0.5, window=None, softcap=None)
                     return lay, acc + out[0, 0, 0, 0].astype(jnp.float32)
 
-                step_us = loop_us(step, (jax.tree.map(jnp.copy, layer), jnp.float32(0)), args)
+                profile = {} if args.profile else None
+                step_us = loop_us(step, (jax.tree.map(jnp.copy, layer), jnp.float32(0)), args, profile)
                 row = dict(part="attention", format=name, batch=batch, context=context, step_us=step_us,
                            bytes=step_bytes(fmt, config, batch, context))
+                if profile:
+                    row["step_profile"] = profile
                 inner = getattr(layer, "inner", layer)
                 if hasattr(inner, "k_store"):
                     def attend(i, acc):
@@ -200,7 +216,7 @@ def decode_ms(model, fmt, batch, context, args) -> float:
     layer = filled_layer(fmt, config, batch, context, context + args.n2 + 8)
     cache = kvcache.KVCache(tuple([layer] + [jax.tree.map(jnp.copy, layer) for _ in range(config.num_layers - 1)]))
     graphdef, params = nnx.split(model)
-    run = jax.jit(decode_loop, static_argnums=0, donate_argnums=2)
+    run = jax.jit(decode_loop, static_argnums=0, donate_argnums=2, compiler_options=args.compiler_options or None)
     tokens = jnp.zeros((batch,), jnp.int32)
     positions = jnp.full((batch,), context, jnp.int32)
     times = {}
@@ -286,6 +302,16 @@ class Rows(list):
             harness.write_json(self.path, dict(self.meta, rows=list(self)))
 
 
+def compiler_options(text: str) -> dict:
+    """``"a=1;b=true;c=X,Y"`` -> ``{"a": 1, "b": True, "c": "X,Y"}`` (XLA options for ``jax.jit``)."""
+    out = {}
+    for item in filter(None, text.split(";")):
+        key, _, value = item.partition("=")
+        low = value.lower()
+        out[key] = low == "true" if low in ("true", "false") else int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -304,6 +330,11 @@ def main(argv=None):
     p.add_argument("--n1", type=int, default=16)
     p.add_argument("--n2", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true",
+                   help="attention part: also split each step's GPU time by kernel (profiler traces)")
+    p.add_argument("--compiler-options", type=compiler_options, default={},
+                   help="XLA options for the timed programs, e.g. xla_gpu_enable_command_buffer=FUSION,CONDITIONAL "
+                        "(';' between options)")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)

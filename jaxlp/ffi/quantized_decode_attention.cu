@@ -536,7 +536,8 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   if (kd[0] != batch || kd[2] != kvh || kd[3] != d || kd[4] != 32) return bad("key codes do not match q");
   if (vd[0] != batch || vd[2] != kvh || vd[3] != vt || vd[4] != d / 4) return bad("value codes do not match q");
   if (kg != 1 && kg != 4) return bad("key scale groups per block must be 1 or 4");
-  if (v_group < 4 || d % v_group) return bad("value scale group must divide head_dim and be >= 4");
+  if (v_group < 16 || v_group % 16 || d % v_group)  // a thread's piece of 16 channels takes one scale
+    return bad("value scale group must be a multiple of 16 channels dividing head_dim");
   if (od[0] != batch || od[1] != kvh || od[3] != g || od[4] != d) return bad("output shape does not match q");
   auto bd = bounds.dimensions();
   if (bd.size() != 2 || bd[0] != batch || bd[1] != 8) return bad("bounds must be int32 [B, 8]");

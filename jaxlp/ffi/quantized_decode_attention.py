@@ -81,11 +81,11 @@ def layout(k_codec, v_codec, head_dim: int, group: int) -> Layout:
     if v_layout == "kitty_values" and v_codec.unit == BLOCK:
         value_tokens, value_group = BLOCK, head_dim
     elif (v_layout == "kivi_values" and v_codec.unit == 1 and v_codec.bits == 2 and head_dim % v_codec.group == 0
-          and v_codec.group % 4 == 0):
+          and v_codec.group % 16 == 0):  # a thread's 16-byte piece: 16 channels of one scale group
         value_tokens, value_group = 1, v_codec.group
     else:
         raise ValueError(f"the CUDA quantized-cache attention kernel reads Kitty value pages and 2-bit KIVI values "
-                         f"(groups of a multiple of 4 channels), not {v_codec!r} at head_dim {head_dim}")
+                         f"(groups of a multiple of 16 channels), not {v_codec!r} at head_dim {head_dim}")
     return Layout(n_boost, key_groups, value_tokens, value_group)
 
 

@@ -32,7 +32,8 @@ def test_reads_2bit_kitty_and_kivi_only():
                         ((kivi.KeyCodec(4), kivi.ValueCodec(2), 128, 4), "key blocks"),
                         ((kivi.KeyCodec(2), kivi.ValueCodec(4), 128, 4), "values"),
                         ((fireq.TokenCodec(), fireq.TokenCodec(), 128, 4), "not"),
-                        ((kc, kivi.ValueCodec(2, group=2), 128, 4), "values")]:
+                        ((kc, kivi.ValueCodec(2, group=2), 128, 4), "values"),
+                        ((kc, kivi.ValueCodec(2, group=8), 128, 4), "values")]:  # 16 channels per scale read
         with pytest.raises(ValueError, match=match):
             cuda.layout(*args)
         assert not cuda.supports(*args)
