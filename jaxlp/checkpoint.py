@@ -365,17 +365,9 @@ def set_default_mode(path: str | os.PathLike) -> None:
     os.chmod(path, 0o777 & ~umask)
 
 
-def load(path: str | os.PathLike, *, sharding: jax.sharding.Sharding | None = None, verify: bool = True,
-         check_finite: bool = False) -> Any:
-    """Read a checkpoint written by :func:`save`: the same tree, classes, static fields and bits.
-
-    sharding: where to place every JAX array (default: the first device). NumPy leaves come
-    back as NumPy arrays. verify: check each array's CRC-32 against the sidecar.
-    check_finite: refuse floating arrays holding NaN or Inf (NonFiniteWeightsError).
-    Raises :class:`CheckpointError` for a missing, incomplete, corrupt or inconsistent checkpoint.
-    """
-    import orbax.checkpoint as ocp
-
+def _read_sidecar(path: str | os.PathLike) -> tuple[str, dict]:
+    """``(absolute path, sidecar)`` of the checkpoint at ``path``; CheckpointError when there is none,
+    it is corrupt, or of another version."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint directory at {path}")
@@ -392,33 +384,85 @@ def load(path: str | os.PathLike, *, sharding: jax.sharding.Sharding | None = No
     version = sidecar["jaxlp_checkpoint_version"]
     if version != VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {version}, this jaxlp reads version {VERSION}")
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return path, sidecar
 
-    # Pass 1: validate the sidecar and collect the leaves (abstract arrays stand in for data).
-    specs: list[_LeafSpec] = []
+
+def _abstract_tree(path: str, sidecar: dict) -> tuple[Any, dict[int, _LeafSpec]]:
+    """The stored tree with ``jax.ShapeDtypeStruct`` leaves (QuantizedArrays checked against their
+    static fields), and each leaf's spec by ``id`` of its ShapeDtypeStruct."""
+    specs: dict[int, _LeafSpec] = {}
 
     def collect(spec: _LeafSpec) -> jax.ShapeDtypeStruct:
-        specs.append(spec)
-        return jax.ShapeDtypeStruct(spec.shape, spec.dtype)
+        leaf = jax.ShapeDtypeStruct(spec.shape, spec.dtype)
+        specs[id(leaf)] = spec
+        return leaf
 
-    _build(sidecar.get("tree"), "tree", collect)
-    if sorted(s.index for s in specs) != list(range(len(specs))) or sidecar.get("num_arrays") != len(specs):
-        raise CheckpointError(f"corrupt sidecar {sidecar_path}: array indices do not number the leaves 0..n-1")
+    tree = _build(sidecar.get("tree"), "tree", collect)
+    indices = sorted(s.index for s in specs.values())
+    if indices != list(range(len(specs))) or sidecar.get("num_arrays") != len(specs):
+        raise CheckpointError(f"corrupt sidecar {os.path.join(path, SIDECAR)}: array indices do not number the "
+                              f"leaves 0..n-1")
+    return tree, specs
 
-    stored_specs = [s for s in specs if math.prod(s.shape)]
+
+def abstract(path: str | os.PathLike) -> Any:
+    """The tree a checkpoint holds, with ``jax.ShapeDtypeStruct`` leaves (only the sidecar is
+    read): what :func:`load` returns, shaped but without data. Map it to a tree of shardings for
+    ``load(path, sharding=...)``."""
+    path, sidecar = _read_sidecar(path)
+    return _abstract_tree(path, sidecar)[0]
+
+
+def _shardings_by_key(path: str, tree: Any, specs: dict[int, _LeafSpec], sharding: Any) -> dict[str, Any]:
+    """Each array leaf's sharding (by its Orbax key) from ``sharding``: one Sharding for all, or a
+    pytree of Shardings with the structure of :func:`abstract`."""
+    if isinstance(sharding, jax.sharding.Sharding):
+        return {spec.key: sharding for spec in specs.values()}
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(tree)
+    placed, placed_def = jax.tree.flatten(sharding, is_leaf=is_sharding)
+    if placed_def != treedef:
+        raise ValueError(f"{path}: the sharding tree does not have the structure of the checkpoint's tree "
+                         f"(checkpoint.abstract(path) gives it; {len(placed)} leaves for {len(leaves)} arrays)")
+    bad = [type(x).__name__ for x in placed if not is_sharding(x)]
+    if bad:
+        raise ValueError(f"{path}: every leaf of the sharding tree must be a jax.sharding.Sharding, got {bad[0]}")
+    return {specs[id(leaf)].key: s for leaf, s in zip(leaves, placed)}
+
+
+def load(path: str | os.PathLike, *, sharding: Any = None, verify: bool = True, check_finite: bool = False) -> Any:
+    """Read a checkpoint written by :func:`save`: the same tree, classes, static fields and bits.
+
+    sharding: where to place the JAX arrays: one ``jax.sharding.Sharding`` for all (default: the
+    first device), or a pytree of Shardings shaped like :func:`abstract` (``jax.tree.map`` over
+    it), each array then restored directly onto its own sharding (every device reads only its
+    shard). NumPy leaves come back as NumPy arrays. verify: check each array's CRC-32 against the
+    sidecar. check_finite: refuse floating arrays holding NaN or Inf (NonFiniteWeightsError).
+    Raises :class:`CheckpointError` for a missing, incomplete, corrupt or inconsistent checkpoint,
+    ValueError for a sharding tree that does not fit it.
+    """
+    import orbax.checkpoint as ocp
+
+    path, sidecar = _read_sidecar(path)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # Pass 1: validate the sidecar and collect the leaves (abstract arrays stand in for data).
+    tree, specs = _abstract_tree(path, sidecar)
+    placement = _shardings_by_key(path, tree, specs, sharding)
+
+    stored_specs = [s for s in specs.values() if math.prod(s.shape)]
     restored: dict[str, Any] = {}
     if stored_specs:
-        restored = _restore_arrays(path, stored_specs, sharding, ocp)
+        restored = _restore_arrays(path, stored_specs, placement, ocp)
 
     def leaf(spec: _LeafSpec) -> Any:
         if not math.prod(spec.shape):
             value = np.zeros(spec.shape, spec.dtype)
-            return value if spec.numpy else jax.device_put(value, sharding)
+            return value if spec.numpy else jax.device_put(value, placement[spec.key])
         value = restored[spec.key]
         value = np.asarray(value) if spec.numpy else value
         if not spec.numpy and not isinstance(value, jax.Array):
-            value = jax.device_put(value, sharding)
+            value = jax.device_put(value, placement[spec.key])
         if tuple(value.shape) != spec.shape or jnp.dtype(value.dtype) != spec.dtype:
             raise CheckpointError(
                 f"{path}: {spec.where} came back as {jnp.dtype(value.dtype).name}{list(value.shape)}, "
@@ -536,7 +580,7 @@ def _read_error(path: str, e: BaseException, specs: dict[str, _LeafSpec]) -> Che
     )
 
 
-def _restore_arrays(path: str, specs: list[_LeafSpec], sharding, ocp) -> dict[str, Any]:
+def _restore_arrays(path: str, specs: list[_LeafSpec], placement: dict[str, Any], ocp) -> dict[str, Any]:
     arrays_path = os.path.join(path, ARRAYS)
     if not os.path.isdir(arrays_path):
         raise CheckpointError(f"{path}: array data directory {ARRAYS}/ is missing")
@@ -568,7 +612,8 @@ def _restore_arrays(path: str, specs: list[_LeafSpec], sharding, ocp) -> dict[st
                     f"sidecar but {dtype.name}{list(shape)} in the data"
                 )
         abstract = {
-            k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=None if s.numpy else sharding) for k, s in expected.items()
+            k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=None if s.numpy else placement[k])
+            for k, s in expected.items()
         }
         try:
             return ckptr.restore(arrays_path, abstract)

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxlp.models.loading import check_model_dir, load_hf
-from jaxlp.models.sharding import shard_model
 from jaxlp.models.transformer import Transformer
 from jaxlp.quantization.saving import is_quantized_checkpoint, load_quantized
 
@@ -25,6 +24,5 @@ def from_pretrained(path: str | Path, *, dtype=jnp.bfloat16, mesh: Mesh | None =
     """
     path = check_model_dir(path)
     if is_quantized_checkpoint(path):
-        model = load_quantized(path, check_finite=check_finite)
-        return shard_model(model, mesh) if mesh is not None else model
+        return load_quantized(path, check_finite=check_finite, mesh=mesh)  # straight onto the shardings
     return load_hf(path, dtype=dtype, mesh=mesh, check_finite=check_finite)

@@ -79,6 +79,49 @@ def test_single_quantized_array_and_empty_tree(tmp_path):
     assert checkpoint.load(tmp_path / "empty") == {"a": [], "b": None}
 
 
+def test_abstract_is_the_tree_without_data(tmp_path):
+    tree = make_tree(503)
+    checkpoint.save(tmp_path / "ckpt", tree)
+    shaped = checkpoint.abstract(tmp_path / "ckpt")
+    assert jax.tree.structure(shaped) == jax.tree.structure(tree)
+    for a, x in zip(jax.tree.leaves(shaped), jax.tree.leaves(tree)):
+        assert isinstance(a, jax.ShapeDtypeStruct) and a.shape == x.shape and a.dtype == x.dtype
+    assert isinstance(shaped["layers"][0]["w"], NVFP4Array) and shaped["layers"][0]["w"].scale_clamp == "torchao"
+
+
+def test_load_places_every_array_on_its_own_sharding(tmp_path):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    tree = make_tree(504)
+    checkpoint.save(tmp_path / "ckpt", tree)
+    rows = NamedSharding(mesh, P("x"))  # the leading axis over two devices where it divides, else replicated
+
+    def place(a):
+        return rows if a.ndim and a.shape[0] % 2 == 0 else NamedSharding(mesh, P())
+
+    shardings = jax.tree.map(place, checkpoint.abstract(tmp_path / "ckpt"))
+    out = checkpoint.load(tmp_path / "ckpt", sharding=shardings)
+    assert_same_tree(out, tree)
+    for leaf, want in zip(jax.tree.leaves(out), jax.tree.leaves(shardings)):
+        if isinstance(leaf, jax.Array):
+            assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+    assert out["layers"][0]["w"].data.sharding.spec == P("x")  # 8 rows: 4 per device
+    assert out["embed"].sharding.spec == P("x") and len(out["embed"].sharding.device_set) == 2
+    assert out["zd"].sharding.spec == P("x")  # zero-size arrays (sidecar only) too
+
+
+def test_a_sharding_tree_that_does_not_fit_is_refused(tmp_path):
+    tree = make_tree(505)
+    checkpoint.save(tmp_path / "ckpt", tree)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shaped = checkpoint.abstract(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="structure of the checkpoint"):
+        checkpoint.load(tmp_path / "ckpt", sharding={"layers": one})
+    with pytest.raises(ValueError, match="must be a jax.sharding.Sharding"):
+        checkpoint.load(tmp_path / "ckpt", sharding=jax.tree.map(lambda a: "cpu:0", shaped))
+
+
 def test_overwrite(tmp_path):
     path = tmp_path / "ckpt"
     checkpoint.save(path, {"x": jnp.ones(3)})

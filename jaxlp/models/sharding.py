@@ -101,17 +101,48 @@ def tp_mesh(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, (AXIS,))
 
 
+def _check_splits(config: ModelConfig, tp: int) -> None:
+    if config.fused_projections and tp > 1:
+        raise ValueError("tensor parallelism splits q/k/v and gate/up by heads and rows: shard an unfused model "
+                         "(fused qkv_proj / gate_up_proj rows cannot be split per device)")
+
+
+def parameter_sharding(name: str, value: Any, config: ModelConfig, mesh: Mesh) -> Any:
+    """Where parameter ``name`` (dotted path, e.g. ``layers.0.mlp.down_proj.weight``) lives on
+    ``mesh``: a NamedSharding, or for a QuantizedArray a pytree like it of NamedShardings (arrays
+    or ``jax.ShapeDtypeStruct`` leaves both do)."""
+    tp = mesh.shape[AXIS]
+    if isinstance(value, QuantizedArray):
+        specs = quantized_specs(value, role(name, config, tp), tp, name=name)
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    if not hasattr(value, "shape"):
+        raise ValueError(f"parameter {name} is a {type(value).__name__}, not an array")
+    return NamedSharding(mesh, tp_spec(name, tuple(value.shape), config, tp))
+
+
+def param_shardings(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
+    """The tree of :func:`parameter_sharding` for a model's parameters as a nested dict (``nnx``'s
+    pure dict, or a checkpoint's :func:`jaxlp.checkpoint.abstract`): what a loader restores onto."""
+    mesh = tp_mesh(mesh)
+    _check_splits(config, mesh.shape[AXIS])
+    is_leaf = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+
+    def place(path, value):
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        return parameter_sharding(name, value, config, mesh)
+
+    return jax.tree_util.tree_map_with_path(place, params, is_leaf=is_leaf)
+
+
 def shard_model(model, mesh: Mesh):
     """Place the model's parameters for tensor parallelism over ``mesh`` (in place; returned).
     Layers with a ``set_parallel(mesh, role)`` method (quantized linears) are told their role, and
     those with ``set_mesh(mesh)`` (attention) the mesh when the heads split, so that their kernels
-    run on local shards."""
+    run on local shards. Parameters already on their target shardings stay where they are."""
     mesh = tp_mesh(mesh)
     tp = mesh.shape[AXIS]
     c = model.config
-    if c.fused_projections and tp > 1:
-        raise ValueError("shard_model splits q/k/v and gate/up by heads and rows: shard an unfused model "
-                         "(fused qkv_proj / gate_up_proj rows cannot be split per device)")
+    _check_splits(c, tp)
     local_heads = tp > 1 and not (c.num_heads % tp or c.num_kv_heads % tp)
     for path, layer in nnx.iter_modules(model):
         if hasattr(layer, "set_parallel"):  # quantized linears
@@ -123,13 +154,8 @@ def shard_model(model, mesh: Mesh):
     for path, var in flat:
         name = ".".join(str(p) for p in path)
         value = var.get_value()
-        if isinstance(value, QuantizedArray):
-            specs = quantized_specs(value, role(name, c, tp), tp, name=name)
-            placed = jax.tree.map(lambda leaf, s: jax.device_put(leaf, NamedSharding(mesh, s)), value, specs)
-        elif isinstance(value, jax.Array):
-            placed = jax.device_put(value, NamedSharding(mesh, tp_spec(name, value.shape, c, tp)))
-        else:
+        if not isinstance(value, (QuantizedArray, jax.Array)):
             raise ValueError(f"shard_model: parameter {name} is a {type(value).__name__}, not an array")
-        var.set_value(placed)
+        var.set_value(jax.tree.map(jax.device_put, value, parameter_sharding(name, value, c, mesh)))
     nnx.update(model, nnx.from_flat_state(flat))
     return model

@@ -19,11 +19,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxlp import checkpoint
 from jaxlp.errors import CheckpointFormatError
 from jaxlp.formats.base import QuantizedArray
 from jaxlp.models.config import ModelConfig, RopeConfig
+from jaxlp.models.sharding import AXIS, param_shardings, shard_model, tp_mesh
 from jaxlp.models.transformer import Transformer
 from jaxlp.quantization.linear import QuantizedLinear
 from jaxlp.quantization.model import QuantizationReport, quantized_layers
@@ -177,17 +179,28 @@ def _check_shapes(path: Path, expected: dict, params: dict) -> None:
             )
 
 
-def load_quantized(path: str | Path, *, check_finite: bool = True):
+def load_quantized(path: str | Path, *, check_finite: bool = True, mesh: Mesh | None = None):
     """Load a directory written by :func:`save_quantized` (also reached via ``from_pretrained``).
 
-    Every problem (a corrupt or edited ``jaxlp_model.json``, missing, truncated or corrupt
-    array data, parameters that do not fit) raises :class:`~jaxlp.errors.CheckpointFormatError`
-    naming the file; ``check_finite`` also refuses floating parameters holding NaN or Inf
-    (``NonFiniteWeightsError``; one reduction per array).
+    ``mesh`` (an axis ``"tp"``): tensor parallelism; every array is restored straight onto its
+    target sharding (:func:`jaxlp.models.sharding.param_shardings`: each device reads its shard,
+    no device ever holds a whole model), then :func:`~jaxlp.models.shard_model` gives the layers
+    their roles. Every problem (a corrupt or edited ``jaxlp_model.json``, missing, truncated or
+    corrupt array data, parameters that do not fit) raises
+    :class:`~jaxlp.errors.CheckpointFormatError` naming the file; ``check_finite`` also refuses
+    floating parameters holding NaN or Inf (``NonFiniteWeightsError``; one reduction per array).
     """
     path = Path(path)
     meta, config, dtype, layers = _read_marker(path)
-    params = _keys(checkpoint.load(path / "params", check_finite=check_finite), _to_int)
+    sharding = None
+    if mesh is not None:
+        mesh = tp_mesh(mesh)
+        stored = checkpoint.abstract(path / "params")
+        try:
+            sharding = param_shardings(stored, config, mesh)
+        except ValueError as e:
+            raise ValueError(f"{path}: cannot shard this model over {mesh.shape[AXIS]} devices: {e}") from None
+    params = _keys(checkpoint.load(path / "params", sharding=sharding, check_finite=check_finite), _to_int)
     model = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
     for dotted, info in layers.items():
         entry = _lookup(params, dotted)
@@ -212,4 +225,4 @@ def load_quantized(path: str | Path, *, check_finite: bool = True):
         raise CheckpointFormatError(f"{path}: parameters do not match the model in {MARKER} ({e})") from None
     nnx.update(model, state)
     model.quantization = QuantizationReport(meta["recipe"], tuple(layers), tuple(tuple(k) for k in meta["kept"]))
-    return model
+    return shard_model(model, mesh) if mesh is not None else model

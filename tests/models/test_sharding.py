@@ -152,6 +152,35 @@ def test_save_on_one_mesh_load_on_another_is_bit_exact(base, tmp_path):
     np.testing.assert_allclose(np.asarray(loaded(ids)), np.asarray(single(ids)), rtol=1e-5, atol=1e-5)
 
 
+def test_a_quantized_checkpoint_is_restored_straight_onto_the_mesh(base, tmp_path, monkeypatch):
+    from jaxlp import checkpoint
+    from jaxlp.quantization.saving import load_quantized
+
+    single = quantize_model(base, "w4a16-nvfp4")
+    save_quantized(single, tmp_path / "q")
+    seen = []
+    real_load = checkpoint.load
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: seen.append(k.get("sharding")) or real_load(*a, **k))
+    loaded = load_quantized(tmp_path / "q", mesh=mesh_of(2))
+    assert seen and seen[0] is not None  # one sharding per array, not one device then a reshard
+    placed = shard_model(nnx.clone(single), mesh_of(2))
+    for a, b in zip(jax.tree.leaves(nnx.state(placed)), jax.tree.leaves(nnx.state(loaded))):
+        assert b.sharding.is_equivalent_to(a.sharding, b.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert loaded.layers[0].mlp.down_proj.parallel[1] == "row"
+    ids = token_ids(3)
+    np.testing.assert_allclose(np.asarray(loaded(ids)), np.asarray(single(ids)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_that_cannot_split_says_so(tmp_path):
+    from jaxlp.quantization.saving import load_quantized
+
+    fireq = quantize_model(tp_model(hidden=512, intermediate=768), "w4a8-fireq")
+    save_quantized(fireq, tmp_path / "q")
+    with pytest.raises(ValueError, match="cannot shard this model over 4 devices.*block boundaries"):
+        load_quantized(tmp_path / "q", mesh=mesh_of(4))
+
+
 @pytest.fixture(scope="module")
 def w4a16_pair(base):
     single = quantize_model(base, "w4a16-nvfp4")
