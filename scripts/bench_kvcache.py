@@ -51,6 +51,8 @@ from jaxlp.pallas import quantized_decode_attention as units_attention  # noqa: 
 
 FORMATS = ("bf16", "kitty", "kitty-pro", "kivi-k2v2", "kivi-k2v2*", "fireq-int4")
 CHUNK = 4096
+MIN_DIFFERENCE_S = 0.02  # loop_us: the two loop lengths' times differ by at least this much
+MAX_STEPS = 8192
 
 
 def model_config(layers: int, tiny: bool = False):
@@ -101,30 +103,42 @@ def copy_bandwidth() -> float:
 
 def loop_us(body, carry, args, profile: dict | None = None) -> float:
     """Microseconds per iteration of ``body(i, carry)`` in a jitted ``fori_loop`` with the carry
-    donated (as a decode loop runs): ``(t(n2) - t(n1)) / (n2 - n1)``, medians of ``--repeats``.
-    With ``profile`` (a dict): also fills it with the GPU kernel time per iteration by kernel, from
+    donated (as a decode loop runs): ``(t(n2) - t(n1)) / (n2 - n1)``, medians of ``--repeats``,
+    ``n2`` lengthened until the difference is ``MIN_DIFFERENCE_S`` (the body must repeat the same
+    work every iteration, as these steps do: same position, same slots). With ``profile`` (a dict): also fills it with the GPU kernel time per iteration by kernel, from
     profiler traces of one call at each length (``bench_decode.step_profile``)."""
     run = jax.jit(lambda c, n: jax.lax.fori_loop(0, n, body, c), static_argnums=1, donate_argnums=0,
                   compiler_options=args.compiler_options or None)
     times = {}
-    for n in (args.n1, args.n2, args.n1, args.n2):  # compile both lengths, then time
+    state = {"carry": carry}
+
+    def timed(n):
         samples = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            carry = jax.block_until_ready(run(carry, n))
+            state["carry"] = jax.block_until_ready(run(state["carry"], n))
             samples.append(time.perf_counter() - t0)
         times[n] = float(np.median(samples))
-    if profile is not None:
-        state = {"carry": carry}
 
+    n1, n2 = args.n1, args.n2
+    for n in (n1, n2, n1, n2):  # compile both lengths, then time
+        timed(n)
+    # A difference of a few ms drowns in the host's jitter (a 15 us step x 32 steps): lengthen the
+    # long loop until the difference is MIN_DIFFERENCE_S (the steps repeat the same work).
+    diff = times[n2] - times[n1]
+    if diff < MIN_DIFFERENCE_S and n2 < MAX_STEPS:
+        n2 = min(MAX_STEPS, n1 + int(np.ceil((n2 - n1) * MIN_DIFFERENCE_S / max(diff, 1e-4))))
+        timed(n2)
+        timed(n2)
+    if profile is not None:
         def call(n):
             def go():
                 state["carry"] = run(state["carry"], n)
                 return state["carry"]
             return go
 
-        profile.update(step_profile(call(args.n2), call(args.n1), args.n2 - args.n1, top=8))
-    return (times[args.n2] - times[args.n1]) / (args.n2 - args.n1) * 1e6
+        profile.update(step_profile(call(n2), call(n1), n2 - n1, top=8))
+    return (times[n2] - times[n1]) / (n2 - n1) * 1e6
 
 
 def units_kernel(inner, num_heads):

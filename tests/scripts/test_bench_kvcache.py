@@ -28,3 +28,32 @@ def test_loop_us_times_the_donated_loop_and_fills_the_profile(bk):
     assert isinstance(us, float)
     assert set(profile) == {"gpu_us_per_token", "by_kind_us", "top_kernels_us"}
     assert profile["gpu_us_per_token"] == 0.0  # no GPU here: no GPU kernels in the traces
+
+
+def test_loop_us_lengthens_the_long_loop_until_the_difference_is_measurable(bk, monkeypatch):
+    """A step far below the host's jitter: the long loop grows (to MAX_STEPS at most) and the
+    result is the per-step time of the loop that was measured."""
+    lengths = []
+    clock = iter(float(t) for t in range(10**6))
+    monkeypatch.setattr(bk.time, "perf_counter", lambda: next(clock) * 1e-3)  # every call: +1 ms
+    monkeypatch.setattr(bk.jax, "block_until_ready", lambda x: x)
+    args = types.SimpleNamespace(n1=2, n2=4, repeats=1, compiler_options={})
+
+    def body(i, c):
+        return c + 1.0
+
+    real_jit = bk.jax.jit
+
+    def spy_jit(fn, **kw):
+        compiled = real_jit(fn, **kw)
+
+        def run(c, n):
+            lengths.append(n)
+            return compiled(c, n)
+        return run
+
+    monkeypatch.setattr(bk.jax, "jit", spy_jit)
+    us = bk.loop_us(body, jnp.zeros((4,), jnp.float32), args)
+    # The fake clock makes every call take 1 ms: difference 0 < MIN_DIFFERENCE_S, so n2 grows.
+    assert max(lengths) > args.n2 and max(lengths) <= bk.MAX_STEPS
+    assert us == pytest.approx(0.0, abs=1e-9)
