@@ -287,11 +287,15 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> None
 
     Refuses an existing ``path`` unless ``overwrite=True`` (and then only if it is a jaxlp
     checkpoint or an empty directory). The checkpoint is written to a temporary sibling
-    directory and renamed into place, so a failed save leaves no partial checkpoint.
+    directory and renamed into place, so a failed save leaves no partial checkpoint. One process
+    only: a multi-process (multi-host) save is refused.
     """
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
+    if jax.process_count() > 1:
+        raise CheckpointError(f"saving {path} from {jax.process_count()} processes is not supported yet: each would "
+                              f"write its own temporary directory and rename it into place (loading works)")
     if os.path.lexists(path):
         if not overwrite:
             raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")

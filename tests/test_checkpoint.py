@@ -122,6 +122,13 @@ def test_a_sharding_tree_that_does_not_fit_is_refused(tmp_path):
         checkpoint.load(tmp_path / "ckpt", sharding=jax.tree.map(lambda a: "cpu:0", shaped))
 
 
+def test_a_save_from_several_processes_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(CheckpointError, match="from 2 processes is not supported"):
+        checkpoint.save(tmp_path / "ckpt", {"a": jnp.ones(3)})
+    assert not (tmp_path / "ckpt").exists() and not list(tmp_path.iterdir())
+
+
 def test_overwrite(tmp_path):
     path = tmp_path / "ckpt"
     checkpoint.save(path, {"x": jnp.ones(3)})
