@@ -105,8 +105,9 @@ def loop_us(body, carry, args, profile: dict | None = None) -> float:
     """Microseconds per iteration of ``body(i, carry)`` in a jitted ``fori_loop`` with the carry
     donated (as a decode loop runs): ``(t(n2) - t(n1)) / (n2 - n1)``, medians of ``--repeats``,
     ``n2`` lengthened until the difference is ``MIN_DIFFERENCE_S`` (the body must repeat the same
-    work every iteration, as these steps do: same position, same slots). With ``profile`` (a dict): also fills it with the GPU kernel time per iteration by kernel, from
-    profiler traces of one call at each length (``bench_decode.step_profile``)."""
+    work every iteration, as these steps do: same position, same slots). With ``profile`` (a
+    dict): also fills it with the GPU kernel time per iteration by kernel, from profiler traces of
+    one call at each length (``bench_decode.step_profile``)."""
     run = jax.jit(lambda c, n: jax.lax.fori_loop(0, n, body, c), static_argnums=1, donate_argnums=0,
                   compiler_options=args.compiler_options or None)
     times = {}
@@ -128,7 +129,7 @@ def loop_us(body, carry, args, profile: dict | None = None) -> float:
     diff = times[n2] - times[n1]
     if diff < MIN_DIFFERENCE_S and n2 < MAX_STEPS:
         n2 = min(MAX_STEPS, n1 + int(np.ceil((n2 - n1) * MIN_DIFFERENCE_S / max(diff, 1e-4))))
-        timed(n2)
+        timed(n2)  # compiles the new length
         timed(n2)
     if profile is not None:
         def call(n):
