@@ -72,6 +72,7 @@ struct Params {
   int kvh, g, splits;
   int k_units, nb, kg;         // key blocks per row, boosted channels, scale groups per block (1 or 4)
   int v_units, vt, v_group;    // value units per row, tokens per value unit (128 or 1), channels per value scale
+  int vt_shift, v_group_shift; // log2 of vt and v_group (both powers of two)
   int rk, rv, off, tail;        // ring slots, sink tokens, 1: the sink + new-token block after the stream
   float softcap;               // <= 0: none
 };
@@ -170,20 +171,20 @@ __device__ __forceinline__ void load_block(const Params& p, int b, int kh, int b
     }
   }
   constexpr int kPieces = D / 64;  // 16-byte pieces per value token (D / 4 bytes)
-  const int vgroups = D / p.v_group;
+  const int vgroups = D >> p.v_group_shift;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     const int idx = tid + kThreads * i;
     const int tok = idx / kPieces, piece = idx % kPieces;
     const int j = blk * kBlock + tok;  // stream index
-    const bool ok = j >= lo && j < hi && j / p.vt < p.v_units;
-    const long unit = ok ? j / p.vt : 0, inner = ok ? j % p.vt : 0;
+    const bool ok = j >= lo && j < hi && (j >> p.vt_shift) < p.v_units;
+    const long unit = ok ? j >> p.vt_shift : 0, inner = ok ? j & (p.vt - 1) : 0;
     const long vbase = ((static_cast<long>(b) * p.v_units + unit) * p.kvh + kh) * p.vt + inner;
     r.val[i] = ok ? __ldg(reinterpret_cast<const uint4*>(p.v_codes + vbase * (D / 4) + piece * 16))
                   : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < VPL; ++u) {  // plane u: channels u D/4 + [16 piece, 16 piece + 16)
-      const int grp = (u * (D / 4) + piece * 16) / p.v_group;
+      const int grp = (u * (D / 4) + piece * 16) >> p.v_group_shift;
       r.vs[i][u] = ok ? __half2half2(p.v_scale[vbase * vgroups + grp]) : __float2half2_rn(0.f);
       r.vm[i][u] = ok ? __half2half2(p.v_min[vbase * vgroups + grp]) : __float2half2_rn(0.f);
     }
@@ -237,11 +238,6 @@ __device__ __forceinline__ void unpack_block(const BlockRegs<D, KG, VPL>& r, int
   }
 }
 
-// Eight FP16 numbers from global memory (16 bytes), or zeros.
-__device__ __forceinline__ uint4 load8(const __half* src) {
-  return src ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
-}
-
 // Eight FP16 key channels c8 * 8 .. + 7 of token `tok` into the channel-major tile.
 template <int D>
 __device__ __forceinline__ void store_key8(__half* kt, int c8, int tok, uint4 x) {
@@ -251,39 +247,55 @@ __device__ __forceinline__ void store_key8(__half* kt, int c8, int tok, uint4 x)
   for (int i = 0; i < 8; ++i) kt[(c8 * 8 + i) * kKStride + tok] = h[i];
 }
 
-// The FP16 tokens of block `blk` over its unpacked codes (see the file's head): ring keys and values
-// where the ring holds them, or (the tail block) the sink and the new token, zeros elsewhere.
+// Token `tok`'s FP16 key and value (`ksrc`, `vsrc`: D channels in global memory, or null: left as
+// unpacked) into the tiles, loads issued two 16-byte pieces of each ahead of their stores.
 template <int D>
-__device__ void fill_block(const Params& p, int b, int kh, int blk, bool tail, const Bounds& r, int tid,
-                           __half* kt, __half* vsm) {
-  constexpr int kVStride = D + kPad, kC8 = D / 8;
-  for (int e = tid; e < kBlock * kC8; e += kThreads) {
-    const int tok = e % kBlock, c8 = e / kBlock;  // keys: consecutive threads, consecutive tokens
-    const int j = blk * kBlock + tok;
-    if (tail) {
-      const __half* src = tok < p.off ? p.sink_k + ((static_cast<long>(b) * p.off + tok) * p.kvh + kh) * D
-                          : tok == p.off ? p.new_k + (static_cast<long>(b) * p.kvh + kh) * D : nullptr;
-      store_key8<D>(kt, c8, tok, load8(src ? src + c8 * 8 : nullptr));
-    } else if (p.rk > 0 && j >= r.qk && j >= r.lo && j < r.hi) {
-      const int slot = j % p.rk;
-      if (p.k_ring_pos[static_cast<long>(b) * p.rk + slot] == j)
-        store_key8<D>(kt, c8, tok, load8(p.k_ring + ((static_cast<long>(b) * p.rk + slot) * p.kvh + kh) * D + c8 * 8));
+__device__ __forceinline__ void copy_token(const __half* ksrc, const __half* vsrc, int tok, __half* kt, __half* vsm) {
+  constexpr int kVStride = D + kPad, kC8 = D / 8, kBatch = 2;
+#pragma unroll
+  for (int c0 = 0; c0 < kC8; c0 += kBatch) {
+    uint4 kx[kBatch], vx[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (ksrc) kx[i] = __ldg(reinterpret_cast<const uint4*>(ksrc) + c0 + i);
+      if (vsrc) vx[i] = __ldg(reinterpret_cast<const uint4*>(vsrc) + c0 + i);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (ksrc) store_key8<D>(kt, c0 + i, tok, kx[i]);
+      if (vsrc) *reinterpret_cast<uint4*>(vsm + tok * kVStride + (c0 + i) * 8) = vx[i];
     }
   }
-  for (int e = tid; e < kBlock * kC8; e += kThreads) {
-    const int tok = e / kC8, c8 = e % kC8;  // values: token-major, consecutive channels
-    const int j = blk * kBlock + tok;
-    uint4* dst = reinterpret_cast<uint4*>(vsm + tok * kVStride + c8 * 8);
-    if (tail) {
-      const __half* src = tok < p.off ? p.sink_v + ((static_cast<long>(b) * p.off + tok) * p.kvh + kh) * D
-                          : tok == p.off ? p.new_v + (static_cast<long>(b) * p.kvh + kh) * D : nullptr;
-      *dst = load8(src ? src + c8 * 8 : nullptr);
-    } else if (p.rv > 0 && j >= r.qv && j >= r.lo && j < r.hi) {
-      const int slot = j % p.rv;
-      if (p.v_ring_pos[static_cast<long>(b) * p.rv + slot] == j)
-        *dst = load8(p.v_ring + ((static_cast<long>(b) * p.rv + slot) * p.kvh + kh) * D + c8 * 8);
+}
+
+// The FP16 tokens of block `blk` over its unpacked codes (see the file's head), one token per
+// thread: ring keys and values where the ring holds them, or (the tail block) the sink and the new
+// token; the unpacked tail block is zeros elsewhere.
+template <int D>
+__device__ __forceinline__ void fill_block(const Params& p, int b, int kh, int blk, bool tail, const Bounds& r,
+                                           int tid, __half* kt, __half* vsm) {
+  static_assert(kThreads == kBlock, "one token per thread");
+  const int tok = tid, j = blk * kBlock + tok;
+  const __half *ksrc = nullptr, *vsrc = nullptr;
+  if (tail) {
+    if (tok < p.off) {
+      const long at = ((static_cast<long>(b) * p.off + tok) * p.kvh + kh) * D;
+      ksrc = p.sink_k + at;
+      vsrc = p.sink_v + at;
+    } else if (tok == p.off) {
+      const long at = (static_cast<long>(b) * p.kvh + kh) * D;
+      ksrc = p.new_k + at;
+      vsrc = p.new_v + at;
     }
+  } else if (j >= r.lo && j < r.hi) {
+    const bool kr = p.rk > 0 && j >= r.qk, vr = p.rv > 0 && j >= r.qv;
+    const int kslot = kr ? j % p.rk : 0, vslot = vr ? j % p.rv : 0;
+    const int kpos = kr ? __ldg(p.k_ring_pos + static_cast<long>(b) * p.rk + kslot) : -1;
+    const int vpos = vr ? __ldg(p.v_ring_pos + static_cast<long>(b) * p.rv + vslot) : -1;
+    if (kpos == j) ksrc = p.k_ring + ((static_cast<long>(b) * p.rk + kslot) * p.kvh + kh) * D;
+    if (vpos == j) vsrc = p.v_ring + ((static_cast<long>(b) * p.rv + vslot) * p.kvh + kh) * D;
   }
+  copy_token<D>(ksrc, vsrc, tok, kt, vsm);
 }
 
 template <int D>
@@ -315,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas<D>()) units_kernel(Params p
     const float* qrow = p.q + (static_cast<long>(b) * p.kvh + kh) * p.g * D;
     for (int e = tid; e < kRows * D; e += kThreads) {
       const int row = e / D, col = e % D;
-      qsm[row][col] = __float2half_rn(row < p.g ? qrow[row * D + col] : 0.f);
+      qsm[row][col] = __float2half_rn(row < p.g ? __ldg(qrow + row * D + col) : 0.f);
     }
   }
   float oacc[D / 8][4];
@@ -333,15 +345,15 @@ __global__ void __launch_bounds__(kThreads, min_ctas<D>()) units_kernel(Params p
   for (int blk = b0; blk < b1; ++blk) {
     __syncthreads();  // the previous block's reads of shared memory are done (and qsm written)
     unpack_block<D, KG, VPL>(regs, tid, kt, vsm);
-    if (blk + 1 < b1) {
-      load_block<D, KG, VPL>(p, b, kh, blk + 1, kend, lo, hi, tid, ranks, regs);
-      load_ranks<D>(p, b, kh, blk + 2, kend, tid, ranks);
-    }
     const bool tail = p.tail && blk == last;
     const int end = (blk + 1) * kBlock;
     if (tail || (p.rk > 0 && end > rb.qk) || (p.rv > 0 && end > rb.qv)) {
       __syncthreads();  // the unpacked codes are written: the FP16 tokens go over them
-      fill_block<D>(p, b, kh, blk, tail, rb, tid, kt, vsm);
+      fill_block<D>(p, b, kh, blk, tail, rb, tid, kt, vsm);  // before the next block's loads: registers
+    }
+    if (blk + 1 < b1) {
+      load_block<D, KG, VPL>(p, b, kh, blk + 1, kend, lo, hi, tid, ranks, regs);
+      load_ranks<D>(p, b, kh, blk + 2, kend, tid, ranks);
     }
     __syncthreads();
 
@@ -366,18 +378,30 @@ __global__ void __launch_bounds__(kThreads, min_ctas<D>()) units_kernel(Params p
     }
     // Mask, soft-cap, base-2 units; online softmax over rows gq (c0, c1) and gq + 8 (c2, c3).
     float mx[2] = {-INFINITY, -INFINITY};
+    const bool interior = !tail && blk * kBlock >= lo && end <= hi;  // every token seen
+    if (interior && p.softcap <= 0.f) {
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
+      for (int n = 0; n < 4; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = warp * 32 + n * 8 + 2 * tg + (e & 1), j = blk * kBlock + tok;
-        const bool seen = tail ? (tok >= rb.sink_lo && tok < rb.sink_hi) || (tok == p.off && rb.new_ok)
-                               : j >= lo && j < hi;
-        float x = s[n][e];
-        if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
-        x = seen ? x * kLog2e : -INFINITY;
-        s[n][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        for (int e = 0; e < 4; ++e) {
+          s[n][e] *= kLog2e;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = warp * 32 + n * 8 + 2 * tg + (e & 1), j = blk * kBlock + tok;
+          const bool seen = tail ? (tok >= rb.sink_lo && tok < rb.sink_hi) || (tok == p.off && rb.new_ok)
+                                 : j >= lo && j < hi;
+          float x = s[n][e];
+          if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+          x = seen ? x * kLog2e : -INFINITY;
+          s[n][e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
       }
     }
     float alpha[2];
@@ -536,7 +560,8 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   if (kd[0] != batch || kd[2] != kvh || kd[3] != d || kd[4] != 32) return bad("key codes do not match q");
   if (vd[0] != batch || vd[2] != kvh || vd[3] != vt || vd[4] != d / 4) return bad("value codes do not match q");
   if (kg != 1 && kg != 4) return bad("key scale groups per block must be 1 or 4");
-  if (v_group < 16 || v_group % 16 || d % v_group)  // a thread's piece of 16 channels takes one scale
+  if (vt != 1 && vt != kBlock) return bad("tokens per value unit must be 1 or 128, got " + std::to_string(vt));
+  if (v_group < 16 || v_group % 16 || d % v_group || (v_group & (v_group - 1)))  // a thread's piece of 16 channels takes one scale
     return bad("value scale group must be a multiple of 16 channels dividing head_dim");
   if (od[0] != batch || od[1] != kvh || od[3] != g || od[4] != d) return bad("output shape does not match q");
   auto bd = bounds.dimensions();
@@ -589,6 +614,8 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   p.v_units = static_cast<int>(vd[1]);
   p.vt = static_cast<int>(vt);
   p.v_group = static_cast<int>(v_group);
+  p.vt_shift = __builtin_ctz(static_cast<unsigned>(vt));
+  p.v_group_shift = __builtin_ctz(static_cast<unsigned>(v_group));
   p.softcap = softcap;
   if (batch == 0 || kvh == 0) return ffi::Error::Success();
   cudaError_t e;
