@@ -119,6 +119,13 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 2^x by the SFU (ex2.approx.ftz: about 2 ulp; 2^-inf = 0), without exp2f's range handling.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<uint32_t*>(&h);
@@ -131,8 +138,10 @@ template <int D, int KG, int VPL>
 struct BlockRegs {
   static constexpr int kN = D / 64;  // 16-byte pieces per thread, keys and values each
   uint4 low[kN], high[kN], val[kN];
-  __half2 ks[kN][KG], km[kN][KG];  // per piece: the key channel's scale / min per token group
-  __half2 vs[kN][VPL], vm[kN][VPL];  // per piece: the value token's scale / min per channel group
+  // Scales and minimums stay scalar until the unpack: broadcasting them to half2 here would wait
+  // for the loads at the prefetch instead of a block later.
+  __half ks[kN][KG], km[kN][KG];  // per piece: the key channel's scale / min per token group
+  __half vs[kN][VPL], vm[kN][VPL];  // per piece: the value token's scale / min per channel group
 };
 
 // Kitty: the ranks of this thread's key channels in block `blk` (which high row holds their bits),
@@ -166,8 +175,8 @@ __device__ __forceinline__ void load_block(const Params& p, int b, int kh, int b
       r.high[i] = __ldg(reinterpret_cast<const uint4*>(p.k_high + (kbase * p.nb + ranks[i]) * 32 + half * 16));
 #pragma unroll
     for (int t = 0; t < KG; ++t) {
-      r.ks[i][t] = keys ? __half2half2(p.k_scale[(kbase * KG + t) * D + c]) : __float2half2_rn(0.f);
-      r.km[i][t] = keys ? __half2half2(p.k_min[(kbase * KG + t) * D + c]) : __float2half2_rn(0.f);
+      r.ks[i][t] = keys ? p.k_scale[(kbase * KG + t) * D + c] : __float2half(0.f);
+      r.km[i][t] = keys ? p.k_min[(kbase * KG + t) * D + c] : __float2half(0.f);
     }
   }
   constexpr int kPieces = D / 64;  // 16-byte pieces per value token (D / 4 bytes)
@@ -185,8 +194,8 @@ __device__ __forceinline__ void load_block(const Params& p, int b, int kh, int b
 #pragma unroll
     for (int u = 0; u < VPL; ++u) {  // plane u: channels u D/4 + [16 piece, 16 piece + 16)
       const int grp = (u * (D / 4) + piece * 16) >> p.v_group_shift;
-      r.vs[i][u] = ok ? __half2half2(p.v_scale[vbase * vgroups + grp]) : __float2half2_rn(0.f);
-      r.vm[i][u] = ok ? __half2half2(p.v_min[vbase * vgroups + grp]) : __float2half2_rn(0.f);
+      r.vs[i][u] = ok ? p.v_scale[vbase * vgroups + grp] : __float2half(0.f);
+      r.vm[i][u] = ok ? p.v_min[vbase * vgroups + grp] : __float2half(0.f);
     }
   }
 }
@@ -204,15 +213,18 @@ __device__ __forceinline__ void unpack_block(const BlockRegs<D, KG, VPL>& r, int
     const uint32_t hw[4] = {r.high[i].x, r.high[i].y, r.high[i].z, r.high[i].w};
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      const uint32_t lp = byte_perm(lw[w], 0x3120), hp = byte_perm(hw[w], 0x3120);
+      // KIVI (KG = 4) has no boosted channels: no high bits to merge.
+      const uint32_t lp = byte_perm(lw[w], 0x3120), hp = KG == 1 ? byte_perm(hw[w], 0x3120) : 0u;
       const int tok0 = half * 16 + w * 4;  // tokens tok0 .. tok0 + 3 of plane 0
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const uint32_t ca = ((lp >> (2 * t)) & 0x00030003u) | (((hp >> (2 * t)) & 0x00030003u) << 2);
-        const uint32_t cb = ((lp >> (2 * t + 8)) & 0x00030003u) | (((hp >> (2 * t + 8)) & 0x00030003u) << 2);
+      for (int t = 0; t < 4; ++t) {  // high bits shifted straight to bits 2-3 of each half
+        const uint32_t ha = t == 0 ? hp << 2 : hp >> (2 * t - 2), hb = hp >> (2 * t + 6);
+        const uint32_t ca = ((lp >> (2 * t)) & 0x00030003u) | (ha & 0x000c000cu);
+        const uint32_t cb = ((lp >> (2 * t + 8)) & 0x00030003u) | (hb & 0x000c000cu);
         uint2 out;
-        out.x = dequant2(ca, r.ks[i][KG == 1 ? 0 : t], r.km[i][KG == 1 ? 0 : t]);
-        out.y = dequant2(cb, r.ks[i][KG == 1 ? 0 : t], r.km[i][KG == 1 ? 0 : t]);
+        const __half2 scale = __half2half2(r.ks[i][KG == 1 ? 0 : t]), mn = __half2half2(r.km[i][KG == 1 ? 0 : t]);
+        out.x = dequant2(ca, scale, mn);
+        out.y = dequant2(cb, scale, mn);
         *reinterpret_cast<uint2*>(kt + c * kKStride + 32 * t + tok0) = out;
       }
     }
@@ -230,8 +242,9 @@ __device__ __forceinline__ void unpack_block(const BlockRegs<D, KG, VPL>& r, int
       for (int u = 0; u < 4; ++u) {
         uint2 out;
         const int vg = VPL == 1 ? 0 : u;
-        out.x = dequant2((vp >> (2 * u)) & 0x00030003u, r.vs[i][vg], r.vm[i][vg]);
-        out.y = dequant2((vp >> (2 * u + 8)) & 0x00030003u, r.vs[i][vg], r.vm[i][vg]);
+        const __half2 scale = __half2half2(r.vs[i][vg]), mn = __half2half2(r.vm[i][vg]);
+        out.x = dequant2((vp >> (2 * u)) & 0x00030003u, scale, mn);
+        out.y = dequant2((vp >> (2 * u + 8)) & 0x00030003u, scale, mn);
         *reinterpret_cast<uint2*>(vs + tok * kVStride + u * (D / 4) + ch0) = out;
       }
     }
@@ -410,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas<D>()) units_kernel(Params p
       mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
       mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
       const float m_new = fmaxf(row_m[rr], mx[rr]);
-      alpha[rr] = m_new == -INFINITY ? 1.f : exp2f(row_m[rr] - m_new);
+      alpha[rr] = m_new == -INFINITY ? 1.f : fast_exp2(row_m[rr] - m_new);
       row_m[rr] = m_new;
     }
     float psum[2] = {0.f, 0.f};
@@ -419,19 +432,21 @@ __global__ void __launch_bounds__(kThreads, min_ctas<D>()) units_kernel(Params p
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float mref = row_m[e >> 1];
-        const float pe = mref == -INFINITY ? 0.f : exp2f(s[n][e] - mref);
+        const float pe = mref == -INFINITY ? 0.f : fast_exp2(s[n][e] - mref);
         s[n][e] = pe;
         psum[e >> 1] += pe;
       }
     }
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) row_l[rr] = row_l[rr] * alpha[rr] + psum[rr];
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // rare once the maxima settle
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      oacc[n][0] *= alpha[0];
-      oacc[n][1] *= alpha[0];
-      oacc[n][2] *= alpha[1];
-      oacc[n][3] *= alpha[1];
+      for (int n = 0; n < D / 8; ++n) {
+        oacc[n][0] *= alpha[0];
+        oacc[n][1] *= alpha[0];
+        oacc[n][2] *= alpha[1];
+        oacc[n][3] *= alpha[1];
+      }
     }
     // O += P V: two 16-token k-steps, 16 channels per ldmatrix.
 #pragma unroll
