@@ -138,7 +138,7 @@ def loop_us(body, carry, args, profile: dict | None = None) -> float:
                 return state["carry"]
             return go
 
-        profile.update(step_profile(call(n2), call(n1), n2 - n1, top=8))
+        profile.update(step_profile(call(n2), call(n1), n2 - n1, top=16))
     return (times[n2] - times[n1]) / (n2 - n1) * 1e6
 
 
@@ -226,7 +226,9 @@ def decode_loop(graphdef, params, cache, tokens, positions, steps):
     return jax.lax.fori_loop(0, steps, body, (cache, tokens))
 
 
-def decode_ms(model, fmt, batch, context, args) -> float:
+def decode_ms(model, fmt, batch, context, args, profile: dict | None = None) -> float:
+    """ms per token of ``--layers`` one-token forward steps (module doc); with ``profile`` (a dict),
+    also the GPU kernel time per token by kernel, as :func:`loop_us` gives it."""
     config = model.config
     layer = filled_layer(fmt, config, batch, context, context + args.n2 + 8)
     cache = kvcache.KVCache(tuple([layer] + [jax.tree.map(jnp.copy, layer) for _ in range(config.num_layers - 1)]))
@@ -242,6 +244,16 @@ def decode_ms(model, fmt, batch, context, args) -> float:
             cache = t.output[0]
             samples.append(t.median_us)
         times[n] = float(np.median(samples))
+    if profile is not None:
+        state = {"cache": cache}
+
+        def call(n):
+            def go():
+                state["cache"] = run(graphdef, params, state["cache"], tokens, positions, n)[0]
+                return state["cache"]
+            return go
+
+        profile.update(step_profile(call(args.n2), call(args.n1), args.n2 - args.n1, top=16))
     return (times[args.n2] - times[args.n1]) / (args.n2 - args.n1) / 1e3
 
 
@@ -250,14 +262,17 @@ def decode_part(args, model, rows):
         for batch in args.decode_batches:
             base = None
             for name in args.formats:
+                profile = {} if args.profile else None
                 try:
-                    ms = decode_ms(model, kvcache.get(name), batch, context, args)
+                    ms = decode_ms(model, kvcache.get(name), batch, context, args, profile)
                 except Exception as e:  # noqa: BLE001
                     print(f"decode {name} B={batch} ctx={context}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
                 base = ms if name == "bf16" else base
                 row = dict(part="decode", format=name, batch=batch, context=context, ms_per_token=ms,
                            x_bf16=None if base is None else base / ms)
+                if profile:
+                    row["step_profile"] = profile
                 rows.append(row)
                 print(row, flush=True)
 
@@ -346,7 +361,7 @@ def main(argv=None):
     p.add_argument("--n2", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true",
-                   help="attention part: also split each step's GPU time by kernel (profiler traces)")
+                   help="attention and decode parts: also split the GPU time per step by kernel (profiler traces)")
     p.add_argument("--compiler-options", type=compiler_options, default={},
                    help="XLA options for the timed programs, e.g. xla_gpu_enable_command_buffer=FUSION,CONDITIONAL "
                         "(';' between options)")

@@ -105,8 +105,11 @@ def available() -> bool:
 
 def default_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) -> int:
     """Splits along the sequence: at most :data:`CTAS_PER_SM` CTAs per SM (one wave, no tail wave),
-    at least one block per split."""
-    return max(1, min(CTAS_PER_SM * num_sms // (batch * kv_heads), blocks))
+    and no more than a row of ``blocks`` blocks fills at ``ceil(blocks / splits)`` blocks each (no
+    empty split to launch and merge)."""
+    most = max(1, min(CTAS_PER_SM * num_sms // (batch * kv_heads), blocks))
+    per = -(-blocks // most)
+    return max(1, -(-blocks // per))
 
 
 def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float, softcap: float | None = None,

@@ -41,9 +41,16 @@ def test_reads_2bit_kitty_and_kivi_only():
 
 def test_default_splits_fill_the_gpu_and_never_exceed_the_blocks():
     assert cuda.default_splits(8, 8, 64) == 6  # 396 CTAs fit in one wave / 64 (row, head) pairs
-    assert cuda.default_splits(1, 8, 256) == 49
+    assert cuda.default_splits(1, 8, 256) == 43  # 49 would fit; 6 blocks each need only 43
+    assert cuda.default_splits(1, 8, 65) == 33  # 2 blocks each (49 splits would leave 16 empty)
     assert cuda.default_splits(1, 8, 3) == 3
     assert cuda.default_splits(64, 8, 64) == 1
+    for batch in (1, 2, 3, 8, 32):
+        for blocks in (1, 2, 7, 64, 65, 129, 1025):
+            splits = cuda.default_splits(batch, 8, blocks)
+            per = -(-blocks // splits)  # the kernel's blocks per split for the longest row
+            assert 1 <= splits <= blocks and splits * batch * 8 <= max(cuda.CTAS_PER_SM * 132, batch * 8)
+            assert (splits - 1) * per < blocks  # the last split has work
 
 
 def test_the_cache_picks_the_kernel_and_explains_refusals():
