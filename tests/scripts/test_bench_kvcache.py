@@ -1,6 +1,8 @@
-"""scripts/bench_kvcache.py: XLA options from the command line and the donated loop timer with its
-per-kernel profile (CPU: the profile holds no GPU kernels, but its fields are there)."""
+"""scripts/bench_kvcache.py: XLA options from the command line, the donated loop timer with its
+per-kernel profile, and the decode part's profile (CPU: the profile holds no GPU kernels, but its
+fields are there)."""
 
+import json
 import types
 
 import jax.numpy as jnp
@@ -57,3 +59,15 @@ def test_loop_us_lengthens_the_long_loop_until_the_difference_is_measurable(bk, 
     # The fake clock makes every call take 1 ms: difference 0 < MIN_DIFFERENCE_S, so n2 grows.
     assert max(lengths) > args.n2 and max(lengths) <= bk.MAX_STEPS
     assert us == pytest.approx(0.0, abs=1e-9)
+
+
+def test_decode_part_with_profile_writes_the_kernel_split_per_row(bk, tmp_path):
+    """``--parts decode --profile`` on a tiny model: each decode row carries its step profile."""
+    out = tmp_path / "decode.json"
+    bk.main(["--tiny", "--parts", "decode", "--formats", "bf16,kitty-pro", "--layers", "1", "--decode-contexts", "256",
+             "--decode-batches", "2", "--n1", "1", "--n2", "2", "--repeats", "1", "--profile", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["format"] for r in rows] == ["bf16", "kitty-pro"]
+    for r in rows:
+        assert r["part"] == "decode" and r["ms_per_token"] == r["ms_per_token"]  # a number, not NaN
+        assert set(r["step_profile"]) == {"gpu_us_per_token", "by_kind_us", "top_kernels_us"}
