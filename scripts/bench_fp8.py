@@ -95,7 +95,7 @@ def main(argv=None):
     p.add_argument("--shapes", default=SHAPES, help="N x K weight shapes, comma separated")
     p.add_argument("--m", default="1,8,32,256,2048", help="token counts M")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--implementation", default="auto", choices=("auto", "xla", "xla_native"))
+    p.add_argument("--implementation", default="auto", choices=("auto", "xla", "nestedfp_cuda", "xla_native"))
     p.add_argument("--n1", type=int, default=8)
     p.add_argument("--n2", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3)

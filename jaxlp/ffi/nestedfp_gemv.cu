@@ -1,0 +1,189 @@
+// NestedFP products for a few tokens (M = 1..8) on tensor cores (XLA FFI custom call, sm_90);
+// Python side: jaxlp/ffi/nestedfp.py.
+//
+//   FP16 mode:  part[s, m, n] = sum_k x[m, k] * merge(upper, lower)[n, k]   (x FP16)
+//   FP8 mode:   part[s, m, n] = sum_k x8[m, k] * e4m3(upper)[n, k]           (x8 E4M3 codes)
+//
+// over split s's share of K, in FP32 (the caller sums the splits and applies the scales). The
+// weights are the register operand of `mma.sync` with the operands swapped (W x^T: 16 output
+// features on the MMA's M, the tokens on its N = 8), so the weight bytes go from global memory
+// into registers once and are never staged. Each thread loads 16 consecutive K of its two rows
+// (g, g + 8) and of token g per 64-wide K window; since a sum does not care about the order of
+// its terms, the MMA's k slots are mapped to those loaded K (the same map for both operands):
+// no shuffle, no shared memory. FP16 mode rebuilds each 4 FP16 weights from their 4 upper and 4
+// lower bytes with one 32-bit merge and two byte permutes (jaxlp.formats.nestedfp):
+//   t = (((U - ((L & 0x80808080) >> 7)) >> 1) & 0x3F3F3F3F) | (U & 0x80808080),
+//   (w0, w1) = prmt(L, t, 0x5140), (w2, w3) = prmt(L, t, 0x7362).
+// FP8 mode reads the upper bytes only (half the bytes): m16n8k32 E4M3 MMAs.
+// A CTA of 8 warps owns 16 output rows; its warps take K windows in turn and add their
+// accumulators through shared memory.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "launch.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxlp_nestedfp {
+
+constexpr int kWarps = 8;
+constexpr int kRows = 16;     // output features per CTA (the MMA's M)
+constexpr int kWindow = 64;   // K per warp step: 4 threads x 16 consecutive K
+constexpr int kMaxTokens = 8; // the MMA's N
+
+struct Params {
+  const uint8_t* upper;  // [N, K]
+  const uint8_t* lower;  // [N, K] (FP16 mode)
+  const uint8_t* x;      // [M, K]: FP16 (FP16 mode) or E4M3 codes (FP8 mode)
+  float* part;           // [S, M, N]
+  int m, n, k, splits;
+};
+
+__device__ __forceinline__ uint4 ldg16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// Four FP16 weights (two half2 words) from four upper and four lower bytes (file head).
+__device__ __forceinline__ void merge4(uint32_t u, uint32_t l, uint32_t& w01, uint32_t& w23) {
+  const uint32_t t = (((u - ((l & 0x80808080u) >> 7)) >> 1) & 0x3F3F3F3Fu) | (u & 0x80808080u);
+  w01 = __byte_perm(l, t, 0x5140);
+  w23 = __byte_perm(l, t, 0x7362);
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Params p) {
+  __shared__ float red[kWarps][32][4];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tg = lane & 3;  // mma fragment coordinates
+  const int row0 = blockIdx.x * kRows, split = blockIdx.y;
+  const long ka = static_cast<long>(p.k);
+  const uint8_t* up0 = p.upper + (row0 + g) * ka + tg * 16;
+  const uint8_t* up1 = up0 + 8 * ka;
+  const uint8_t* lo0 = p.lower + (row0 + g) * ka + tg * 16;
+  const uint8_t* lo1 = lo0 + 8 * ka;
+  const bool token = g < p.m;  // lanes of a token past M feed zeros
+  const uint8_t* xrow = p.x + (token ? g : 0) * ka * (kFp8 ? 1 : 2) + tg * 16 * (kFp8 ? 1 : 2);
+
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  const int windows = p.k / kWindow, stride = kWarps * p.splits;
+  for (int w = split * kWarps + warp; w < windows; w += stride) {
+    const long k0 = static_cast<long>(w) * kWindow;
+    const uint4 u0 = ldg16(up0 + k0), u1 = ldg16(up1 + k0);
+    if constexpr (kFp8) {
+      const uint4 xv = token ? ldg16(xrow + k0) : make_uint4(0, 0, 0, 0);
+      mma_e4m3(c, u0.x, u1.x, u0.y, u1.y, xv.x, xv.y);
+      mma_e4m3(c, u0.z, u1.z, u0.w, u1.w, xv.z, xv.w);
+    } else {
+      const uint4 l0 = ldg16(lo0 + k0), l1 = ldg16(lo1 + k0);
+      const uint4 xa = token ? ldg16(xrow + 2 * k0) : make_uint4(0, 0, 0, 0);
+      const uint4 xb = token ? ldg16(xrow + 2 * k0 + 16) : make_uint4(0, 0, 0, 0);
+      const uint32_t uu0[4] = {u0.x, u0.y, u0.z, u0.w}, ll0[4] = {l0.x, l0.y, l0.z, l0.w};
+      const uint32_t uu1[4] = {u1.x, u1.y, u1.z, u1.w}, ll1[4] = {l1.x, l1.y, l1.z, l1.w};
+      const uint32_t xx[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {  // word s: K 4s .. 4s + 3 of the thread's 16
+        uint32_t a0, a2, a1, a3;
+        merge4(uu0[s], ll0[s], a0, a2);
+        merge4(uu1[s], ll1[s], a1, a3);
+        mma_f16(c, a0, a1, a2, a3, xx[2 * s], xx[2 * s + 1]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) red[warp][lane][i] = c[i];
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int v = 0; v < kWarps; ++v) acc += red[v][lane][i];
+      c[i] = acc;
+    }
+    // c0, c1: row g, tokens 2tg, 2tg + 1; c2, c3: row g + 8.
+    float* out = p.part + static_cast<long>(split) * p.m * p.n;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = 2 * tg + (i & 1), n = row0 + g + 8 * (i >> 1);
+      if (m < p.m) out[static_cast<long>(m) * p.n + n] = c[i];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+inline ffi::Error bad(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp nestedfp gemv: " + msg);
+}
+
+template <bool kFp8>
+ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> upper, ffi::Buffer<ffi::U8> lower,
+                ffi::Result<ffi::Buffer<ffi::F32>> part) {
+  auto xd = x.dimensions(), wd = upper.dimensions(), ld = lower.dimensions(), pd = part->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || pd.size() != 3) return bad("expected x [M, K], upper [N, K], part [S, M, N]");
+  const int64_t m = xd[0], k = xd[1], n = wd[0], s = pd[0];
+  const auto want = kFp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::F16;
+  if (x.element_type() != want) return bad(kFp8 ? "FP8 mode takes float8_e4m3fn activations" : "FP16 mode takes float16 activations");
+  if (wd[1] != k) return bad("upper bytes [N, K] do not match x's K");
+  if (!kFp8 && (ld.size() != 2 || ld[0] != n || ld[1] != k)) return bad("lower bytes must match upper [N, K]");
+  if (m < 1 || m > kMaxTokens) return bad("1 to 8 tokens, got " + std::to_string(m));
+  if (n % kRows) return bad("N must be a multiple of 16, got " + std::to_string(n));
+  if (k % kWindow) return bad("K must be a multiple of 64, got " + std::to_string(k));
+  if (pd[1] != m || pd[2] != n || s < 1) return bad("partial sums must be float32 [S, M, N]");
+  Params p;
+  p.upper = upper.typed_data();
+  p.lower = kFp8 ? upper.typed_data() : lower.typed_data();
+  p.x = static_cast<const uint8_t*>(x.untyped_data());
+  p.part = part->typed_data();
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.splits = static_cast<int>(s);
+  if (n == 0) return ffi::Error::Success();
+  const cudaError_t e = jaxlp::launch_kernel(gemv_kernel<kFp8>, dim3(n / kRows, s), dim3(kWarps * 32), 0, stream,
+                                             1, false, p);
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp nestedfp gemv launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxlp_nestedfp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNestedFP16Gemv, jaxlp_nestedfp::Impl<false>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // x [M, K] float16
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // upper [N, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // lower [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>(), // part [S, M, N]
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNestedFP8Gemv, jaxlp_nestedfp::Impl<true>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // x [M, K] float8_e4m3fn
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // upper [N, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // upper again (no lower bytes read)
+                                  .Ret<ffi::Buffer<ffi::F32>>(), // part [S, M, N]
+                              {ffi::Traits::kCmdBufferCompatible});

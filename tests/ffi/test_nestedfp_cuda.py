@@ -1,0 +1,166 @@
+"""The NestedFP CUDA kernel for 1..8 tokens (``implementation="nestedfp_cuda"``): what it takes and
+refuses, its split choice, the 32-bit merge it runs (exhaustively against the format's own merge),
+its lowering (CPU), and on a GPU both modes against float64 NumPy products of the FP16 / E4M3
+values (``ml_dtypes`` casts) on fresh random weights with the format's edge values."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxlp.ffi import nestedfp as cuda
+from jaxlp.formats import fp8, nestedfp
+from jaxlp.quantization import activations
+from jaxlp.quantization.linear import QuantizedLinear
+
+ON_GPU = jax.default_backend() == "gpu"
+E4M3 = ml_dtypes.float8_e4m3fn
+TOL = 1e-3  # relative to float64 (FP32 accumulation of exact products; summation order only)
+
+
+def rel(y, ref) -> float:
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def weights(rng, n, k, limit=nestedfp.DEFAULT_THRESHOLD):
+    w = np.clip(rng.standard_normal((n, k)).astype(np.float32) * 0.3, -limit, limit)
+    w[1] = 0.0  # an all-zero output channel
+    w[2, :4] = [limit, -limit, 3e-6, -6e-8]  # the threshold, FP16 subnormals
+    return w
+
+
+def layer(w, mode="fp16", implementation="nestedfp_cuda"):
+    return QuantizedLinear(nestedfp.quantize(jnp.asarray(w, jnp.float16)), mode=mode, implementation=implementation)
+
+
+def test_merge_words_rebuild_every_eligible_fp16_word():
+    """The kernel's merge: 4 upper and 4 lower bytes -> 4 FP16 words by one 32-bit expression and
+    two byte permutes (``merge4`` in nestedfp_gemv.cu, emulated here), on every FP16 word with
+    |w| < 1.9375, against the format's merge and the original words."""
+    a = np.arange(1 << 16, dtype=np.uint32)
+    w = a.astype(np.uint16).view(np.float16)
+    words = a[np.isfinite(w) & (np.abs(w.astype(np.float32)) < 1.9375)].astype(np.uint16)
+    words = np.concatenate([words, np.zeros((-len(words)) % 4, np.uint16)])
+    upper, lower = (np.asarray(b) for b in nestedfp.split(jnp.asarray(words.view(np.float16))))
+    u = upper.view(np.uint32).astype(np.uint64)  # 4 bytes per word, little-endian
+    lo = lower.view(np.uint32).astype(np.uint64)
+    t = ((((u - ((lo & 0x80808080) >> 7)) & 0xFFFFFFFF) >> 1) & 0x3F3F3F3F) | (u & 0x80808080)
+
+    def prmt(a, b, sel):  # __byte_perm(a, b, sel): byte i of the result is byte sel_i of (b:a)
+        pool = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+        return sum(pool[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+
+    w01, w23 = prmt(lo, t, 0x5140), prmt(lo, t, 0x7362)
+    rebuilt = np.stack([w01 & 0xFFFF, w01 >> 16, w23 & 0xFFFF, w23 >> 16], axis=1).reshape(-1).astype(np.uint16)
+    np.testing.assert_array_equal(rebuilt, words)
+    merged = np.asarray(nestedfp.merge(jnp.asarray(upper), jnp.asarray(lower))).view(np.uint16)
+    np.testing.assert_array_equal(rebuilt, merged)
+
+
+def test_default_splits_fill_the_gpu_and_leave_each_warp_work():
+    assert cuda.default_splits(4096, 4096) == 3  # 256 row blocks x 3 = 768 CTAs >= 528
+    assert cuda.default_splits(1024, 4096) == 4  # 64 blocks: 9 wanted, 4 leave each warp 2 windows
+    assert cuda.default_splits(28672, 4096) == 1
+    assert cuda.default_splits(4096, 64) == 1
+    for n in (16, 1024, 4096, 14336):
+        for k in (64, 1024, 4096, 14336 // 64 * 64):
+            s = cuda.default_splits(n, k)
+            assert s >= 1 and (s == 1 or (k // cuda.WINDOW) // s >= 2 * cuda.WARPS)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "fp8"])
+def test_why_not_names_what_does_not_fit(mode):
+    rng = np.random.default_rng(0)
+    lay = layer(weights(rng, 48, 128), mode)
+    x = jnp.ones((2, 128), jnp.float16)
+    if not ON_GPU:
+        assert "not available" in cuda.why_not(lay, x)
+    assert "tokens" in cuda.why_not(lay, jnp.ones((9, 128), jnp.float16))
+    assert "tokens" in cuda.why_not(lay, jnp.ones((3, 3, 128), jnp.float16))
+    assert "multiple" in cuda.why_not(layer(weights(rng, 40, 128), mode), jnp.ones((1, 128), jnp.float16))
+    assert "multiple" in cuda.why_not(layer(weights(rng, 48, 96), mode), jnp.ones((1, 96), jnp.float16))
+    bf16 = cuda.why_not(lay, jnp.ones((1, 128), jnp.bfloat16))
+    assert ("float16 activations" in bf16) == (mode == "fp16")
+    w8 = QuantizedLinear(fp8.quantize(jnp.ones((48, 128)), granularity="channel"), implementation="auto")
+    assert "format" in cuda.why_not(w8, x)
+
+
+def test_gemv_refuses_bad_operands():
+    x = jnp.ones((2, 128), jnp.float16)
+    u = jnp.zeros((48, 128), jnp.uint8)
+    with pytest.raises(ValueError, match="float16"):
+        cuda.gemv(x.astype(jnp.bfloat16), u, u)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        cuda.gemv(x, u, None)
+    with pytest.raises(ValueError, match="uint8"):
+        cuda.gemv(x, u[:, :64], u)
+    with pytest.raises(ValueError, match="tokens"):
+        cuda.gemv(jnp.ones((9, 128), jnp.float16), u, u)
+    with pytest.raises(ValueError, match="N a multiple"):
+        cuda.gemv(x, u[:40], u[:40])
+
+
+@pytest.mark.parametrize("mode", ["fp16", "fp8"])
+def test_lowers_to_one_custom_call_for_cuda(mode):
+    """The wrapper's operands lower for CUDA on any machine (no kernel runs)."""
+    x = jnp.ones((3, 256), jnp.float16 if mode == "fp16" else jnp.float8_e4m3fn)
+    u = jnp.zeros((64, 256), jnp.uint8)
+    f = jax.jit(lambda x, u: cuda.gemv(x, u, None if mode == "fp8" else u, splits=2))
+    text = f.trace(x, u).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") == 1 and cuda.TARGETS[mode] in text
+    assert "tensor<2x3x64xf32>" in text  # the splits' partial sums, added by XLA
+
+
+def numpy_reference(w, x, mode):
+    """float64 product of the values the kernel multiplies (FP16 weights; or E4M3 upper bytes and
+    the quantized activations, with their scales)."""
+    w16 = np.asarray(w, np.float16).astype(np.float64)
+    x = np.asarray(x, np.float32)
+    if mode == "fp16":
+        return np.asarray(x, np.float16).astype(np.float64) @ w16.T
+    upper, _ = nestedfp.split(jnp.asarray(w, jnp.float16))
+    w8 = np.asarray(upper).view(E4M3).astype(np.float64)
+    x8, scale = activations.nestedfp_fp8(jnp.asarray(x))
+    x8 = np.asarray(x8).astype(np.float64)
+    return (x8 @ w8.T) / np.asarray(scale, np.float64) * nestedfp.FP8_SCALE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("mode", ["fp16", "fp8"])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 64), (3, 48, 1024), (8, 4096, 4096), (5, 1024, 4160), (8, 14336, 512)])
+def test_gpu_matches_float64(mode, m, n, k):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    w = weights(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32) * np.exp(rng.uniform(-3, 3, (m, 1)))
+    x[0] = 0.0 if m > 1 else x[0]  # an all-zero token
+    lay = layer(w, mode)
+    xin = jnp.asarray(x, jnp.float16)
+    assert cuda.why_not(lay, xin) is None
+    y = jax.jit(lambda x: lay(x))(xin)
+    ref = numpy_reference(w, xin.astype(jnp.float32), mode)
+    assert y.dtype == jnp.float16 and y.shape == (m, n)
+    assert rel(np.asarray(y, np.float32), ref) <= TOL
+    if m > 1:
+        assert not np.asarray(y[0]).any()
+    # the same as XLA's native dot of the same math (summation order and FP16 output rounding)
+    native = jax.jit(lambda x: layer(w, mode, "xla_native")(x))(xin)
+    assert rel(np.asarray(y, np.float32), np.asarray(native, np.float32)) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_auto_takes_the_kernel_up_to_8_tokens_then_xla():
+    rng = np.random.default_rng(1)
+    w = weights(rng, 256, 512)
+    lay = layer(w, "fp16", "auto")
+    for m in (1, 8, 9, 33):
+        xin = jnp.asarray(rng.standard_normal((m, 512)), jnp.float16)
+        text = jax.jit(lambda x: lay(x)).lower(xin).as_text()
+        assert (cuda.TARGETS["fp16"] in text) == (m <= 8)
+        y = jax.jit(lambda x: lay(x))(xin)
+        assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), "fp16")) <= TOL
