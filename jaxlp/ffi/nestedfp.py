@@ -11,10 +11,10 @@
 The same math as :mod:`jaxlp.quantization.native_dot` (XLA's dots, which take over past 8 tokens),
 to summation order. Design (``nestedfp_gemv.cu``): ``mma.sync`` with the weights as the register
 operand (16 output features per CTA on the MMA's M, the tokens on its N = 8), each thread loading
-16 consecutive K of its rows and token straight into the MMA fragments; the K range is split over
-``splits`` CTAs per row block whose float32 partial sums XLA adds. Shapes: ``N`` a multiple of 16,
-``K`` a multiple of 64 (:func:`why_not` names what does not fit). The library is compiled by
-``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
+16 consecutive K of its rows and token straight into the MMA fragments, a few windows ahead; the K
+range is split over ``splits`` CTAs per row block (8 warps each) whose float32 partial sums XLA
+adds. Shapes: ``N`` a multiple of 16, ``K`` a multiple of 64 (:func:`why_not` names what does not
+fit). The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ MAX_TOKENS = 8  # the MMA's N
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 64  # K per warp step
 WARPS = 8  # per CTA
-TARGET_CTAS = 4 * 132  # enough 16-byte loads in flight to stream the weights on an H100
+TARGET_CTAS = 2 * 132  # with 2-4 windows of loads in flight per warp: enough to stream the weights
 
 
 def available() -> bool:

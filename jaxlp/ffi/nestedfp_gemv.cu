@@ -15,8 +15,8 @@
 //   t = (((U - ((L & 0x80808080) >> 7)) >> 1) & 0x3F3F3F3F) | (U & 0x80808080),
 //   (w0, w1) = prmt(L, t, 0x5140), (w2, w3) = prmt(L, t, 0x7362).
 // FP8 mode reads the upper bytes only (half the bytes): m16n8k32 E4M3 MMAs.
-// A CTA of 8 warps owns 16 output rows; its warps take K windows in turn and add their
-// accumulators through shared memory.
+// A CTA of 8 warps owns 16 output rows; its warps take K windows in turn (2 (FP16) or 4 (FP8)
+// windows' loads in flight per warp) and add their accumulators through shared memory.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -54,7 +54,7 @@ __device__ __forceinline__ void merge4(uint32_t u, uint32_t l, uint32_t& w01, ui
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -63,12 +63,55 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1,
 
 __device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// One thread's share of a 64-wide K window: 16 K of rows g and g + 8 (upper bytes, and lower
+// bytes in FP16 mode) and of token g (FP16 or E4M3), loaded; then its MMAs into c.
+template <bool kFp8>
+struct Window {
+  uint4 u0, u1, l0, l1, xa, xb;
+
+  __device__ __forceinline__ void load(const uint8_t* up0, const uint8_t* up1, const uint8_t* lo0,
+                                       const uint8_t* lo1, const uint8_t* xrow, long k0) {
+    u0 = ldg16(up0 + k0);
+    u1 = ldg16(up1 + k0);
+    if constexpr (kFp8) {
+      xa = ldg16(xrow + k0);
+    } else {
+      l0 = ldg16(lo0 + k0);
+      l1 = ldg16(lo1 + k0);
+      xa = ldg16(xrow + 2 * k0);
+      xb = ldg16(xrow + 2 * k0 + 16);
+    }
+  }
+
+  // keep: all ones for a token of the product, zero for a lane past M (no branch between the
+  // loads and the MMAs, which lets the loads of a step run ahead).
+  __device__ __forceinline__ void mma(float (&c)[4], uint32_t keep) const {
+    const uint4 x0 = make_uint4(xa.x & keep, xa.y & keep, xa.z & keep, xa.w & keep);
+    if constexpr (kFp8) {
+      mma_e4m3(c, u0.x, u1.x, u0.y, u1.y, x0.x, x0.y);
+      mma_e4m3(c, u0.z, u1.z, u0.w, u1.w, x0.z, x0.w);
+    } else {
+      const uint4 x1 = make_uint4(xb.x & keep, xb.y & keep, xb.z & keep, xb.w & keep);
+      const uint32_t uu0[4] = {u0.x, u0.y, u0.z, u0.w}, ll0[4] = {l0.x, l0.y, l0.z, l0.w};
+      const uint32_t uu1[4] = {u1.x, u1.y, u1.z, u1.w}, ll1[4] = {l1.x, l1.y, l1.z, l1.w};
+      const uint32_t xx[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {  // word s: K 4s .. 4s + 3 of the thread's 16
+        uint32_t a0, a2, a1, a3;
+        merge4(uu0[s], ll0[s], a0, a2);
+        merge4(uu1[s], ll1[s], a1, a3);
+        mma_f16(c, a0, a1, a2, a3, xx[2 * s], xx[2 * s + 1]);
+      }
+    }
+  }
+};
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Params p) {
@@ -81,33 +124,36 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Params p) {
   const uint8_t* up1 = up0 + 8 * ka;
   const uint8_t* lo0 = p.lower + (row0 + g) * ka + tg * 16;
   const uint8_t* lo1 = lo0 + 8 * ka;
-  const bool token = g < p.m;  // lanes of a token past M feed zeros
-  const uint8_t* xrow = p.x + (token ? g : 0) * ka * (kFp8 ? 1 : 2) + tg * 16 * (kFp8 ? 1 : 2);
+  const uint32_t keep = g < p.m ? 0xFFFFFFFFu : 0u;
+  const uint8_t* xrow = p.x + (keep ? g : 0) * ka * (kFp8 ? 1 : 2) + tg * 16 * (kFp8 ? 1 : 2);
 
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   const int windows = p.k / kWindow, stride = kWarps * p.splits;
-  for (int w = split * kWarps + warp; w < windows; w += stride) {
-    const long k0 = static_cast<long>(w) * kWindow;
-    const uint4 u0 = ldg16(up0 + k0), u1 = ldg16(up1 + k0);
-    if constexpr (kFp8) {
-      const uint4 xv = token ? ldg16(xrow + k0) : make_uint4(0, 0, 0, 0);
-      mma_e4m3(c, u0.x, u1.x, u0.y, u1.y, xv.x, xv.y);
-      mma_e4m3(c, u0.z, u1.z, u0.w, u1.w, xv.z, xv.w);
-    } else {
-      const uint4 l0 = ldg16(lo0 + k0), l1 = ldg16(lo1 + k0);
-      const uint4 xa = token ? ldg16(xrow + 2 * k0) : make_uint4(0, 0, 0, 0);
-      const uint4 xb = token ? ldg16(xrow + 2 * k0 + 16) : make_uint4(0, 0, 0, 0);
-      const uint32_t uu0[4] = {u0.x, u0.y, u0.z, u0.w}, ll0[4] = {l0.x, l0.y, l0.z, l0.w};
-      const uint32_t uu1[4] = {u1.x, u1.y, u1.z, u1.w}, ll1[4] = {l1.x, l1.y, l1.z, l1.w};
-      const uint32_t xx[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+  // Steps of kUnroll windows, software-pipelined: a step's loads are issued before the MMAs of the
+  // step loaded the iteration before. Windows past K load window `first` again and feed zeros.
+  constexpr int kUnroll = kFp8 ? 4 : 2;
+  const int first = split * kWarps + warp;
+  Window<kFp8> cur[kUnroll], next[kUnroll];
+  uint32_t keep_next[kUnroll];
+  auto load_step = [&](int w0) {
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {  // word s: K 4s .. 4s + 3 of the thread's 16
-        uint32_t a0, a2, a1, a3;
-        merge4(uu0[s], ll0[s], a0, a2);
-        merge4(uu1[s], ll1[s], a1, a3);
-        mma_f16(c, a0, a1, a2, a3, xx[2 * s], xx[2 * s + 1]);
-      }
+    for (int j = 0; j < kUnroll; ++j) {
+      const int w = w0 + j * stride;
+      keep_next[j] = w < windows ? keep : 0u;
+      next[j].load(up0, up1, lo0, lo1, xrow, static_cast<long>(w < windows ? w : first) * kWindow);
     }
+  };
+  if (first < windows) load_step(first);
+  for (int w0 = first; w0 < windows; w0 += kUnroll * stride) {
+    uint32_t keep_cur[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      cur[j] = next[j];
+      keep_cur[j] = keep_next[j];
+    }
+    if (w0 + kUnroll * stride < windows) load_step(w0 + kUnroll * stride);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) cur[j].mma(c, keep_cur[j]);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) red[warp][lane][i] = c[i];
