@@ -77,10 +77,10 @@ def reset_sampler():
     return ReSETConfig(t_low=p.t_low, tau0=p.tau0, top_p=0.95)
 
 
-def build_model(config, seed=0, std=0.02):
-    """Random BF16 weights (normal * std, norms 1) filled leaf by leaf: one small jit per shape
-    instead of one huge initialisation program."""
-    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed)))
+def build_model(config, seed=0, std=0.02, dtype=jnp.bfloat16):
+    """Random weights of ``dtype`` (normal * std, norms 1) filled leaf by leaf: one small jit per
+    shape instead of one huge initialisation program."""
+    abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(seed)))
     graphdef, state = nnx.split(abstract)
     fill = jax.jit(lambda key, shape, dtype: (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype),
                    static_argnums=(1, 2))
