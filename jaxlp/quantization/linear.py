@@ -6,7 +6,7 @@ XLA's dot; weight-activation recipes fake-quantize the activations and multiply 
 dequantized values in float32 (for NVFP4 every element product is exact, so only the
 summation order separates this from a tensor-core kernel). :data:`KERNELS` lists the GPU
 implementations (``"nvfp4_cuda"``: :mod:`jaxlp.quantization.nvfp4_dispatch`, whose measured table
-picks CUDA, Pallas or XLA per shape; ``"nestedfp_cuda"``: :mod:`jaxlp.ffi.nestedfp`, NestedFP in
+picks CUDA, Pallas or XLA per shape; ``"nestedfp_cuda"``: :mod:`jaxlp.quantization.nestedfp_dispatch`, NestedFP in
 either mode for 1..8 tokens on tensor cores, the FP16 weight rebuilt in registers;
 ``"xla_native"``: :mod:`jaxlp.quantization.native_dot`, XLA's FP8 and FP16 dots on the stored bytes
 for FP8, NestedFP and FireQ INT4 weights); ``"auto"`` takes the first that supports the layer and
@@ -32,10 +32,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxlp.ffi import nestedfp as nestedfp_cuda
 from jaxlp.formats import QuantizedArray, concatenate_rows
 from jaxlp.models.sharding import AXIS, quantized_specs
-from jaxlp.quantization import activations, native_dot, nvfp4_dispatch
+from jaxlp.quantization import activations, native_dot, nestedfp_dispatch, nvfp4_dispatch
 
 NESTEDFP_MODES = ("fp16", "fp8")
 PARALLEL_ROLES = ("column", "row")
@@ -63,7 +62,7 @@ def _nvfp4_why_not(layer, x):
 # in the order "auto" tries them
 KERNELS: Mapping[str, Kernel] = MappingProxyType({
     nvfp4_dispatch.IMPLEMENTATION: Kernel(_nvfp4_why_not, nvfp4_dispatch.nvfp4_matmul),
-    nestedfp_cuda.IMPLEMENTATION: Kernel(nestedfp_cuda.why_not, nestedfp_cuda.matmul),
+    nestedfp_dispatch.IMPLEMENTATION: Kernel(nestedfp_dispatch.why_not, nestedfp_dispatch.matmul),
     native_dot.IMPLEMENTATION: Kernel(native_dot.why_not, native_dot.matmul),
 })
 

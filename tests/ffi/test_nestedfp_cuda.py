@@ -1,7 +1,8 @@
-"""The NestedFP CUDA kernel for 1..8 tokens (``implementation="nestedfp_cuda"``): what it takes and
-refuses, its split choice, the 32-bit merge it runs (exhaustively against the format's own merge),
-its lowering (CPU), and on a GPU both modes against float64 NumPy products of the FP16 / E4M3
-values (``ml_dtypes`` casts) on fresh random weights with the format's edge values."""
+"""The NestedFP CUDA kernel for 1..8 tokens (``jaxlp.ffi.nestedfp``; the layers' implementation
+``"nestedfp_cuda"`` through ``jaxlp.quantization.nestedfp_dispatch``): what it takes and refuses,
+its split choice, the 32-bit merge it runs (exhaustively against the format's own merge), its
+lowering (CPU), and on a GPU both modes against float64 NumPy products of the FP16 / E4M3 values
+(``ml_dtypes`` casts) on fresh random weights with the format's edge values."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from jaxlp.ffi import nestedfp as cuda
 from jaxlp.formats import fp8, nestedfp
-from jaxlp.quantization import activations
+from jaxlp.quantization import activations, nestedfp_dispatch
 from jaxlp.quantization.linear import QuantizedLinear
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -78,15 +79,15 @@ def test_why_not_names_what_does_not_fit(mode):
     lay = layer(weights(rng, 48, 128), mode)
     x = jnp.ones((2, 128), jnp.float16)
     if not ON_GPU:
-        assert "not available" in cuda.why_not(lay, x)
-    assert "tokens" in cuda.why_not(lay, jnp.ones((9, 128), jnp.float16))
-    assert "tokens" in cuda.why_not(lay, jnp.ones((3, 3, 128), jnp.float16))
-    assert "multiple" in cuda.why_not(layer(weights(rng, 40, 128), mode), jnp.ones((1, 128), jnp.float16))
-    assert "multiple" in cuda.why_not(layer(weights(rng, 48, 96), mode), jnp.ones((1, 96), jnp.float16))
-    bf16 = cuda.why_not(lay, jnp.ones((1, 128), jnp.bfloat16))
+        assert "not available" in nestedfp_dispatch.why_not(lay, x)
+    assert "tokens" in nestedfp_dispatch.why_not(lay, jnp.ones((9, 128), jnp.float16))
+    assert "tokens" in nestedfp_dispatch.why_not(lay, jnp.ones((3, 3, 128), jnp.float16))
+    assert "multiple" in nestedfp_dispatch.why_not(layer(weights(rng, 40, 128), mode), jnp.ones((1, 128), jnp.float16))
+    assert "multiple" in nestedfp_dispatch.why_not(layer(weights(rng, 48, 96), mode), jnp.ones((1, 96), jnp.float16))
+    bf16 = nestedfp_dispatch.why_not(lay, jnp.ones((1, 128), jnp.bfloat16))
     assert ("float16 activations" in bf16) == (mode == "fp16")
     w8 = QuantizedLinear(fp8.quantize(jnp.ones((48, 128)), granularity="channel"), implementation="auto")
-    assert "format" in cuda.why_not(w8, x)
+    assert "format" in nestedfp_dispatch.why_not(w8, x)
 
 
 def test_gemv_refuses_bad_operands():
@@ -115,6 +116,17 @@ def test_lowers_to_one_custom_call_for_cuda(mode):
     assert "tensor<2x3x64xf32>" in text  # the splits' partial sums, added by XLA
 
 
+@pytest.mark.parametrize("mode", ["fp16", "fp8"])
+def test_layer_product_lowers_to_the_kernel_for_cuda(mode):
+    """A NestedFP layer's product through the dispatch (activation scales of FP8 mode included)."""
+    lay = layer(weights(np.random.default_rng(2), 64, 256), mode)
+    x = jnp.ones((2, 3, 256), jnp.float16)  # 6 tokens
+    f = jax.jit(lambda x: nestedfp_dispatch.matmul(lay, x))
+    assert f.eval_shape(x).shape == (2, 3, 64) and f.eval_shape(x).dtype == jnp.float16
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") == 1 and cuda.TARGETS[mode] in text
+
+
 def numpy_reference(w, x, mode):
     """float64 product of the values the kernel multiplies (FP16 weights; or E4M3 upper bytes and
     the quantized activations, with their scales)."""
@@ -140,7 +152,7 @@ def test_gpu_matches_float64(mode, m, n, k):
     x[0] = 0.0 if m > 1 else x[0]  # an all-zero token
     lay = layer(w, mode)
     xin = jnp.asarray(x, jnp.float16)
-    assert cuda.why_not(lay, xin) is None
+    assert nestedfp_dispatch.why_not(lay, xin) is None
     y = jax.jit(lambda x: lay(x))(xin)
     ref = numpy_reference(w, xin.astype(jnp.float32), mode)
     assert y.dtype == jnp.float16 and y.shape == (m, n)

@@ -1,0 +1,63 @@
+"""NestedFP ``QuantizedLinear`` products for 1..8 tokens through the CUDA kernel
+(``implementation="nestedfp_cuda"``; :mod:`jaxlp.ffi.nestedfp`).
+
+- FP16 mode: ``x @ merge(upper, lower).T`` with FP16 activations, the FP16 weight rebuilt from
+  its two bytes in registers inside the kernel (never in memory), FP32 accumulation;
+- FP8 mode: ``(e4m3(x * s) @ e4m3(upper).T) / s * 2**-8`` with the per-token scale ``s`` of the
+  ``nestedfp_fp8`` activation quantizer (:mod:`jaxlp.quantization.activations`): E4M3 MMAs on the
+  upper bytes alone, half the bytes of FP16 mode.
+
+The same math as :mod:`jaxlp.quantization.native_dot` (XLA's dots, which ``"auto"`` takes past 8
+tokens), to summation order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxlp.ffi import nestedfp as kernel
+from jaxlp.formats import nestedfp
+from jaxlp.quantization import activations
+
+IMPLEMENTATION = "nestedfp_cuda"
+
+
+def why_not(layer, x: jax.Array) -> str | None:
+    """``None`` if :func:`matmul` computes this layer on ``x`` here, else the reason it does not."""
+    w = layer.weight.get_value()
+    if getattr(w, "format", None) != nestedfp.NestedFPArray.format:
+        return f"weight format {getattr(w, 'format', None)!r} (only 'nestedfp')"
+    if layer.activation is not None:
+        return f"NestedFP with an activation quantizer {layer.activation!r}"
+    if len(w.shape) != 2:
+        return f"needs a 2-D weight, got shape {w.shape}"
+    n, k = w.shape
+    tokens = math.prod(x.shape[:-1])
+    if not 1 <= tokens <= kernel.MAX_TOKENS:
+        return f"{tokens} tokens (the kernel takes 1 to {kernel.MAX_TOKENS})"
+    if n % kernel.ROWS or k % kernel.WINDOW:
+        return f"weight {n} x {k}: N must be a multiple of {kernel.ROWS} and K of {kernel.WINDOW}"
+    if layer.mode != "fp8" and jnp.dtype(x.dtype) != jnp.dtype(jnp.float16):
+        return f"NestedFP's FP16 mode needs float16 activations (an FP16 model), got {x.dtype}"
+    if not kernel.available():
+        return f"the CUDA library is not available: {kernel.LIBRARY.unavailable_reason()}"
+    return None
+
+
+def matmul(layer, x: jax.Array) -> jax.Array:
+    """The layer's product before bias (``QuantizedLinear.reference``'s math), in x's dtype, for a
+    layer :func:`why_not` accepts."""
+    w = layer.weight.get_value()
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if layer.mode == "fp8":
+        x8, scale = activations.nestedfp_fp8(x2.astype(jnp.float32))
+        y = kernel.gemv(x8, w.upper, None) / scale * nestedfp.FP8_SCALE
+    else:
+        y = kernel.gemv(x2, w.upper, w.lower)
+    if layer.out_scale != 1.0:
+        y = y * layer.out_scale
+    return y.reshape(*lead, w.shape[0]).astype(x.dtype)
