@@ -6,11 +6,11 @@ XLA's dot; weight-activation recipes fake-quantize the activations and multiply 
 dequantized values in float32 (for NVFP4 every element product is exact, so only the
 summation order separates this from a tensor-core kernel). :data:`KERNELS` lists the GPU
 implementations (``"nvfp4_cuda"``: :mod:`jaxlp.quantization.nvfp4_dispatch`, whose measured table
-picks CUDA, Pallas or XLA per shape; ``"nestedfp_cuda"``: :mod:`jaxlp.quantization.nestedfp_dispatch`, NestedFP in
-either mode for 1..8 tokens on tensor cores, the FP16 weight rebuilt in registers;
-``"xla_native"``: :mod:`jaxlp.quantization.native_dot`, XLA's FP8 and FP16 dots on the stored bytes
-for FP8, NestedFP and FireQ INT4 weights); ``"auto"`` takes the first that supports the layer and
-the input, else ``"xla"``.
+picks CUDA, Pallas or XLA per shape; ``"nestedfp_cuda"``:
+:mod:`jaxlp.quantization.nestedfp_dispatch`, NestedFP in either mode for 1..8 tokens on tensor
+cores, the FP16 weight rebuilt in registers; ``"xla_native"``: :mod:`jaxlp.quantization.native_dot`,
+XLA's FP8 and FP16 dots on the stored bytes for FP8, NestedFP and FireQ INT4 weights); ``"auto"``
+takes the first that supports the layer and the input, else ``"xla"``.
 
 Tensor parallelism (:func:`jaxlp.models.shard_model` calls :meth:`QuantizedLinear.set_parallel`):
 a column-parallel layer computes its rows of the output from the whole input on each device, a
