@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jaxlp.ffi import build
 
 TARGETS = {"fp16": "jaxlp_nestedfp16_gemv", "fp8": "jaxlp_nestedfp8_gemv"}
-LIBRARY = build.Library("nestedfp_gemv", {TARGETS["fp16"]: "JaxlpNestedFP16Gemv", TARGETS["fp8"]: "JaxlpNestedFP8Gemv"})
+LIBRARY = build.Library("nestedfp_gemv",
+                        {TARGETS["fp16"]: "JaxlpNestedFP16Gemv", TARGETS["fp8"]: "JaxlpNestedFP8Gemv"})
 MAX_TOKENS = 8  # the MMA's N
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 64  # K per warp step
