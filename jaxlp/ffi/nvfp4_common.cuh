@@ -13,6 +13,7 @@
 #include <mutex>
 #include <tuple>
 
+#include "async_copy.cuh"
 #include "nvfp4_kernels.cuh"
 
 namespace jaxlp_nvfp4 {
@@ -160,23 +161,11 @@ __device__ __forceinline__ void act_pairs(const uint4& v, uint32_t (&b)[4]) {
   b[3] = prmt(v.y, v.w, 0x7632u);
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// cp.async: 16 bytes (L2 only) or 4 bytes; src_bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
+using jaxlp::cp_async16;  // shared-memory copies: async_copy.cuh
+using jaxlp::cp_async4;
+using jaxlp::cp_async_commit;
+using jaxlp::cp_async_wait;
+using jaxlp::smem_addr;
 
 __device__ __forceinline__ uint4 ld_act_nc_v4(const void* p) {  // activations: read-only, kept in L1
   uint4 r;

@@ -23,11 +23,19 @@ to the row's last token, whose newest keys and values the kernel reads from the 
 they hold them (else their units, as the cache's reference view does), and one more block holds
 the FP16 sink and the new token.
 
-Design (``quantized_decode_attention.cu``): one CTA per (row, KV head, split) unpacks each block
-into shared memory as FP16 (``(code) * scale + min`` by HFMA2; never to global memory), then runs
-``mma.sync`` m16n8k16 flash-decoding over it with the KV head's query heads as the 16 rows (FP16
-operands, FP32 accumulation and softmax). FP16 operands keep the output within about ``1e-3``
-relative of the float32 reference. Splits along the sequence are merged in float32 by XLA
+Design (``quantized_decode_attention.cu``), two paths in one launch, ``mma.sync`` m16n8k16
+flash-decoding (FP16 operands, FP32 accumulation and softmax) in both:
+
+* packed (head_dim 128, <= 8 query heads per KV head, :func:`packed_reads`; ``packed=None`` picks it
+  for Kitty, :func:`packed_default`): each warp walks its own fully packed blocks, copied by ``cp.async``, and feeds the
+  2-bit codes to the MMAs straight from the packed words (tokens on the M side, the scales folded
+  into Q and P, the FP16 ``1024 + code`` offsets taken off the FP32 sums);
+* staged (everything else, and a whole-cache call's blocks holding FP16 ring tokens or the sink):
+  one CTA unpacks each block into shared memory as FP16 (``code * scale + min`` by HFMA2; never to
+  global memory), copies the ring tokens over it, and reads it with ``ldmatrix``, the query heads as
+  the 16 rows.
+
+FP16 operands keep the output within about ``1e-3`` relative of the float32 reference. Splits along the sequence are merged in float32 by XLA
 (:func:`jaxlp.attention.reference.merge_splits`).
 
 The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
@@ -49,7 +57,9 @@ LIBRARY = build.Library("quantized_decode_attention", {TARGET: "JaxlpQuantizedDe
 BLOCK = 128  # tokens per block: a Kitty page, a KIVI key block
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # query heads per KV head (the mma's 16 rows)
-CTAS_PER_SM = 3  # what the kernel's shared memory allows at head_dim 128
+CTAS_PER_SM = 3  # what the staged path's shared memory allows at head_dim 128
+PACKED_CTAS_PER_SM = 4  # the packed path: two resident per SM, two waves to balance the rows
+GENERAL_SPLITS = 4  # whole-cache calls: the staged splits that take the ring and tail blocks (one block each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +122,34 @@ def default_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) -
     return max(1, -(-blocks // per))
 
 
+def packed_reads(lay: Layout, head_dim: int, group: int) -> bool:
+    """Whether the packed path (no shared-memory FP16 tile; the .cu file's ``packed`` namespace)
+    reads this layout: head_dim 128, at most 8 query heads per KV head, Kitty pages with 16 or 32
+    boosted channels, or KIVI-2 values in groups of 32 or 64 channels."""
+    if head_dim != 128 or group > 8:
+        return False
+    if lay.key_groups == 1:
+        return lay.n_boost in (16, 32)
+    return lay.value_group in (32, 64)
+
+
+def packed_default(lay: Layout, head_dim: int, group: int) -> bool:
+    """Whether ``packed=None`` takes the packed path: where it reads and measured faster, Kitty
+    pages (KIVI-2's four key and value scale sets per block cost it more than the staged path
+    spends: docs/perf.md, session 14)."""
+    return packed_reads(lay, head_dim, group) and lay.key_groups == 1
+
+
+def packed_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) -> int:
+    """Splits of the packed path: about :data:`PACKED_CTAS_PER_SM` CTAs per SM, at least one block
+    per warp (4 warps), no empty split."""
+    most = max(1, min(PACKED_CTAS_PER_SM * num_sms // (batch * kv_heads), -(-blocks // 4)))
+    per = -(-blocks // most)
+    return max(1, -(-blocks // per))
+
+
 def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float, softcap: float | None = None,
-                 splits: int | None = None):
+                 splits: int | None = None, packed: bool | None = None):
     """Attention of ``q [B, H, D]`` over the quantized stream indices ``[lo, hi)`` of each row:
     ``(out [B, H, D] float32 normalized, m [B, H], l [B, H])`` (module doc). ``hi`` must not pass
     the quantized tokens of either store."""
@@ -125,11 +161,11 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
     ring = jnp.zeros((b, 0, kvh, d), jnp.float16), jnp.zeros((b, 0), jnp.int32)
     new = jnp.zeros((b, kvh, d), jnp.float16)
     return _call(q, k_store, v_store, k_codec, v_codec, bounds, ring, ring, (ring[0], ring[0]), (new, new),
-                 tail=False, scale=scale, softcap=softcap, splits=splits)
+                 tail=False, scale=scale, softcap=softcap, splits=splits, packed=packed)
 
 
 def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, scale: float,
-                 softcap: float | None = None, splits: int | None = None):
+                 softcap: float | None = None, splits: int | None = None, packed: bool | None = None):
     """One query per row ``q [B, H, D]`` over a whole quantized cache (module doc):
     ``bounds [B, 8]`` int32 per row: the stream range ``lo, hi`` (hi: the row's non-sink tokens),
     ``qk, qv`` (its quantized keys and values), the visible sink tokens ``[sink_lo, sink_hi)``,
@@ -143,7 +179,7 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     k_ring, v_ring = (_fp16(k_ring[0]), k_ring[1].astype(jnp.int32)), (_fp16(v_ring[0]), v_ring[1].astype(jnp.int32))
     return _call(q, k_store, v_store, k_codec, v_codec, bounds.astype(jnp.int32), k_ring, v_ring,
                  tuple(map(_fp16, sink)), tuple(map(_fp16, new)), tail=True, scale=scale, softcap=softcap,
-                 splits=splits)
+                 splits=splits, packed=packed)
 
 
 def _fp16(x):
@@ -154,7 +190,8 @@ def _fp16(x):
     return jnp.clip(x.astype(jnp.float32), -fmax, fmax).astype(jnp.float16)
 
 
-def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, tail, scale, softcap, splits):
+def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, tail, scale, softcap, splits,
+          packed):
     b, h, d = q.shape
     kleaves = jax.tree.leaves(k_store)
     kvh = kleaves[0].shape[2]
@@ -174,8 +211,15 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
                            ("value codes", v_codes, (b, v_codes.shape[1], kvh, lay.value_tokens, d // 4))):
         if x.shape != shape or x.dtype != jnp.uint8:
             raise ValueError(f"attend_units: {name} must be uint8 {shape}, got {x.dtype} {x.shape}")
-    blocks = k_low.shape[1] + (-(-max(k_ring[0].shape[1], v_ring[0].shape[1]) // BLOCK) + 1 if tail else 0)
-    splits = splits or default_splits(b, kvh, blocks)
+    if packed and not packed_reads(lay, d, g):
+        raise ValueError(f"attend_units: the packed path does not read {lay} at head_dim {d} with {g} query heads "
+                         f"per KV head (packed_reads)")
+    if packed_default(lay, d, g) if packed is None else packed:  # the staged path: ring and tail blocks only
+        general = GENERAL_SPLITS if tail else 0
+        splits = general + (splits or packed_splits(b, kvh, k_low.shape[1]))
+    else:
+        blocks = k_low.shape[1] + (-(-max(k_ring[0].shape[1], v_ring[0].shape[1]) // BLOCK) + 1 if tail else 0)
+        splits = general = splits or default_splits(b, kvh, blocks)
     if build.on_gpu():
         LIBRARY.load()
     qg = q.astype(jnp.float32).reshape(b, kvh, g, d) * jnp.float32(scale)
@@ -187,6 +231,6 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
     o, m, l = call(qg, bounds, k_low, k_high, k_boost, half(k_scale), half(k_min), v_codes, half(v_store.scale),
                    half(v_store.min), *k_ring, *v_ring, *sink, *new, nb=np.int64(lay.n_boost),
                    kg=np.int64(lay.key_groups), vt=np.int64(lay.value_tokens), v_group=np.int64(lay.value_group),
-                   tail=np.int64(tail), softcap=np.float32(softcap or 0.0))
+                   tail=np.int64(tail), gsplits=np.int64(general), softcap=np.float32(softcap or 0.0))
     out, m_all, den = merge_splits(o, m, l)
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)
