@@ -679,7 +679,7 @@ template <int KG, int VPL>
 __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, const Bounds& rb, int blk0, int blk1,
                                             unsigned char* smem, const __half (*qsm)[kD + kPad],
                                             const float (*q32)[kD], const __half (*q16lo)[kD],
-                                            uint8_t (*inv)[kMaxBoost], float (*red_m)[kRows],
+                                            uint8_t (*inv)[kMaxBoost], uint2 (*pbs)[8 * 32], float (*red_m)[kRows],
                                             float (*red_l)[kRows]) {
   using S = Stage<KG, VPL>;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -741,7 +741,7 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
       }
     }
     float off[4] = {0.f, 0.f, 0.f, 0.f};  // Kitty: sum_c Q'_c (the minimums' sum goes to cb[0])
-#pragma unroll 2
+#pragma unroll 1
     for (int k = 0; k < 8; ++k) {
       const int c = 32 * tg + 4 * k;
       const unsigned char* lk = st + S::kLow + 128 * k;
@@ -817,24 +817,37 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
     // ---- Scores (base 2), mask, online softmax over this thread's 16 tokens x queries 2 tg + (0, 1).
     const int base = blk * kBlock;
     const bool interior = base >= rb.lo && base + kBlock <= rb.hi;
+    // Uniform branches outside the element loops (inside them the compiler kept 32 copies of each).
+    if (p.softcap > 0.f) {
+      const float inv_cap = 1.f / p.softcap;
+#pragma unroll
+      for (int m = 0; m < 8; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = fmaf(s[m][e], 1.f / static_cast<float>(1 << (m & ~1)), bias[m >> 1][e & 1]);
+          s[m][e] = p.softcap * tanhf(x * inv_cap) * kLog2e;
+        }
+    } else {
+#pragma unroll
+      for (int m = 0; m < 8; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[m][e] = fmaf(s[m][e], kLog2e / static_cast<float>(1 << (m & ~1)), bias[m >> 1][e & 1] * kLog2e);
+    }
+    if (!interior) {
+#pragma unroll
+      for (int m = 0; m < 8; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = base + 4 * gq + 2 * (m & 1) + (e >> 1) + 32 * (m >> 1);
+          if (j < rb.lo || j >= rb.hi) s[m][e] = -INFINITY;
+        }
+    }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      const int t = m >> 1;
-      const float inv4 = 1.f / static_cast<float>(1 << (2 * t));
+    for (int m = 0; m < 8; ++m)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = fmaf(s[m][e], inv4, bias[t][e & 1]);
-        if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
-        x *= kLog2e;
-        if (!interior) {
-          const int j = base + 4 * gq + 2 * (m & 1) + (e >> 1) + 32 * t;
-          if (j < rb.lo || j >= rb.hi) x = -INFINITY;
-        }
-        s[m][e] = x;
-        mx[e & 1] = fmaxf(mx[e & 1], x);
-      }
-    }
+      for (int e = 0; e < 4; ++e) mx[e & 1] = fmaxf(mx[e & 1], s[m][e]);
     float alpha[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -845,12 +858,12 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
       row_m[e] = m_new;
     }
     float psum[2] = {0.f, 0.f};
+    const float mref[2] = {row_m[0] == -INFINITY ? 0.f : row_m[0], row_m[1] == -INFINITY ? 0.f : row_m[1]};
 #pragma unroll
     for (int m = 0; m < 8; ++m)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float mref = row_m[e & 1];
-        const float pe = mref == -INFINITY ? 0.f : fast_exp2(s[m][e] - mref);
+        const float pe = fast_exp2(s[m][e] - mref[e & 1]);  // a row of -inf: 2^-inf = 0
         s[m][e] = pe;
         psum[e & 1] += pe;
       }
@@ -879,25 +892,38 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
       const int grp = VPL == 1 ? 0 : g >> gshift;
-      uint32_t pb[8][2];
+      uint2* pb = pbs[warp];  // [8 k-steps][32 lanes]: B fragments of P'^T, a rolled loop reads them
 #pragma unroll
       for (int m = 0; m < 8; ++m) {
         float pv[4];
+        const int tok = 4 * gq + 2 * (m & 1) + 32 * (m >> 1);  // rows gq, gq + 8: tokens tok, tok + 1
+        float2 sc, mn;
+        if (VPL == 1) {  // one FP16 pair per row pair
+          sc = __half22float2(*reinterpret_cast<const __half2*>(vs + tok));
+          mn = __half22float2(*reinterpret_cast<const __half2*>(vm + tok));
+        } else {
+          sc = make_float2(__half2float(vs[tok * VPL + grp]), __half2float(vs[(tok + 1) * VPL + grp]));
+          mn = make_float2(__half2float(vm[tok * VPL + grp]), __half2float(vm[(tok + 1) * VPL + grp]));
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int tok = 4 * gq + 2 * (m & 1) + (e >> 1) + 32 * (m >> 1);
-          const float sc = __half2float(vs[tok * VPL + grp]), mn = __half2float(vm[tok * VPL + grp]);
-          pv[e] = s[m][e] * sc;
-          mb[g][e & 1] = fmaf(s[m][e], mn, mb[g][e & 1]);
+          const float se = e >> 1 ? sc.y : sc.x, me = e >> 1 ? mn.y : mn.x;
+          pv[e] = s[m][e] * se;
+          mb[g][e & 1] = fmaf(s[m][e], me, mb[g][e & 1]);
         }
-        pb[m][0] = movmatrix_trans(pack_half2(pv[0], pv[1]));
-        pb[m][1] = movmatrix_trans(pack_half2(pv[2], pv[3]));
+        pb[m * 32 + lane] = make_uint2(movmatrix_trans(pack_half2(pv[0], pv[1])),
+                                       movmatrix_trans(pack_half2(pv[2], pv[3])));
       }
+      __syncwarp();
+#pragma unroll 1
+      for (int t = 0; t < 4; ++t)  // rolled: the unrolled k-steps would not fit the instruction cache
 #pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        // tokens t0, t0 + 4 (k = 2 tg, 2 tg + 1), t0 + 1, t0 + 5 with t0 = 8 tg + 2 (m & 1) + 32 (m >> 1)
-        const unsigned char* vt = val + 1024 * (m >> 1);
-        const int d0 = 2 * (m & 1);
+      for (int hb = 0; hb < 2; ++hb) {
+        const int m = 2 * t + hb;
+        const uint2 pbm = pb[m * 32 + lane];
+        // tokens t0, t0 + 4 (k = 2 tg, 2 tg + 1), t0 + 1, t0 + 5 with t0 = 8 tg + 2 hb + 32 t
+        const unsigned char* vt = val + 1024 * t;
+        const int d0 = 2 * hb;
         const uint32_t v0 = *reinterpret_cast<const uint32_t*>(vt + voff[d0]);
         const uint32_t v1 = *reinterpret_cast<const uint32_t*>(vt + voff[d0 + 4]);
         const uint32_t v2 = *reinterpret_cast<const uint32_t*>(vt + voff[d0 + 1]);
@@ -912,13 +938,14 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
           const uint32_t mask = 0x00030003u << (2 * u);
           const uint32_t a[4] = {code4(p01[jb], mask), code4(q01[jb], mask), code4(p23[jb], mask),
                                  code4(q23[jb], mask)};
-          mma16816(oacc[j], a, pb[m][0], pb[m][1]);
+          mma16816(oacc[j], a, pbm.x, pbm.y);
         }
         if (VPL == 1 || offset_plane(g)) {
           const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
-          mma16816(sp[g], ones, pb[m][0], pb[m][1]);
+          mma16816(sp[g], ones, pbm.x, pbm.y);
         }
       }
+      __syncwarp();  // pb is read
     }
     __syncwarp();  // the stage and inv are read: the next copies may overwrite them
   }
@@ -1002,6 +1029,7 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
     __shared__ uint8_t inv[4][packed::kMaxBoost];  // per warp: the channel of each boosted rank
     __shared__ __align__(16) float q32[8][D];       // the query rows in FP32 (rows >= G zero)
     __shared__ __align__(16) __half q16lo[8][D];    // and what FP16 leaves of them: q32 - qsm
+    __shared__ uint2 pbs[4][8 * 32];                 // per warp: one block's P'^T B fragments
     const int fend = packed_end(p, rb, first, last);
     if (split >= p.gsplits) {
       if (tid < 4 * packed::kMaxBoost) inv[tid / packed::kMaxBoost][tid % packed::kMaxBoost] = 0;
@@ -1015,7 +1043,7 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
       __syncthreads();  // qsm, inv
       const int ns = p.splits - p.gsplits, per = (fend - first + ns - 1) / ns;
       const int blk0 = first + (split - p.gsplits) * per, blk1 = min(blk0 + per, fend);
-      packed::packed_path<KG, VPL>(p, b, kh, rb, blk0, blk1, smem, qsm, q32, q16lo, inv, red_m, red_l);
+      packed::packed_path<KG, VPL>(p, b, kh, rb, blk0, blk1, smem, qsm, q32, q16lo, inv, pbs, red_m, red_l);
     } else {
       staged_path<D, KG, VPL>(p, b, kh, rb, fend, split, p.gsplits, smem, qsm, red_m, red_l);
     }
