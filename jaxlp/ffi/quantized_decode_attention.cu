@@ -565,18 +565,30 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+// A lane's destinations in a stage for its 16-byte pieces lane + 32 i of a 32-byte-row tile (row
+// (lane >> 1) + 16 i): keys at low_dst[i >> 1] + 512 i (swizzle shift 5), values at val_dst[i & 1]
+// + 512 i (shift 3).
+struct CopyDst {
+  uint32_t low_dst[4], val_dst[2];
+  __device__ __forceinline__ explicit CopyDst(int lane) {
+    const int row = lane >> 1, half = (lane & 1) * 16;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) low_dst[q] = 32 * (row ^ q) + half;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) val_dst[q] = 32 * (row ^ ((lane >> 4) + 2 * q)) + half;
+  }
+};
+
 // Copies of block `blk` of row b, KV head kh into stage `st` (one warp; committed by the caller).
 template <int KG, int VPL>
 __device__ __forceinline__ void issue_block(const Params& p, int b, int kh, int blk, unsigned char* st, int lane,
-                                            int hshift) {
+                                            int hshift, const CopyDst& cd) {
   using S = Stage<KG, VPL>;
+  const uint32_t sa = smem_addr(st);
   const long kpage = (static_cast<long>(b) * p.k_units + blk) * p.kvh + kh;
-  const uint8_t* low = p.k_low + kpage * (kD * 32);
+  const uint8_t* low = p.k_low + kpage * (kD * 32) + lane * 16;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int x = lane + 32 * i;
-    cp_async16(smem_addr(st + S::kLow + swz(x >> 1, 5) * 32 + (x & 1) * 16), low + x * 16, 16u);
-  }
+  for (int i = 0; i < 8; ++i) cp_async16(sa + S::kLow + cd.low_dst[i >> 1] + 512 * i, low + 512 * i, 16u);
   if (KG == 1) {  // Kitty: the boosted channels' high rows and the ranks
     const uint8_t* high = p.k_high + kpage * p.nb * 32;
 #pragma unroll
@@ -602,12 +614,9 @@ __device__ __forceinline__ void issue_block(const Params& p, int b, int kh, int 
   }
   if (VPL == 1) {  // Kitty value page: codes [128][32 B], FP16 scale and min per token
     const long vpage = (static_cast<long>(b) * p.v_units + blk) * p.kvh + kh;
-    const uint8_t* codes = p.v_codes + vpage * (kBlock * 32);
+    const uint8_t* codes = p.v_codes + vpage * (kBlock * 32) + lane * 16;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int x = lane + 32 * i;
-      cp_async16(smem_addr(st + S::kVal + swz(x >> 1, 3) * 32 + (x & 1) * 16), codes + x * 16, 16u);
-    }
+    for (int i = 0; i < 8; ++i) cp_async16(sa + S::kVal + cd.val_dst[i & 1] + 512 * i, codes + 512 * i, 16u);
     const bool mins = lane >= 16;
     const int c = lane & 15;
     cp_async16(smem_addr(st + (mins ? S::kVm : S::kVs) + c * 16), (mins ? p.v_min : p.v_scale) + vpage * kBlock + c * 8,
@@ -619,8 +628,7 @@ __device__ __forceinline__ void issue_block(const Params& p, int b, int kh, int 
       const int x = lane + 32 * i, tok = x >> 1, j = blk * kBlock + tok;
       const bool ok = j < p.v_units;
       const long unit = (static_cast<long>(b) * p.v_units + (ok ? j : 0)) * p.kvh + kh;
-      cp_async16(smem_addr(st + S::kVal + swz(tok, 3) * 32 + (x & 1) * 16), p.v_codes + unit * 32 + (x & 1) * 16,
-                 ok ? 16u : 0u);
+      cp_async16(sa + S::kVal + cd.val_dst[i & 1] + 512 * i, p.v_codes + unit * 32 + (x & 1) * 16, ok ? 16u : 0u);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -707,18 +715,19 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
 #pragma unroll
   for (int g = 0; g < kG; ++g) sp[g][0] = sp[g][1] = sp[g][2] = sp[g][3] = mb[g][0] = mb[g][1] = 0.f;
 
+  const CopyDst cd(lane);
   const int first_blk = blk0 + warp;
   const int n = first_blk < blk1 ? (blk1 - first_blk + 3) / 4 : 0;
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
-    if (i < n) issue_block<KG, VPL>(p, b, kh, first_blk + 4 * i, ring + i * S::kBytes, lane, hshift);
+    if (i < n) issue_block<KG, VPL>(p, b, kh, first_blk + 4 * i, ring + i * S::kBytes, lane, hshift, cd);
     cp_async_commit();
   }
   for (int i = 0; i < n; ++i) {
     const int blk = first_blk + 4 * i;
     if (i + kStages - 1 < n)
       issue_block<KG, VPL>(p, b, kh, blk + 4 * (kStages - 1), ring + ((i + kStages - 1) % kStages) * S::kBytes, lane,
-                           hshift);
+                           hshift, cd);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();

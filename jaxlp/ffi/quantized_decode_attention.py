@@ -58,7 +58,7 @@ BLOCK = 128  # tokens per block: a Kitty page, a KIVI key block
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # query heads per KV head (the mma's 16 rows)
 CTAS_PER_SM = 3  # what the staged path's shared memory allows at head_dim 128
-PACKED_CTAS_PER_SM = 4  # the packed path: two resident per SM, two waves to balance the rows
+PACKED_CTAS_PER_SM = 2  # the packed path: two resident per SM (its registers and shared memory), one wave
 GENERAL_SPLITS = 4  # whole-cache calls: the staged splits that take the ring and tail blocks (one block each)
 
 
