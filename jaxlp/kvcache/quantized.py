@@ -345,7 +345,10 @@ class QuantizedLayerCache(LayerCache):
         return out.astype(q.dtype), self.store(k, v, positions)
 
     def store(self, k, v, positions) -> "QuantizedLayerCache":
-        """The state after storing ``k, v [B, S, KVH, D]`` at ``positions`` (see module doc)."""
+        """The state after storing ``k, v [B, S, KVH, D]`` at ``positions`` (see module doc). The
+        units a call completes are encoded under one ``lax.cond`` for both streams (a one-token
+        step completes a unit once every ``unit`` steps per row: encode only then), before the
+        rings take the new tokens (an encode reads the ring slots they overwrite)."""
         valid, start, end = call_bounds(positions, self.max_len)
         rows = jnp.arange(positions.shape[0])[:, None]
         off = self.sink_len
@@ -355,54 +358,69 @@ class QuantizedLayerCache(LayerCache):
             sink_k=self.sink_k.at[rows, sink_slot].set(k.astype(dtype), mode="drop"),
             sink_v=self.sink_v.at[rows, sink_slot].set(v.astype(dtype), mode="drop"),
         )
-        for name, x in (("k", k), ("v", v)):
+        xs = {"k": k.astype(dtype), "v": v.astype(dtype)}
+        encoders, completes = {}, []
+        for name in ("k", "v"):
             spec = getattr(self, f"{name}_spec")
-            ring, ring_pos, store = self._update_stream(
-                spec, getattr(self, f"{name}_ring"), getattr(self, f"{name}_ring_pos"),
-                getattr(self, f"{name}_store"), x.astype(dtype), positions, valid, start, end,
-            )
-            new.update({f"{name}_ring": ring, f"{name}_ring_pos": ring_pos, f"{name}_store": store})
+            if spec.units:
+                encode, done = self._unit_encoder(spec, getattr(self, f"{name}_ring"), getattr(self, f"{name}_ring_pos"),
+                                                  xs[name], positions, valid, start, end)
+                encoders[name] = encode
+                completes.append(jnp.any(done))
+        stores = {name: getattr(self, f"{name}_store") for name in encoders}
+        if encoders:
+            stores = jax.lax.cond(functools.reduce(jnp.logical_or, completes),
+                                  lambda st: {name: encoders[name](st[name]) for name in st}, lambda st: st, stores)
+        for name in ("k", "v"):
+            spec = getattr(self, f"{name}_spec")
+            ring, ring_pos = self._update_ring(spec, getattr(self, f"{name}_ring"), getattr(self, f"{name}_ring_pos"),
+                                               xs[name], positions, valid, end)
+            new.update({f"{name}_ring": ring, f"{name}_ring_pos": ring_pos,
+                        f"{name}_store": stores.get(name, getattr(self, f"{name}_store"))})
         return dataclasses.replace(self, **new)
 
-    def _update_stream(self, spec, ring, ring_pos, store, x, positions, valid, start, end):
+    def _unit_encoder(self, spec, ring, ring_pos, x, positions, valid, start, end):
+        """``(encode(store) -> store, completes [B, count])``: the units of ``spec``'s stream this
+        call completes, encoded from the call's tokens and the ring (else the units) as they were."""
         b, s = positions.shape
         off = self.sink_len
         m_start, m_end = jnp.maximum(start - off, 0), jnp.maximum(end - off, 0)
-        if spec.units:
-            unit = spec.unit
-            count = min(spec.units, -(-s // unit))  # units a call of s tokens can complete
-            first, stop = spec.quantized(m_start) // unit, spec.quantized(m_end) // unit
-            u = first[:, None] + jnp.arange(count)  # [B, count]
-            completes = u < stop[:, None]
+        unit = spec.unit
+        count = min(spec.units, -(-s // unit))  # units a call of s tokens can complete
+        first, stop = spec.quantized(m_start) // unit, spec.quantized(m_end) // unit
+        u = first[:, None] + jnp.arange(count)  # [B, count]
+        completes = u < stop[:, None]
 
-            def encode(store):
-                j = u[:, :, None] * unit + jnp.arange(unit)  # [B, count, unit] non-sink index
-                r3 = jnp.arange(b)[:, None, None]
-                call = jnp.clip(j + off - start[:, None, None], 0, s - 1)
-                in_call = valid[r3, call] & (positions[r3, call] == j + off)
-                # Only the units this call may complete are decoded (u < stop < units where written).
-                picked = jax.tree.map(lambda st: st[jnp.arange(b)[:, None], jnp.clip(u, 0, spec.units - 1)], store)
-                old = jnp.moveaxis(spec.codec.decode(picked), 3, 2).astype(x.dtype)  # [B, count, unit, KVH, D]
-                if spec.ring:
-                    slot = j % spec.ring
-                    in_ring = ring_pos[r3, slot] == j
-                    old = jnp.where(in_ring[..., None, None], ring[r3, slot], old)
-                fp = jnp.where(in_call[..., None, None], x[r3, call], old)  # [B, count, unit, KVH, D]
-                units = spec.codec.encode(jnp.moveaxis(fp, 2, 3).astype(jnp.float32))
-                target = jnp.where(completes, u, spec.units)
-                rows = jnp.arange(b)[:, None]
-                return jax.tree.map(lambda st, new: st.at[rows, target].set(new, mode="drop"), store, units)
-
-            # A one-token step completes a unit once every `unit` steps per row: encode only then.
-            store = jax.lax.cond(jnp.any(completes), encode, lambda store: store, store)
-        if spec.ring:
-            j = positions - off
-            keep = valid & (j >= 0) & (j >= spec.quantized(m_end)[:, None])
-            slot = jnp.where(keep, j % spec.ring, spec.ring)
+        def encode(store):
+            j = u[:, :, None] * unit + jnp.arange(unit)  # [B, count, unit] non-sink index
+            r3 = jnp.arange(b)[:, None, None]
+            call = jnp.clip(j + off - start[:, None, None], 0, s - 1)
+            in_call = valid[r3, call] & (positions[r3, call] == j + off)
+            # Only the units this call may complete are decoded (u < stop < units where written).
+            picked = jax.tree.map(lambda st: st[jnp.arange(b)[:, None], jnp.clip(u, 0, spec.units - 1)], store)
+            old = jnp.moveaxis(spec.codec.decode(picked), 3, 2).astype(x.dtype)  # [B, count, unit, KVH, D]
+            if spec.ring:
+                slot = j % spec.ring
+                in_ring = ring_pos[r3, slot] == j
+                old = jnp.where(in_ring[..., None, None], ring[r3, slot], old)
+            fp = jnp.where(in_call[..., None, None], x[r3, call], old)  # [B, count, unit, KVH, D]
+            units = spec.codec.encode(jnp.moveaxis(fp, 2, 3).astype(jnp.float32))
+            target = jnp.where(completes, u, spec.units)
             rows = jnp.arange(b)[:, None]
-            ring = ring.at[rows, slot].set(x, mode="drop")
-            ring_pos = ring_pos.at[rows, slot].set(j, mode="drop")
-        return ring, ring_pos, store
+            return jax.tree.map(lambda st, new: st.at[rows, target].set(new, mode="drop"), store, units)
+
+        return encode, completes
+
+    def _update_ring(self, spec, ring, ring_pos, x, positions, valid, end):
+        """The ring after taking the call's tokens that stay in full precision."""
+        if not spec.ring:
+            return ring, ring_pos
+        off = self.sink_len
+        j = positions - off
+        keep = valid & (j >= 0) & (j >= spec.quantized(jnp.maximum(end - off, 0))[:, None])
+        slot = jnp.where(keep, j % spec.ring, spec.ring)
+        rows = jnp.arange(positions.shape[0])[:, None]
+        return ring.at[rows, slot].set(x, mode="drop"), ring_pos.at[rows, slot].set(j, mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)
