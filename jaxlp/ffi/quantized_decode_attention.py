@@ -26,17 +26,18 @@ the FP16 sink and the new token.
 Design (``quantized_decode_attention.cu``), two paths in one launch, ``mma.sync`` m16n8k16
 flash-decoding (FP16 operands, FP32 accumulation and softmax) in both:
 
-* packed (head_dim 128, <= 8 query heads per KV head, :func:`packed_reads`; ``packed=None`` picks it
-  for Kitty, :func:`packed_default`): each warp walks its own fully packed blocks, copied by ``cp.async``, and feeds the
-  2-bit codes to the MMAs straight from the packed words (tokens on the M side, the scales folded
-  into Q and P, the FP16 ``1024 + code`` offsets taken off the FP32 sums);
+* packed (head_dim 128, <= 8 query heads per KV head, :func:`packed_reads`; ``packed=None`` picks
+  it for Kitty, :func:`packed_default`): each warp walks its own fully packed blocks, copied by
+  ``cp.async``, and feeds the 2-bit codes to the MMAs straight from the packed words (tokens on the
+  M side, the scales folded into Q and P, FP16 ``1024 + 4^t code`` operands whose offset comes off
+  in FP16 or in the FP32 sums);
 * staged (everything else, and a whole-cache call's blocks holding FP16 ring tokens or the sink):
   one CTA unpacks each block into shared memory as FP16 (``code * scale + min`` by HFMA2; never to
   global memory), copies the ring tokens over it, and reads it with ``ldmatrix``, the query heads as
   the 16 rows.
 
-FP16 operands keep the output within about ``1e-3`` relative of the float32 reference. Splits along the sequence are merged in float32 by XLA
-(:func:`jaxlp.attention.reference.merge_splits`).
+FP16 operands keep the output within about ``1e-3`` relative of the float32 reference. Splits
+along the sequence are merged in float32 by XLA (:func:`jaxlp.attention.reference.merge_splits`).
 
 The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
@@ -152,7 +153,9 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
                  splits: int | None = None, packed: bool | None = None):
     """Attention of ``q [B, H, D]`` over the quantized stream indices ``[lo, hi)`` of each row:
     ``(out [B, H, D] float32 normalized, m [B, H], l [B, H])`` (module doc). ``hi`` must not pass
-    the quantized tokens of either store."""
+    the quantized tokens of either store. ``packed``: the packed path (True; ValueError where
+    :func:`packed_reads` says no), the staged one (False), or :func:`packed_default` (None);
+    ``splits``: the path's splits along the sequence (default: one wave)."""
     b, h, d = q.shape
     kvh = jax.tree.leaves(k_store)[0].shape[2]
     lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)

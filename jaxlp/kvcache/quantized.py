@@ -363,8 +363,8 @@ class QuantizedLayerCache(LayerCache):
         for name in ("k", "v"):
             spec = getattr(self, f"{name}_spec")
             if spec.units:
-                encode, done = self._unit_encoder(spec, getattr(self, f"{name}_ring"), getattr(self, f"{name}_ring_pos"),
-                                                  xs[name], positions, valid, start, end)
+                ring, ring_pos = getattr(self, f"{name}_ring"), getattr(self, f"{name}_ring_pos")
+                encode, done = self._unit_encoder(spec, ring, ring_pos, xs[name], positions, valid, start, end)
                 encoders[name] = encode
                 completes.append(jnp.any(done))
         stores = {name: getattr(self, f"{name}_store") for name in encoders}

@@ -89,7 +89,8 @@ def lowering_inputs(name):
 
 
 def test_packed_path_reads_head_dim_128_and_splits_without_empty_ones():
-    assert cuda.packed_reads(cuda.Layout(32, 1, 128, 128), 128, 4) and cuda.packed_reads(cuda.Layout(16, 1, 128, 128), 128, 8)
+    assert cuda.packed_reads(cuda.Layout(32, 1, 128, 128), 128, 4)
+    assert cuda.packed_reads(cuda.Layout(16, 1, 128, 128), 128, 8)
     assert cuda.packed_reads(cuda.Layout(0, 4, 1, 32), 128, 4) and cuda.packed_reads(cuda.Layout(0, 4, 1, 64), 128, 1)
     assert cuda.packed_default(cuda.Layout(32, 1, 128, 128), 128, 4)
     assert not cuda.packed_default(cuda.Layout(0, 4, 1, 32), 128, 4)  # KIVI-2: measured faster staged
