@@ -1,6 +1,8 @@
 // Decode attention over the packed 2-bit units of Kitty and KIVI caches (XLA FFI custom call,
 // sm_90); Python side and layout: jaxlp/ffi/quantized_decode_attention.py.
 //
+// Two paths in one launch: the packed path (namespace `packed` below: head_dim 128, blocks holding
+// only packed codes, the codes fed to the MMAs from their packed words) and the staged path, here:
 // One CTA of 4 warps per (row b, KV head, split). It walks its share of the row's 128-token
 // blocks; per block:
 //   1. unpack: the 128 threads read the block's packed codes (16-byte loads, issued one block
@@ -558,11 +560,6 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   uint32_t y;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
-}
-
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
-  __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
 }
 
 // A lane's destinations in a stage for its 16-byte pieces lane + 32 i of a 32-byte-row tile (row
