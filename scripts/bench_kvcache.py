@@ -190,8 +190,10 @@ def attention_part(args, config, rows):
                                                 softcap=None)
                         return acc + out[0, 0, 0]
 
-                    def store(i, lay):
-                        return lay.store(kv, kv, pos)
+                    implementation = inner._decode_implementation(h)
+
+                    def store(i, lay):  # the one-token store the step runs (CUDA on Kitty pages, else XLA)
+                        return lay._store_one(kv[:, 0], kv[:, 0], pos[:, 0], implementation)
 
                     m = jnp.full((batch,), context - inner.sink_len, jnp.int32)
                     hi = jnp.minimum(inner.k_spec.quantized(m), inner.v_spec.quantized(m))

@@ -2,12 +2,17 @@
 
 Asymmetric min-max over ``axis`` with ``b`` bits (KIVI, Kitty):
 
-    scale = max((max - min) / (2**b - 1), 1e-6)        # stored FP16, as is min
-    code  = clamp(floor((x - min) / scale + 0.5), 0, 2**b - 1)
+    scale = max((max - min) * (1 / (2**b - 1)), 1e-6)        # stored FP16, as is min
+    code  = clamp(floor((x - min) * (1 / scale) + 0.5), 0, 2**b - 1)
     x_hat = code * scale + min
 
 The codes are computed from the FP16-rounded scale and min (the values that dequantization
-reads), in float32. Symmetric absmax INT4 with FP8 E4M3 scales (FireQ):
+reads), in float32. Both divisions are multiplications by the float32 reciprocal, written out
+because that is what XLA makes of a division by a broadcast or a constant: the rule is then the
+same on every backend and in the CUDA store (:mod:`jaxlp.ffi.quantized_cache_store`). It differs
+from a true division only where ``(x - min) / scale`` is exactly ``k + 0.5`` (with FP16 operands,
+about one code in 7,500; the reciprocal then rounds 2% of those down), where the two neighbouring
+codes are equally close. Symmetric absmax INT4 with FP8 E4M3 scales (FireQ):
 
     scale = e4m3(max(|x|) / 7)   (round to nearest, at least the smallest subnormal 2**-9)
     code  = clamp(round_half_even(x / scale), -8, 7);   x_hat = code * scale
@@ -48,9 +53,9 @@ def minmax_quantize_levels(x: jax.Array, levels, axis: int) -> tuple[jax.Array, 
     lo = jnp.min(x, axis=axis, keepdims=True)
     hi = jnp.max(x, axis=axis, keepdims=True)
     levels = jnp.asarray(levels, jnp.float32)
-    scale = jnp.maximum((hi - lo) / levels, SCALE_FLOOR).astype(jnp.float16)
+    scale = jnp.maximum((hi - lo) * (1 / levels), SCALE_FLOOR).astype(jnp.float16)
     lo = lo.astype(jnp.float16)
-    codes = jnp.floor((x - lo.astype(jnp.float32)) / scale.astype(jnp.float32) + 0.5)
+    codes = jnp.floor((x - lo.astype(jnp.float32)) * (1 / scale.astype(jnp.float32)) + 0.5)
     return jnp.clip(codes, 0, levels).astype(jnp.uint8), scale, lo
 
 

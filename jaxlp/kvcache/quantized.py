@@ -41,7 +41,10 @@ reference) never build them. CUDA (:func:`jaxlp.ffi.quantized_decode_attention.a
 they hold a token, the sink and the new token. Pallas
 (:func:`jaxlp.pallas.quantized_decode_attention.attend_units`, every format) reads the packed units
 that hold both keys and values, XLA attends the sink, the at most ``max(ring)`` newer stream tokens
-and the new token, and the two softmax partials are merged.
+and the new token, and the two softmax partials are merged. With the CUDA attention on Kitty pages,
+the step's store is one in-place kernel too (:func:`jaxlp.ffi.quantized_cache_store.store_token`)
+instead of :meth:`~QuantizedLayerCache.store`'s ``lax.cond`` (XLA:GPU reads a conditional's
+predicate back on the host, which stalls every layer of every step).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import jax.numpy as jnp
 
 from jaxlp.attention import decode
 from jaxlp.attention.reference import causal_attention
+from jaxlp.ffi import quantized_cache_store as cuda_store
 from jaxlp.ffi import quantized_decode_attention as cuda_attention
 from jaxlp.kvcache.base import CacheFormat, KVCache, LayerCache, prompt_attention
 from jaxlp.pallas import quantized_decode_attention as units_attention
@@ -223,10 +227,11 @@ class QuantizedLayerCache(LayerCache):
                                    attention=self.attention)
             if out is not None:
                 return out, self.store(k, v, positions)
-        if s == 1 and self._decode_implementation(q.shape[2]) is not None:
+        implementation = self._decode_implementation(q.shape[2]) if s == 1 else None
+        if implementation is not None:
             out = self._attend_one(q[:, 0], k[:, 0], v[:, 0], positions[:, 0], scale=scale, window=window,
                                    softcap=softcap)
-            return out[:, None].astype(q.dtype), self.store(k, v, positions)
+            return out[:, None].astype(q.dtype), self._store_one(k[:, 0], v[:, 0], positions[:, 0], implementation)
         return self.reference_attend(q, k, v, positions, scale=scale, window=window, softcap=softcap)
 
     def _decode_implementation(self, num_heads: int) -> str | None:
@@ -378,6 +383,20 @@ class QuantizedLayerCache(LayerCache):
             new.update({f"{name}_ring": ring, f"{name}_ring_pos": ring_pos,
                         f"{name}_store": stores.get(name, getattr(self, f"{name}_store"))})
         return dataclasses.replace(self, **new)
+
+    def _store_one(self, k, v, p, implementation: str) -> "QuantizedLayerCache":
+        """:meth:`store` of one token per row (``k, v [B, KVH, D]`` at ``p [B]``): with the CUDA
+        attention on Kitty pages, one in-place kernel (:func:`jaxlp.ffi.quantized_cache_store.store_token`:
+        no ``lax.cond``, whose predicate XLA reads back on the host every step); else :meth:`store`."""
+        kc, vc = self.k_spec.codec, self.v_spec.codec
+        fused = implementation == "cuda" and self.sink_k.dtype == jnp.float16 and cuda_store.supports(kc, vc, k.shape[-1])
+        if not (fused and cuda_store.available()):
+            return self.store(k[:, None], v[:, None], p[:, None])
+        state = cuda_store.CacheState(self.sink_k, self.sink_v, self.k_ring, self.k_ring_pos, self.v_ring,
+                                      self.v_ring_pos, self.k_store, self.v_store)
+        state = cuda_store.store_token(p, k, v, state, k_lag=self.k_spec.lag, v_lag=self.v_spec.lag,
+                                       max_len=self.max_len)
+        return dataclasses.replace(self, **{f.name: getattr(state, f.name) for f in dataclasses.fields(state)})
 
     def _unit_encoder(self, spec, ring, ring_pos, x, positions, valid, start, end):
         """``(encode(store) -> store, completes [B, count])``: the units of ``spec``'s stream this

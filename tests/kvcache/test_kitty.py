@@ -26,12 +26,13 @@ def attend(layer, q, k, v, positions, scale):
 
 
 def np_minmax(x, levels, axis):
-    """The notes' rule in float32: FP16 scale (floored at 1e-6) and min; codes from those."""
+    """The notes' rule in float32: FP16 scale (floored at 1e-6) and min; codes from those (divisions
+    as products with the float32 reciprocal, as :mod:`jaxlp.kvcache.quant` writes them)."""
     lo = x.min(axis, keepdims=True)
     hi = x.max(axis, keepdims=True)
-    scale = np.maximum((hi - lo) / np.float32(levels), np.float32(1e-6)).astype(np.float16)
+    scale = np.maximum((hi - lo) * (np.float32(1) / np.float32(levels)), np.float32(1e-6)).astype(np.float16)
     lo = lo.astype(np.float16)
-    codes = np.floor((x - lo.astype(np.float32)) / scale.astype(np.float32) + np.float32(0.5))
+    codes = np.floor((x - lo.astype(np.float32)) * (np.float32(1) / scale.astype(np.float32)) + np.float32(0.5))
     return np.clip(codes, 0, levels).astype(np.uint8), scale, lo
 
 

@@ -18,9 +18,10 @@ dequantize_values = jax.jit(kivi.dequantize_values, static_argnums=1)
 def np_minmax(x, bits, axis):
     levels = 2**bits - 1
     lo = x.min(axis, keepdims=True)
-    scale = np.maximum((x.max(axis, keepdims=True) - lo) / np.float32(levels), np.float32(1e-6)).astype(np.float16)
+    scale = np.maximum((x.max(axis, keepdims=True) - lo) * (np.float32(1) / np.float32(levels)),
+                       np.float32(1e-6)).astype(np.float16)
     lo = lo.astype(np.float16)
-    codes = np.floor((x - lo.astype(np.float32)) / scale.astype(np.float32) + np.float32(0.5))
+    codes = np.floor((x - lo.astype(np.float32)) * (np.float32(1) / scale.astype(np.float32)) + np.float32(0.5))
     return np.clip(codes, 0, levels).astype(np.uint8), scale, lo
 
 

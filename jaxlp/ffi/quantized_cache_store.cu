@@ -1,0 +1,391 @@
+// One-token store into a Kitty cache (XLA FFI custom call, sm_90); Python side, layout and contract:
+// jaxlp/ffi/quantized_cache_store.py. The reference is QuantizedLayerCache.store (XLA), which this
+// kernel replaces on one-token (decode) steps: one launch, no lax.cond, the cache updated in place
+// (every state buffer is an input aliased to an output).
+//
+// Grid (B, 2): one CTA of 256 threads per (row b, stream), stream 0 the keys, 1 the values; the
+// CTA owns its row's ring positions, so it handles every KV head (in turn). For the row's position
+// p (skipped outside [0, max_len)):
+//   * p < off: the new token goes to the sink, slot p.
+//   * else j = p - off: if the stream's quantized count grows at this step (quantized(m) = 128 *
+//     floor(max(m - lag, 0) / 128) from m = j to j + 1), unit u = quantized(j) / 128 is encoded
+//     from its 128 tokens j' = 128 u + t as the cache held them: the new token where j' = j, the
+//     FP16 ring where slot j' % R holds j', else the unit's old codes (a rewound row); then, if j
+//     stays in full precision (j >= quantized(j + 1)), the token goes to ring slot j % R. The ring
+//     is written after the encode has read it (the new token's slot held the unit's first token).
+//
+// Encoding (jaxlp.kvcache.kitty, asymmetric min-max of jaxlp.kvcache.quant, float32 math on the
+// FP16 tokens, its divisions as products with the float32 reciprocal):
+//   keys, per channel over the page: score = mean |k|; the n_boost channels of highest score
+//     (ties to the lower channel, NaN last) get 4-bit codes, the others 2-bit; low bits planar
+//     [D][32], the boosted channels' high bits [n_boost][32] in rank order, boost_idx[D] = rank or
+//     n_boost; FP16 scale = max((max - min) * (1 / levels), 1e-6) and min per channel.
+//   values, per token over the head: 2-bit codes planar [128][D/4], FP16 scale and min per token.
+// The page's score sums run in a different order than XLA's reduction: channels whose scores tie
+// to float32 rounding may rank differently (the same codes, another boosted set only at such a tie).
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxlp_cache_store {
+
+constexpr int kThreads = 256;
+constexpr int kPage = 128;  // tokens per unit (a Kitty page)
+constexpr int kPad = 8;     // FP16 elements of row padding in the shared tile
+constexpr float kScaleFloor = 1e-6f;
+
+struct Stream {
+  __half* ring;       // [B, R, KVH, D] (R = 0: none)
+  int32_t* ring_pos;  // [B, R]: the stream index each slot holds
+  __half* sink;       // [B, OFF, KVH, D]
+  const __half* x;    // the new token [B, KVH, D]
+  int r, units, lag;
+};
+
+struct Params {
+  const int32_t* positions;  // [B]
+  Stream s[2];               // keys, values
+  uint8_t* k_low;            // [B, Uk, KVH, D, 32]
+  uint8_t* k_high;           // [B, Uk, KVH, NB, 32]
+  uint8_t* k_boost;          // [B, Uk, KVH, D]
+  __half* k_scale;           // [B, Uk, KVH, D]
+  __half* k_min;
+  uint8_t* v_codes;  // [B, Uv, KVH, 128, D/4]
+  __half* v_scale;   // [B, Uv, KVH, 128]
+  __half* v_min;
+  int off, max_len, kvh, d, nb;
+};
+
+// NaN-propagating min / max (XLA's reduce semantics).
+__device__ __forceinline__ float nan_min(float a, float b) { return (a != a || a < b) ? a : b; }
+__device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+
+__device__ __forceinline__ int quantized(int m, int lag) { return kPage * (max(m - lag, 0) / kPage); }
+
+// clamp(floor((x - min) * rcp + 0.5), 0, levels) as uint8 (NaN: 0), rcp = 1 / scale rounded to
+// float32 (jaxlp.kvcache.quant's rule; products and sums rounded separately, no FMA).
+__device__ __forceinline__ uint32_t code_of(float x, float mn, float rcp, float levels) {
+  const float c = floorf(__fadd_rn(__fmul_rn(__fsub_rn(x, mn), rcp), 0.5f));
+  if (c != c) return 0;
+  return static_cast<uint32_t>(fminf(fmaxf(c, 0.f), levels));
+}
+
+// FP16 max((hi - lo) * (1 / levels), 1e-6) (NaN stays NaN).
+__device__ __forceinline__ __half scale_of(float lo, float hi, float levels) {
+  const float s = __fmul_rn(__fsub_rn(hi, lo), __frcp_rn(levels));
+  return __float2half_rn(s != s ? s : fmaxf(s, kScaleFloor));
+}
+
+// The old value of token t, channel c of unit u (a rewound row's overwritten ring slot), as FP16:
+// code * scale + min in float32 (one FMA).
+__device__ __half old_value(const Params& p, int which, size_t unit, int t, int c) {
+  const int d = p.d;
+  if (which == 0) {
+    const uint32_t shift = 2 * (t / 32);
+    uint32_t code = (p.k_low[unit * d * 32 + c * 32 + t % 32] >> shift) & 3;
+    const int rank = p.k_boost[unit * d + c];
+    if (rank < p.nb) code |= ((p.k_high[unit * p.nb * 32 + rank * 32 + t % 32] >> shift) & 3) << 2;
+    return __float2half_rn(fmaf(static_cast<float>(code), __half2float(p.k_scale[unit * d + c]),
+                                __half2float(p.k_min[unit * d + c])));
+  }
+  const int m = d / 4;
+  const uint32_t code = (p.v_codes[(unit * kPage + t) * m + c % m] >> (2 * (c / m))) & 3;
+  return __float2half_rn(fmaf(static_cast<float>(code), __half2float(p.v_scale[unit * kPage + t]),
+                              __half2float(p.v_min[unit * kPage + t])));
+}
+
+// tile[t][c] = token 128 u + t of head h, channel c, as the cache holds it (file head).
+__device__ void load_unit(const Params& p, const Stream& s, int which, int b, int h, int u, int j, __half* tile) {
+  const int d = p.d, stride = d + kPad, chunks = d / 8;
+  const size_t unit = (static_cast<size_t>(b) * s.units + u) * p.kvh + h;
+  for (int i = threadIdx.x; i < kPage * chunks; i += kThreads) {
+    const int t = i / chunks, c = (i % chunks) * 8;
+    const int jt = u * kPage + t;
+    uint4* dst = reinterpret_cast<uint4*>(tile + t * stride + c);
+    if (jt == j) {
+      *dst = *reinterpret_cast<const uint4*>(s.x + (static_cast<size_t>(b) * p.kvh + h) * d + c);
+      continue;
+    }
+    if (s.r > 0) {
+      const int slot = jt % s.r;
+      if (s.ring_pos[static_cast<size_t>(b) * s.r + slot] == jt) {
+        *dst = *reinterpret_cast<const uint4*>(s.ring + ((static_cast<size_t>(b) * s.r + slot) * p.kvh + h) * d + c);
+        continue;
+      }
+    }
+    for (int e = 0; e < 8; ++e) tile[t * stride + c + e] = old_value(p, which, unit, t, c + e);
+  }
+}
+
+// Kitty key page of one head from the tile (file head). Shared scratch: score, lo, hi [D] floats,
+// ranks [D] and order [NB] ints.
+__device__ void encode_keys(const Params& p, size_t unit, const __half* tile, float* score, float* lo, float* hi,
+                            int* ranks, int* order) {
+  const int d = p.d, stride = d + kPad, nb = p.nb;
+  for (int c = threadIdx.x; c < d; c += kThreads) {
+    float sum = 0.f, mn = INFINITY, mx = -INFINITY;
+    for (int t = 0; t < kPage; ++t) {
+      const float x = __half2float(tile[t * stride + c]);
+      sum += fabsf(x);
+      mn = nan_min(mn, x);
+      mx = nan_max(mx, x);
+    }
+    score[c] = sum / kPage;
+    lo[c] = mn;
+    hi[c] = mx;
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < d; c += kThreads) {
+    const float sc = score[c];
+    int rank = 0;
+    for (int o = 0; o < d; ++o) {  // channels ahead of c in argsort(-score, stable), NaN last
+      const float so = score[o];
+      const bool ahead = (sc != sc) ? (so == so || o < c) : (so == so && (so > sc || (so == sc && o < c)));
+      rank += ahead;
+    }
+    ranks[c] = rank;
+  }
+  __syncthreads();  // every score read before the loop below reuses the arrays
+  for (int c = threadIdx.x; c < d; c += kThreads) {
+    const int rank = ranks[c];
+    const bool boosted = rank < nb;
+    if (boosted) order[rank] = c;
+    const float levels = boosted ? 15.f : 3.f;
+    const __half s16 = scale_of(lo[c], hi[c], levels), m16 = __float2half_rn(lo[c]);
+    p.k_scale[unit * d + c] = s16;
+    p.k_min[unit * d + c] = m16;
+    p.k_boost[unit * d + c] = static_cast<uint8_t>(boosted ? rank : nb);
+    // lo / hi now hold the FP16-rounded min and the scale's reciprocal the codes are computed from;
+    // score the levels.
+    lo[c] = __half2float(m16);
+    hi[c] = __frcp_rn(__half2float(s16));
+    score[c] = levels;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < d * 32; i += kThreads) {  // low planes: byte i of channel c
+    const int c = i % d, k = i / d;
+    uint32_t byte = 0;
+    for (int plane = 0; plane < 4; ++plane)
+      byte |= (code_of(__half2float(tile[(k + 32 * plane) * stride + c]), lo[c], hi[c], score[c]) & 3) << (2 * plane);
+    p.k_low[unit * d * 32 + c * 32 + k] = static_cast<uint8_t>(byte);
+  }
+  for (int i = threadIdx.x; i < nb * 32; i += kThreads) {  // high planes in rank order
+    const int r = i % nb, k = i / nb, c = order[r];
+    uint32_t byte = 0;
+    for (int plane = 0; plane < 4; ++plane)
+      byte |= (code_of(__half2float(tile[(k + 32 * plane) * stride + c]), lo[c], hi[c], score[c]) >> 2) << (2 * plane);
+    p.k_high[unit * nb * 32 + r * 32 + k] = static_cast<uint8_t>(byte);
+  }
+}
+
+// Kitty value page of one head: per token over the head, a warp per token.
+__device__ void encode_values(const Params& p, size_t unit, const __half* tile) {
+  const int d = p.d, stride = d + kPad, m = d / 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int t = warp; t < kPage; t += kThreads / 32) {
+    const __half* row = tile + t * stride;
+    float mn = INFINITY, mx = -INFINITY;
+    for (int c = lane; c < d; c += 32) {
+      const float x = __half2float(row[c]);
+      mn = nan_min(mn, x);
+      mx = nan_max(mx, x);
+    }
+    for (int o = 16; o; o >>= 1) {
+      mn = nan_min(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+      mx = nan_max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    }
+    const __half s16 = scale_of(mn, mx, 3.f), m16 = __float2half_rn(mn);
+    if (lane == 0) {
+      p.v_scale[unit * kPage + t] = s16;
+      p.v_min[unit * kPage + t] = m16;
+    }
+    const float rcp = __frcp_rn(__half2float(s16)), lo = __half2float(m16);
+    for (int k = lane; k < m; k += 32) {
+      uint32_t byte = 0;
+      for (int plane = 0; plane < 4; ++plane) byte |= code_of(__half2float(row[k + m * plane]), lo, rcp, 3.f) << (2 * plane);
+      p.v_codes[(unit * kPage + t) * m + k] = static_cast<uint8_t>(byte);
+    }
+  }
+}
+
+// Copy one token [KVH, D] of FP16 (16-byte pieces).
+__device__ __forceinline__ void copy_token(__half* dst, const __half* src, int n) {
+  for (int i = threadIdx.x; i < n / 8; i += kThreads)
+    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+}
+
+__global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int b = blockIdx.x, which = blockIdx.y;
+  const Stream& s = p.s[which];
+  const int pos = p.positions[b];
+  if (pos < 0 || pos >= p.max_len) return;
+  const int d = p.d, token = p.kvh * d;
+  const __half* x = s.x + static_cast<size_t>(b) * token;
+  if (pos < p.off) {
+    copy_token(s.sink + (static_cast<size_t>(b) * p.off + pos) * token, x, token);
+    return;
+  }
+  const int j = pos - p.off;
+  const int q0 = quantized(j, s.lag), q1 = quantized(j + 1, s.lag), u = q0 / kPage;
+  if (q1 > q0 && u < s.units) {
+    __half* tile = reinterpret_cast<__half*>(smem);
+    float* scratch = reinterpret_cast<float*>(tile + kPage * (d + kPad));
+    for (int h = 0; h < p.kvh; ++h) {
+      const size_t unit = (static_cast<size_t>(b) * s.units + u) * p.kvh + h;
+      load_unit(p, s, which, b, h, u, j, tile);
+      __syncthreads();
+      if (which == 0)
+        encode_keys(p, unit, tile, scratch, scratch + d, scratch + 2 * d, reinterpret_cast<int*>(scratch + 3 * d),
+                    reinterpret_cast<int*>(scratch + 4 * d));
+      else
+        encode_values(p, unit, tile);
+      __syncthreads();  // the tile and scratch are reused by the next head
+    }
+  }
+  if (s.r > 0 && j >= q1) {
+    const int slot = j % s.r;
+    copy_token(s.ring + (static_cast<size_t>(b) * s.r + slot) * token, x, token);
+    if (threadIdx.x == 0) s.ring_pos[static_cast<size_t>(b) * s.r + slot] = j;
+  }
+}
+
+// The FP16 tile [128][D + pad] and the key scratch (score, lo, hi, ranks, order: 5 x D words).
+size_t smem_bytes(int d) { return static_cast<size_t>(kPage) * (d + kPad) * sizeof(__half) + 5 * d * sizeof(float); }
+
+ffi::Error bad(const std::string& what) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp quantized cache store: " + what);
+}
+
+template <typename T>
+bool shape_is(const T& buffer, std::initializer_list<int64_t> shape) {
+  auto dims = buffer.dimensions();
+  if (dims.size() != shape.size()) return false;
+  size_t i = 0;
+  for (int64_t s : shape)
+    if (dims[i++] != s) return false;
+  return true;
+}
+
+ffi::Error StoreImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F16> new_k,
+                     ffi::Buffer<ffi::F16> new_v, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                     ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                     ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                     ffi::Result<ffi::Buffer<ffi::F16>> sink_k, ffi::Result<ffi::Buffer<ffi::F16>> sink_v,
+                     ffi::Result<ffi::Buffer<ffi::F16>> k_ring, ffi::Result<ffi::Buffer<ffi::S32>> k_ring_pos,
+                     ffi::Result<ffi::Buffer<ffi::F16>> v_ring, ffi::Result<ffi::Buffer<ffi::S32>> v_ring_pos,
+                     ffi::Result<ffi::Buffer<ffi::U8>> k_low, ffi::Result<ffi::Buffer<ffi::U8>> k_high,
+                     ffi::Result<ffi::Buffer<ffi::U8>> k_boost, ffi::Result<ffi::Buffer<ffi::F16>> k_scale,
+                     ffi::Result<ffi::Buffer<ffi::F16>> k_min, ffi::Result<ffi::Buffer<ffi::U8>> v_codes,
+                     ffi::Result<ffi::Buffer<ffi::F16>> v_scale, ffi::Result<ffi::Buffer<ffi::F16>> v_min,
+                     int64_t max_len, int64_t k_lag, int64_t v_lag) {
+  auto nd = new_k.dimensions();
+  if (nd.size() != 3) return bad("new keys must be FP16 [B, KVH, D]");
+  const int64_t batch = nd[0], kvh = nd[1], d = nd[2];
+  if (d != 64 && d != 128 && d != 256) return bad("head_dim must be 64, 128 or 256, got " + std::to_string(d));
+  if (!shape_is(new_v, {batch, kvh, d})) return bad("new values must be FP16 [B, KVH, D] as the keys");
+  if (!shape_is(positions, {batch})) return bad("positions must be int32 [B]");
+  auto sd = sink_k->dimensions();
+  const int64_t off = sd.size() == 4 ? sd[1] : -1;
+  if (!shape_is(*sink_k, {batch, off, kvh, d}) || !shape_is(*sink_v, {batch, off, kvh, d}))
+    return bad("sinks must be FP16 [B, OFF, KVH, D], keys as values");
+  const int64_t rk = k_ring->dimensions().size() == 4 ? k_ring->dimensions()[1] : -1;
+  const int64_t rv = v_ring->dimensions().size() == 4 ? v_ring->dimensions()[1] : -1;
+  if (!shape_is(*k_ring, {batch, rk, kvh, d}) || !shape_is(*v_ring, {batch, rv, kvh, d}))
+    return bad("rings must be FP16 [B, R, KVH, D]");
+  if (!shape_is(*k_ring_pos, {batch, rk}) || !shape_is(*v_ring_pos, {batch, rv}))
+    return bad("ring positions must be int32 [B, R] beside their rings");
+  const int64_t uk = k_low->dimensions().size() == 5 ? k_low->dimensions()[1] : -1;
+  const int64_t uv = v_codes->dimensions().size() == 5 ? v_codes->dimensions()[1] : -1;
+  const int64_t nb = k_high->dimensions().size() == 5 ? k_high->dimensions()[3] : -1;
+  if (!shape_is(*k_low, {batch, uk, kvh, d, 32}) || !shape_is(*k_high, {batch, uk, kvh, nb, 32}) ||
+      !shape_is(*k_boost, {batch, uk, kvh, d}) || !shape_is(*k_scale, {batch, uk, kvh, d}) ||
+      !shape_is(*k_min, {batch, uk, kvh, d}))
+    return bad("key pages must be low [B, U, KVH, D, 32], high [B, U, KVH, NB, 32], boost_idx, scale, min "
+               "[B, U, KVH, D]");
+  if (nb > d || nb > 255) return bad("more boosted channels than head_dim (or 255)");
+  if (!shape_is(*v_codes, {batch, uv, kvh, kPage, d / 4}) || !shape_is(*v_scale, {batch, uv, kvh, kPage}) ||
+      !shape_is(*v_min, {batch, uv, kvh, kPage}))
+    return bad("value pages must be codes [B, U, KVH, 128, D/4], scale and min [B, U, KVH, 128]");
+  if (k_lag < 0 || v_lag < 0 || max_len < 1) return bad("lags must be >= 0 and max_len >= 1");
+  Params p;
+  p.positions = positions.typed_data();
+  auto f16 = [](auto& x) { return reinterpret_cast<__half*>(x->typed_data()); };
+  p.s[0] = {f16(k_ring), k_ring_pos->typed_data(), f16(sink_k), reinterpret_cast<const __half*>(new_k.typed_data()),
+            static_cast<int>(rk), static_cast<int>(uk), static_cast<int>(k_lag)};
+  p.s[1] = {f16(v_ring), v_ring_pos->typed_data(), f16(sink_v), reinterpret_cast<const __half*>(new_v.typed_data()),
+            static_cast<int>(rv), static_cast<int>(uv), static_cast<int>(v_lag)};
+  p.k_low = k_low->typed_data();
+  p.k_high = k_high->typed_data();
+  p.k_boost = k_boost->typed_data();
+  p.k_scale = f16(k_scale);
+  p.k_min = f16(k_min);
+  p.v_codes = v_codes->typed_data();
+  p.v_scale = f16(v_scale);
+  p.v_min = f16(v_min);
+  p.off = static_cast<int>(off);
+  p.max_len = static_cast<int>(max_len);
+  p.kvh = static_cast<int>(kvh);
+  p.d = static_cast<int>(d);
+  p.nb = static_cast<int>(nb);
+  if (batch == 0 || kvh == 0) return ffi::Error::Success();
+  const size_t smem = smem_bytes(p.d);
+  static const cudaError_t attr = cudaFuncSetAttribute(store_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(smem_bytes(256)));
+  if (attr != cudaSuccess) return bad(std::string("shared memory attribute: ") + cudaGetErrorString(attr));
+  store_kernel<<<dim3(static_cast<unsigned>(batch), 2), kThreads, smem, stream>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp quantized cache store launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxlp_cache_store
+
+// Arguments: positions, new keys, new values, then the 14 state buffers (each aliased to the
+// result of the same name, which the handler reads and writes in place).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedCacheStore, jaxlp_cache_store::StoreImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions [B]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // new keys [B, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // new values
+                                  .Arg<ffi::AnyBuffer>()         // sink keys (aliased to result 0)
+                                  .Arg<ffi::AnyBuffer>()         // sink values
+                                  .Arg<ffi::AnyBuffer>()         // key ring
+                                  .Arg<ffi::AnyBuffer>()         // key ring positions
+                                  .Arg<ffi::AnyBuffer>()         // value ring
+                                  .Arg<ffi::AnyBuffer>()         // value ring positions
+                                  .Arg<ffi::AnyBuffer>()         // key low codes
+                                  .Arg<ffi::AnyBuffer>()         // key high codes
+                                  .Arg<ffi::AnyBuffer>()         // key boost index
+                                  .Arg<ffi::AnyBuffer>()         // key scale
+                                  .Arg<ffi::AnyBuffer>()         // key min
+                                  .Arg<ffi::AnyBuffer>()         // value codes
+                                  .Arg<ffi::AnyBuffer>()         // value scale
+                                  .Arg<ffi::AnyBuffer>()         // value min
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // sink keys [B, OFF, KVH, D]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // sink values
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // key ring [B, RK, KVH, D]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // key ring positions [B, RK]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // value ring [B, RV, KVH, D]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // value ring positions [B, RV]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // key low codes [B, Uk, KVH, D, 32]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // key high codes [B, Uk, KVH, NB, 32]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // key boost index [B, Uk, KVH, D]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // key scale [B, Uk, KVH, D]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // key min
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // value codes [B, Uv, KVH, 128, D/4]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // value scale [B, Uv, KVH, 128]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // value min
+                                  .Attr<int64_t>("max_len")
+                                  .Attr<int64_t>("k_lag")
+                                  .Attr<int64_t>("v_lag"),
+                              {ffi::Traits::kCmdBufferCompatible});
