@@ -351,9 +351,12 @@ class QuantizedLayerCache(LayerCache):
 
     def store(self, k, v, positions) -> "QuantizedLayerCache":
         """The state after storing ``k, v [B, S, KVH, D]`` at ``positions`` (see module doc). The
-        units a call completes are encoded under one ``lax.cond`` for both streams (a one-token
-        step completes a unit once every ``unit`` steps per row: encode only then), before the
-        rings take the new tokens (an encode reads the ring slots they overwrite)."""
+        units a call completes are encoded before the rings take the new tokens (an encode reads
+        the ring slots they overwrite): under one ``lax.cond`` for both streams where every stream's
+        unit is a page (a one-token step completes one every ``unit`` steps per row: encode only
+        then); unconditionally where a stream stores single tokens (KIVI values, FireQ), which
+        complete a unit at nearly every step, so that the conditional would only add XLA:GPU's
+        read-back of its predicate to the host."""
         valid, start, end = call_bounds(positions, self.max_len)
         rows = jnp.arange(positions.shape[0])[:, None]
         off = self.sink_len
@@ -373,9 +376,11 @@ class QuantizedLayerCache(LayerCache):
                 encoders[name] = encode
                 completes.append(jnp.any(done))
         stores = {name: getattr(self, f"{name}_store") for name in encoders}
-        if encoders:
-            stores = jax.lax.cond(functools.reduce(jnp.logical_or, completes),
-                                  lambda st: {name: encoders[name](st[name]) for name in st}, lambda st: st, stores)
+        encode_all = lambda st: {name: encoders[name](st[name]) for name in st}  # noqa: E731
+        if any(getattr(self, f"{name}_spec").unit == 1 for name in encoders):
+            stores = encode_all(stores)  # units not completed are dropped by their encoder
+        elif encoders:
+            stores = jax.lax.cond(functools.reduce(jnp.logical_or, completes), encode_all, lambda st: st, stores)
         for name in ("k", "v"):
             spec = getattr(self, f"{name}_spec")
             ring, ring_pos = self._update_ring(spec, getattr(self, f"{name}_ring"), getattr(self, f"{name}_ring_pos"),

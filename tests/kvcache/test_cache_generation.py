@@ -209,6 +209,21 @@ def test_padding_only_row_is_left_alone():
         np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b)[1])
 
 
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_store_branches_only_where_units_are_pages(name):
+    """A one-token store encodes under a conditional only where both streams' units are pages
+    (Kitty: a page completes once every 128 steps); with single-token units (KIVI values,
+    FireQ), which complete at nearly every step, it encodes unconditionally (the conditional
+    would only add XLA:GPU's host read-back of its predicate)."""
+    layer = kvcache.get(name).init(CONFIG, 2, 300).layers[0]
+    layer = getattr(layer, "inner", layer)
+    kv = jnp.zeros((2, 1, KVH, D), jnp.float32)
+    store = jax.jit(lambda lay, p: lay.store(kv, kv, p))
+    text = store.lower(layer, jnp.zeros((2, 1), jnp.int32)).as_text()
+    paged = min(RULES[name][1][0], RULES[name][2][0]) > 1
+    assert ("stablehlo.case" in text) == paged, name
+
+
 def test_shape_mismatch_raises():
     layer = kvcache.get("kitty").init(CONFIG, 1, 64).layers[0]
     q, k, v = _qkv(np.random.default_rng(0), 1, 4)
