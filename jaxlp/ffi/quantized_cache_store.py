@@ -2,8 +2,8 @@
 
     state = store_token(positions, k, v, state, k_lag=..., v_lag=..., max_len=...)
 
-``state`` is a :class:`CacheState` (the sink, the FP16 rings with their slot positions and the
-packed key and value pages of one layer, as :class:`jaxlp.kvcache.quantized.QuantizedLayerCache`
+``state`` maps :data:`STATE_FIELDS` to one layer's arrays (the sink, the FP16 rings with their
+slot positions and the packed key and value pages, as :class:`jaxlp.kvcache.quantized.QuantizedLayerCache`
 holds them); ``positions [B]`` the one new position per row, ``k, v [B, KVH, D]`` its key and value.
 The result is the state :meth:`QuantizedLayerCache.store <jaxlp.kvcache.quantized.QuantizedLayerCache.store>`
 (the reference, XLA) returns for a one-token call: the token goes to the sink or the ring, and a row
@@ -24,7 +24,6 @@ The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,22 +37,11 @@ UNIT = 128  # tokens per unit the kernel encodes (a Kitty page)
 HEAD_DIMS = (64, 128, 256)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class CacheState:
-    """One layer's arrays as the kernel updates them (``[B, ...]`` each): FP16 sinks ``[B, OFF,
-    KVH, D]``, FP16 rings ``[B, R, KVH, D]`` with int32 slot positions ``[B, R]``, the key pages
-    (:class:`jaxlp.kvcache.kitty.KeyPage`, leading ``[B, U, KVH]``) and value pages
-    (:class:`jaxlp.kvcache.kitty.ValuePage`)."""
-
-    sink_k: jax.Array
-    sink_v: jax.Array
-    k_ring: jax.Array
-    k_ring_pos: jax.Array
-    v_ring: jax.Array
-    v_ring_pos: jax.Array
-    k_store: Any
-    v_store: Any
+STATE_FIELDS = ("sink_k", "sink_v", "k_ring", "k_ring_pos", "v_ring", "v_ring_pos", "k_store", "v_store")
+"""The layer's arrays the kernel updates (as :class:`jaxlp.kvcache.quantized.QuantizedLayerCache`
+names them, ``[B, ...]`` each): FP16 sinks ``[B, OFF, KVH, D]``, FP16 rings ``[B, R, KVH, D]`` with
+int32 slot positions ``[B, R]``, the key pages (:class:`jaxlp.kvcache.kitty.KeyPage`, leading
+``[B, U, KVH]``) and the value pages (:class:`jaxlp.kvcache.kitty.ValuePage`)."""
 
 
 def supports(k_codec, v_codec, head_dim: int) -> bool:
@@ -68,20 +56,20 @@ def available() -> bool:
     return LIBRARY.available()
 
 
-def store_token(positions, k, v, state: CacheState, *, k_lag: int, v_lag: int, max_len: int) -> CacheState:
-    """The state after storing one token per row (module doc): ``positions [B]`` int (outside
-    ``[0, max_len)``: padding, not stored), ``k, v [B, KVH, D]`` (cast to FP16 as the cache holds
-    them). ``k_lag``, ``v_lag``: the streams' newest tokens always kept in full precision
-    (:class:`jaxlp.kvcache.quantized.StreamSpec`)."""
+def store_token(positions, k, v, state: dict, *, k_lag: int, v_lag: int, max_len: int) -> dict:
+    """The state after storing one token per row (module doc), as a dict of the :data:`STATE_FIELDS`
+    of ``state`` (any mapping of them): ``positions [B]`` int (outside ``[0, max_len)``: padding, not
+    stored), ``k, v [B, KVH, D]`` (cast to FP16 as the cache holds them). ``k_lag``, ``v_lag``: the
+    streams' newest tokens always kept in full precision (:class:`jaxlp.kvcache.quantized.StreamSpec`)."""
     b, kvh, d = k.shape
     if v.shape != k.shape or positions.shape != (b,):
         raise ValueError(f"store_token: k {k.shape}, v {v.shape} and positions {positions.shape} do not match "
                          f"[B, KVH, D] and [B]")
     if d not in HEAD_DIMS:
         raise ValueError(f"store_token: head_dim must be one of {HEAD_DIMS}, got {d}")
-    ks, vs = state.k_store, state.v_store
-    leaves = [state.sink_k, state.sink_v, state.k_ring, state.k_ring_pos, state.v_ring, state.v_ring_pos,
-              ks.low, ks.high, ks.boost_idx, ks.scale, ks.min, vs.codes, vs.scale, vs.min]
+    ks, vs = state["k_store"], state["v_store"]
+    leaves = [state[name] for name in STATE_FIELDS[:6]] + [ks.low, ks.high, ks.boost_idx, ks.scale, ks.min,
+                                                            vs.codes, vs.scale, vs.min]
     dtypes = [jnp.float16, jnp.float16, jnp.float16, jnp.int32, jnp.float16, jnp.int32,
               jnp.uint8, jnp.uint8, jnp.uint8, jnp.float16, jnp.float16, jnp.uint8, jnp.float16, jnp.float16]
     for x, dtype in zip(leaves, dtypes):
@@ -97,4 +85,4 @@ def store_token(positions, k, v, state: CacheState, *, k_lag: int, v_lag: int, m
                max_len=np.int64(max_len), k_lag=np.int64(k_lag), v_lag=np.int64(v_lag))
     k_store = dataclasses.replace(ks, low=out[6], high=out[7], boost_idx=out[8], scale=out[9], min=out[10])
     v_store = dataclasses.replace(vs, codes=out[11], scale=out[12], min=out[13])
-    return CacheState(*out[:6], k_store, v_store)
+    return dict(zip(STATE_FIELDS, [*out[:6], k_store, v_store]))

@@ -397,11 +397,9 @@ class QuantizedLayerCache(LayerCache):
         fused = implementation == "cuda" and self.sink_k.dtype == jnp.float16 and cuda_store.supports(kc, vc, k.shape[-1])
         if not (fused and cuda_store.available()):
             return self.store(k[:, None], v[:, None], p[:, None])
-        state = cuda_store.CacheState(self.sink_k, self.sink_v, self.k_ring, self.k_ring_pos, self.v_ring,
-                                      self.v_ring_pos, self.k_store, self.v_store)
-        state = cuda_store.store_token(p, k, v, state, k_lag=self.k_spec.lag, v_lag=self.v_spec.lag,
-                                       max_len=self.max_len)
-        return dataclasses.replace(self, **{f.name: getattr(state, f.name) for f in dataclasses.fields(state)})
+        state = {name: getattr(self, name) for name in cuda_store.STATE_FIELDS}
+        return dataclasses.replace(self, **cuda_store.store_token(p, k, v, state, k_lag=self.k_spec.lag,
+                                                                  v_lag=self.v_spec.lag, max_len=self.max_len))
 
     def _unit_encoder(self, spec, ring, ring_pos, x, positions, valid, start, end):
         """``(encode(store) -> store, completes [B, count])``: the units of ``spec``'s stream this
