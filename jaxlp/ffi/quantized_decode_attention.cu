@@ -998,6 +998,403 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
 
 }  // namespace packed
 
+// ---------------------------------------------------------------------------------------------
+// The integer-MMA path (Kitty pages, head_dim 128, <= 8 query heads per KV head): the packed path's
+// work with 8-bit integer MMAs (mma m16n8k32, s32 sums), so that one LOP3 turns a 32-bit word into
+// the 4 codes an operand register holds (the FP16 path: 2 codes, and an HSUB2 on planes 0 and 1).
+//
+// S = Q' K^T: A = Q' (row g: the high byte of query g's 16-bit Q', row g + 8: its low byte; both
+// s8), B = K^T codes (u8). Q' = Q * key scale in fixed point: x = round(Q' f), f = 32512 / max |Q'|
+// of the query over the page's channels, split as x = 256 hi + lo (hi, lo in [-128, 128)), so that
+// S = (256 S_hi + S_lo) / f (exact s32 sums). O = P' V likewise: A = P' = P * value scale in
+// unsigned 16-bit fixed point over the block's largest P', B = value codes.
+//
+// The operands come straight from the packed words: a lane's word g of four channel rows (keys) or
+// four token rows (values), bytes transposed by four PRMTs per pair, gives per byte b the four rows'
+// codes of plane t at bits 2t (the B fragment: 4 k-elements of one n). Plane t's codes enter as
+// code * 4^t (no shift; t = 3 as code * 16, one shift: Kitty's high bits of the boosted channels,
+// 4 h * 4^t, then fit a byte), undone in the float epilogue. The token (n) of S's column n of
+// n-tile (b, t) is 4 n + b + 32 t, so a lane's accumulators hold tokens 8 c + {0, 4} + b + 32 t:
+// the eight of plane t are the A fragment of P V's k-step t without any exchange between lanes
+// (FlashAttention-2's register reuse), and its B fragment reads the same tokens' value rows.
+namespace imma {
+
+using packed::CopyDst;
+using packed::issue_block;
+using packed::kD;
+using packed::kMaxBoost;
+using packed::kStages;
+using packed::prmt;
+using packed::Stage;
+
+constexpr float kMagic = 8388608.f;  // 2^23: the low 16 bits of y = 2^23 + v (0 <= v < 2^16) hold round(v)
+constexpr float kQRange = 32512.f;   // |x| <= 32512 (margin for the rounding of f)
+constexpr float kQOffset = 32896.f;  // v = x + 128 * 257: its bytes less 128 are hi, lo
+constexpr float kPRange = 65280.f;   // P' fp <= 65280 (u16; margin for the rounding of fp)
+
+__device__ __forceinline__ void imma_s8u8(int (&c)[4], const uint4& a, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void imma_u8u8(int (&c)[4], const uint4& a, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
+// r[b] = (w0.b, w1.b, w2.b, w3.b): byte b of four words.
+__device__ __forceinline__ void transpose4(uint32_t (&r)[4], uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  const uint32_t t0 = prmt(w0, w1, 0x5140u), t1 = prmt(w0, w1, 0x7362u);
+  const uint32_t t2 = prmt(w2, w3, 0x5140u), t3 = prmt(w2, w3, 0x7362u);
+  r[0] = prmt(t0, t2, 0x5410u);
+  r[1] = prmt(t0, t2, 0x7632u);
+  r[2] = prmt(t1, t3, 0x5410u);
+  r[3] = prmt(t1, t3, 0x7632u);
+}
+
+// The low and high bytes of the 16-bit numbers in the low halves of y0..y3 (float bits of 2^23 + v).
+__device__ __forceinline__ void split_bytes(uint32_t y0, uint32_t y1, uint32_t y2, uint32_t y3, uint32_t& hi,
+                                            uint32_t& lo) {
+  const uint32_t t01 = prmt(y0, y1, 0x5140u), t23 = prmt(y2, y3, 0x5140u);
+  lo = prmt(t01, t23, 0x5410u);
+  hi = prmt(t01, t23, 0x7632u);
+}
+
+__device__ __forceinline__ uint32_t fixed(float x, float f, float magic) { return __float_as_uint(fmaf(x, f, magic)); }
+
+// Plane t's codes of a transposed register as u8 code * 4^t (t = 3: code * 16).
+__device__ __forceinline__ uint32_t plane(uint32_t r, int t) {
+  return t < 3 ? r & (0x03030303u << (2 * t)) : (r >> 2) & 0x30303030u;
+}
+// Plane t of a high-bits register as u8 4 h * 4^t (t = 3: 4 h * 16).
+__device__ __forceinline__ uint32_t high_plane(uint32_t r, int t) {
+  return t < 3 ? (r << 2) & (0x03030303u << (2 * t + 2)) : r & 0xc0c0c0c0u;
+}
+
+// One warp's walk over blocks blk0, blk0 + 4, ... < blk1 (as packed::packed_path, Kitty pages);
+// q4[g][c][j]: query g's channel 32 c + j in FP32 (rows padded: conflict-free 16-byte reads);
+// frag: per warp, a lane's A fragments of one block ([k-step][lane]).
+__device__ __forceinline__ void imma_path(const Params& p, int b, int kh, const Bounds& rb, int blk0, int blk1,
+                                          unsigned char* smem, const float (*q4)[4][36], uint8_t (*inv)[kMaxBoost],
+                                          uint4 (*frag)[4][32], float (*red_m)[kRows], float (*red_l)[kRows]) {
+  using S = Stage<1, 1>;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  unsigned char* ring = smem + warp * kStages * S::kBytes;
+  const int hshift = p.nb == 16 ? 2 : 3;
+  const bool two_high = p.nb == 32;
+  // Byte offsets of this lane's words (word g of a row; rows swizzled as packed::CopyDst stores them):
+  // key channel 32 c + 8 ks + 4 h + i at koff[i] + 256 ks + 128 h; high rank (c << hshift) + 4 h + i at
+  // hoff[i] + 128 h; value token 8 c + d + 32 t at voff[d] + 1024 t.
+  int koff[4], hoff[4], voff[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    koff[i] = (32 * c + (i ^ c)) * 32 + 4 * g;
+    hoff[i] = ((c << hshift) + (i ^ c)) * 32 + 4 * g;
+  }
+#pragma unroll
+  for (int d = 0; d < 8; ++d) voff[d] = (8 * c + (d ^ c)) * 32 + 4 * g;
+  constexpr int kTok[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // k position 4 c + i (i < 4), 16 + 4 c + i: token 8 c + kTok
+
+  // O of query g, channel 8 c + 4 e + b + 32 t at o[b][t][e] (relative to row_m, FP32).
+  float o[4][4][2];
+#pragma unroll
+  for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+    for (int t = 0; t < 4; ++t) o[bb][t][0] = o[bb][t][1] = 0.f;
+  float row_m = -INFINITY, lsum = 0.f, mb = 0.f;
+
+  const CopyDst cd(lane);
+  const int first_blk = blk0 + warp;
+  const int n = first_blk < blk1 ? (blk1 - first_blk + 3) / 4 : 0;
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < n) issue_block<1, 1>(p, b, kh, first_blk + 4 * i, ring + i * S::kBytes, lane, hshift, cd);
+    cp_async_commit();
+  }
+  for (int i = 0; i < n; ++i) {
+    const int blk = first_blk + 4 * i;
+    if (i + kStages - 1 < n)
+      issue_block<1, 1>(p, b, kh, blk + 4 * (kStages - 1), ring + ((i + kStages - 1) % kStages) * S::kBytes, lane,
+                        hshift, cd);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const unsigned char* st = ring + (i % kStages) * S::kBytes;
+    const __half* ks = reinterpret_cast<const __half*>(st + S::kKs);
+    const __half* km = reinterpret_cast<const __half*>(st + S::kKm);
+    {  // the channel of each boosted rank
+      const uint32_t ranks = *reinterpret_cast<const uint32_t*>(st + S::kBoost + 4 * lane);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (ranks >> (8 * e)) & 0xff;
+        if (r < p.nb) inv[warp][r] = static_cast<uint8_t>(4 * lane + e);
+      }
+    }
+
+    // ---- Q' = Q * key scale of query g, channels 32 c + j; its fixed-point A fragments; the minimums' sum.
+    float f, invf, beta = 0.f;
+    {
+      float qs[32], amax = 0.f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float4 qv = *reinterpret_cast<const float4*>(&q4[g][c][4 * k]);
+        const uint2 sv = *reinterpret_cast<const uint2*>(ks + 32 * c + 4 * k);
+        const uint2 mv = *reinterpret_cast<const uint2*>(km + 32 * c + 4 * k);
+        const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sv.x));
+        const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sv.y));
+        const float2 m01 = __half22float2(*reinterpret_cast<const __half2*>(&mv.x));
+        const float2 m23 = __half22float2(*reinterpret_cast<const __half2*>(&mv.y));
+        qs[4 * k] = qv.x * s01.x;
+        qs[4 * k + 1] = qv.y * s01.y;
+        qs[4 * k + 2] = qv.z * s23.x;
+        qs[4 * k + 3] = qv.w * s23.y;
+        beta = fmaf(qv.x, m01.x, fmaf(qv.y, m01.y, fmaf(qv.z, m23.x, fmaf(qv.w, m23.y, beta))));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(qs[4 * k + j]));
+      }
+#pragma unroll
+      for (int x = 1; x < 4; x <<= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
+        beta += __shfl_xor_sync(0xffffffffu, beta, x);
+      }
+      f = amax > 0.f ? kQRange / amax : 0.f;
+      invf = amax * (1.f / kQRange);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {  // k-step k: channels 32 c + 8 k + i (a0, a1), + 4 (a2, a3)
+        uint32_t y[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) y[j] = fixed(qs[8 * k + j], f, kMagic + kQOffset);
+        uint32_t hi0, lo0, hi1, lo1;
+        split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
+        split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
+        frag[warp][k][lane] = make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, hi1 ^ 0x80808080u, lo1 ^ 0x80808080u);
+      }
+    }
+
+    // ---- S = Q' K^T in s32: n-tile (bb, t) column n is token 4 n + bb + 32 t.
+    int sacc[4][4][4];
+#pragma unroll
+    for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) sacc[bb][t][0] = sacc[bb][t][1] = sacc[bb][t][2] = sacc[bb][t][3] = 0;
+#pragma unroll 1
+    for (int k = 0; k < 4; ++k) {
+      const uint4 a = frag[warp][k][lane];
+      const unsigned char* lk = st + S::kLow + 256 * k;
+      uint32_t r0[4], r1[4];
+      transpose4(r0, *reinterpret_cast<const uint32_t*>(lk + koff[0]), *reinterpret_cast<const uint32_t*>(lk + koff[1]),
+                 *reinterpret_cast<const uint32_t*>(lk + koff[2]), *reinterpret_cast<const uint32_t*>(lk + koff[3]));
+      lk += 128;
+      transpose4(r1, *reinterpret_cast<const uint32_t*>(lk + koff[0]), *reinterpret_cast<const uint32_t*>(lk + koff[1]),
+                 *reinterpret_cast<const uint32_t*>(lk + koff[2]), *reinterpret_cast<const uint32_t*>(lk + koff[3]));
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+        for (int t = 0; t < 4; ++t) imma_s8u8(sacc[bb][t], a, plane(r0[bb], t), plane(r1[bb], t));
+    }
+    {  // Kitty's boosted channels: rank (c << hshift) + i (a0, a1), + 4 + i (a2, a3; 32 ranks only)
+      __syncwarp();  // inv is written
+      uint32_t y[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int ch = inv[warp][(c << hshift) + j];
+        const float x = (j < 4 || two_high) ? q4[g][ch >> 5][ch & 31] * __half2float(ks[ch]) : 0.f;
+        y[j] = fixed(x, f, kMagic + kQOffset);
+      }
+      uint32_t hi0, lo0, hi1, lo1;
+      split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
+      split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
+      const uint4 a = two_high ? make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, hi1 ^ 0x80808080u, lo1 ^ 0x80808080u)
+                               : make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, 0u, 0u);
+      const unsigned char* hk = st + S::kHigh;
+      uint32_t r0[4], r1[4];
+      transpose4(r0, *reinterpret_cast<const uint32_t*>(hk + hoff[0]), *reinterpret_cast<const uint32_t*>(hk + hoff[1]),
+                 *reinterpret_cast<const uint32_t*>(hk + hoff[2]), *reinterpret_cast<const uint32_t*>(hk + hoff[3]));
+      if (two_high) {
+        hk += 128;
+        transpose4(r1, *reinterpret_cast<const uint32_t*>(hk + hoff[0]), *reinterpret_cast<const uint32_t*>(hk + hoff[1]),
+                   *reinterpret_cast<const uint32_t*>(hk + hoff[2]), *reinterpret_cast<const uint32_t*>(hk + hoff[3]));
+      } else {
+        r1[0] = r1[1] = r1[2] = r1[3] = 0u;
+      }
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+        for (int t = 0; t < 4; ++t) imma_s8u8(sacc[bb][t], a, high_plane(r0[bb], t), high_plane(r1[bb], t));
+    }
+
+    // ---- Scores (base 2) of query g, tokens 8 c + 4 e + bb + 32 t; mask; online softmax.
+    float s[4][4][2];
+    const int base = blk * kBlock;
+    const bool interior = base >= rb.lo && base + kBlock <= rb.hi;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const float unit = invf / static_cast<float>(t < 3 ? 1 << (2 * t) : 16);
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) s[bb][t][e] = fmaf(static_cast<float>(sacc[bb][t][e] * 256 + sacc[bb][t][2 + e]), unit, beta);
+    }
+    if (p.softcap > 0.f) {
+      const float inv_cap = 1.f / p.softcap;
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) s[bb][t][e] = p.softcap * tanhf(s[bb][t][e] * inv_cap) * kLog2e;
+    } else {
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) s[bb][t][e] *= kLog2e;
+    }
+    if (!interior) {
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = base + 8 * c + 4 * e + bb + 32 * t;
+            if (j < rb.lo || j >= rb.hi) s[bb][t][e] = -INFINITY;
+          }
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) mx = fmaxf(mx, fmaxf(s[bb][t][0], s[bb][t][1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(row_m, mx);
+    const float alpha = m_new == -INFINITY ? 1.f : fast_exp2(row_m - m_new);
+    row_m = m_new;
+    const float mref = m_new == -INFINITY ? 0.f : m_new;
+    float psum = 0.f;
+#pragma unroll
+    for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[bb][t][e] = fast_exp2(s[bb][t][e] - mref);  // <= 1; a row of -inf: 0
+          psum += s[bb][t][e];
+        }
+    lsum = lsum * alpha + psum;
+    mb *= alpha;
+    if (__any_sync(0xffffffffu, alpha != 1.f)) {
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          o[bb][t][0] *= alpha;
+          o[bb][t][1] *= alpha;
+        }
+    }
+
+    // ---- P' = P * value scale in u16 fixed point (scale fp: the block's largest P'; P itself is
+    // relative to the running max, often far below 1), as the A fragments of k-step t (tokens
+    // 8 c + kTok + 32 t); the value minimums' sum.
+    const __half* vs = reinterpret_cast<const __half*>(st + S::kVs);
+    const __half* vm = reinterpret_cast<const __half*>(st + S::kVm);
+    float pmax = 0.f;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const uint4 sw = *reinterpret_cast<const uint4*>(vs + 8 * c + 32 * t);
+      const uint4 mw = *reinterpret_cast<const uint4*>(vm + 8 * c + 32 * t);
+      const __half* sh = reinterpret_cast<const __half*>(&sw);
+      const __half* mh = reinterpret_cast<const __half*>(&mw);
+#pragma unroll
+      for (int d = 0; d < 8; ++d) {  // token 8 c + d + 32 t = 8 c + 4 e + bb + 32 t
+        const int bb = d & 3, e = d >> 2;
+        mb = fmaf(s[bb][t][e], __half2float(mh[d]), mb);
+        s[bb][t][e] *= __half2float(sh[d]);
+        pmax = fmaxf(pmax, s[bb][t][e]);
+      }
+    }
+    pmax = fmaxf(pmax, __shfl_xor_sync(0xffffffffu, pmax, 1));
+    pmax = fmaxf(pmax, __shfl_xor_sync(0xffffffffu, pmax, 2));
+    const float fp = pmax > 0.f ? kPRange / pmax : 0.f;
+    const float invfp = pmax * (1.f / kPRange);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      uint32_t y[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) y[i] = fixed(s[kTok[i] & 3][t][kTok[i] >> 2], fp, kMagic);
+      uint32_t hi0, lo0, hi1, lo1;
+      split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
+      split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
+      frag[warp][t][lane] = make_uint4(hi0, lo0, hi1, lo1);
+    }
+
+    // ---- O = P' V in s32 per block: k-step t (tokens 8 c + kTok + 32 t), n-tile (bb, u) column n is
+    // channel 4 n + bb + 32 u; then into o.
+    int oacc[4][4][4];
+#pragma unroll
+    for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) oacc[bb][u][0] = oacc[bb][u][1] = oacc[bb][u][2] = oacc[bb][u][3] = 0;
+#pragma unroll 1
+    for (int t = 0; t < 4; ++t) {
+      const uint4 a = frag[warp][t][lane];
+      const unsigned char* vt = st + S::kVal + 1024 * t;
+      uint32_t r0[4], r1[4];
+      transpose4(r0, *reinterpret_cast<const uint32_t*>(vt + voff[0]), *reinterpret_cast<const uint32_t*>(vt + voff[4]),
+                 *reinterpret_cast<const uint32_t*>(vt + voff[1]), *reinterpret_cast<const uint32_t*>(vt + voff[5]));
+      transpose4(r1, *reinterpret_cast<const uint32_t*>(vt + voff[2]), *reinterpret_cast<const uint32_t*>(vt + voff[6]),
+                 *reinterpret_cast<const uint32_t*>(vt + voff[3]), *reinterpret_cast<const uint32_t*>(vt + voff[7]));
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          imma_u8u8(oacc[bb][u], a, r0[bb] & (0x03030303u << (2 * u)), r1[bb] & (0x03030303u << (2 * u)));
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float unit = invfp / static_cast<float>(1 << (2 * u));
+#pragma unroll
+      for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          o[bb][u][e] = fmaf(static_cast<float>(oacc[bb][u][e] * 256 + oacc[bb][u][2 + e]), unit, o[bb][u][e]);
+    }
+    __syncwarp();  // the stage and inv are read: the next copies may overwrite them
+  }
+  cp_async_wait<0>();
+
+  // ---- This warp's partials: sums over the 4 lanes c of a query, then through shared memory.
+#pragma unroll
+  for (int x = 1; x < 4; x <<= 1) {
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, x);
+    mb += __shfl_xor_sync(0xffffffffu, mb, x);
+  }
+  if (c == 0) {
+    red_m[warp][g] = row_m;
+    red_l[warp][g] = lsum;
+  }
+  __syncthreads();  // every warp is done with its ring
+  float* osm = reinterpret_cast<float*>(smem);  // [4][kRows][D]
+  float mm = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) mm = fmaxf(mm, red_m[w][g]);
+  const float wscale = row_m == -INFINITY ? 0.f : exp2f(row_m - mm);
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) osm[(warp * kRows + g) * kD + 8 * c + 4 * e + bb + 32 * u] = (o[bb][u][e] + mb) * wscale;
+}
+
+}  // namespace imma
+
 template <int D>
 constexpr int min_ctas() { return D == 256 ? 1 : 3; }
 
@@ -1010,11 +1407,17 @@ __device__ __forceinline__ int packed_end(const Params& p, const Bounds& r, int 
   return r.hi <= lim ? last : min(max(lim / kBlock, first), last);
 }
 
-// PACKED: splits [0, gsplits) run the staged path over the blocks the packed path leaves (those
-// holding FP16 ring tokens, the tail block), splits [gsplits, splits) the packed path.
-template <int D, int KG, int VPL, bool PACKED>
-__global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_kernel(Params p) {
+// The paths a launch runs beside the staged one.
+enum Path { kStagedOnly = 0, kPackedF16 = 1, kPackedInt8 = 2 };
+
+// PATH != kStagedOnly: splits [0, gsplits) run the staged path over the blocks the packed path
+// leaves (those holding FP16 ring tokens, the tail block), splits [gsplits, splits) the packed path
+// (FP16 MMAs, or the integer-MMA path of Kitty pages).
+template <int D, int KG, int VPL, int PATH>
+__global__ void __launch_bounds__(kThreads, PATH != kStagedOnly ? 2 : min_ctas<D>()) units_kernel(Params p) {
+  constexpr bool PACKED = PATH != kStagedOnly;
   static_assert(!PACKED || D == packed::kD, "the packed path is for head_dim 128");
+  static_assert(PATH != kPackedInt8 || (KG == 1 && VPL == 1), "the integer-MMA path reads Kitty pages");
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red_m[4][kRows], red_l[4][kRows];
   __shared__ __align__(16) __half qsm[kRows][D + kPad];   // the query rows, FP16 (rows >= G zero)
@@ -1031,7 +1434,26 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
     }
   }
   const int first = max(rb.lo, 0) / kBlock, last = rb.hi > rb.lo ? (rb.hi + kBlock - 1) / kBlock : first;
-  if constexpr (PACKED) {
+  if constexpr (PATH == kPackedInt8) {
+    __shared__ uint8_t inv[4][packed::kMaxBoost];     // per warp: the channel of each boosted rank
+    __shared__ __align__(16) float q4[8][4][36];      // the query rows in FP32, 32-channel rows padded
+    __shared__ uint4 frag[4][4][32];                  // per warp: a block's A fragments [k-step][lane]
+    const int fend = packed_end(p, rb, first, last);
+    if (split >= p.gsplits) {
+      if (tid < 4 * packed::kMaxBoost) inv[tid / packed::kMaxBoost][tid % packed::kMaxBoost] = 0;
+      const float* qrow = p.q + (static_cast<long>(b) * p.kvh + kh) * p.g * D;
+      for (int e = tid; e < 8 * D; e += kThreads) {
+        const int row = e / D, col = e % D;
+        q4[row][col >> 5][col & 31] = row < p.g ? __ldg(qrow + row * D + col) : 0.f;
+      }
+      __syncthreads();  // q4, inv
+      const int ns = p.splits - p.gsplits, per = (fend - first + ns - 1) / ns;
+      const int blk0 = first + (split - p.gsplits) * per, blk1 = min(blk0 + per, fend);
+      imma::imma_path(p, b, kh, rb, blk0, blk1, smem, q4, inv, frag, red_m, red_l);
+    } else {
+      staged_path<D, KG, VPL>(p, b, kh, rb, fend, split, p.gsplits, smem, qsm, red_m, red_l);
+    }
+  } else if constexpr (PACKED) {
     __shared__ uint8_t inv[4][packed::kMaxBoost];  // per warp: the channel of each boosted rank
     __shared__ __align__(16) float q32[8][D];       // the query rows in FP32 (rows >= G zero)
     __shared__ __align__(16) __half q16lo[8][D];    // and what FP16 leaves of them: q32 - qsm
@@ -1099,32 +1521,34 @@ inline bool packed_reads(const Params& p, int64_t d) {
   return p.nb == 0 && p.vt == 1 && (p.v_group == 32 || p.v_group == 64);
 }
 
-template <int D, int KG, int VPL, bool PACKED>
+template <int D, int KG, int VPL, int PATH>
 cudaError_t launch_variant(cudaStream_t stream, const Params& p, int batch) {
   size_t smem = smem_bytes<D>();
-  if constexpr (PACKED) smem = std::max(smem, packed::smem_bytes<KG, VPL>());
+  if constexpr (PATH != kStagedOnly) smem = std::max(smem, packed::smem_bytes<KG, VPL>());
   static const cudaError_t attr = cudaFuncSetAttribute(
-      units_kernel<D, KG, VPL, PACKED>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      units_kernel<D, KG, VPL, PATH>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (attr != cudaSuccess) return attr;
-  return jaxlp::launch_kernel(units_kernel<D, KG, VPL, PACKED>, dim3(p.splits, p.kvh, batch), dim3(kThreads), smem,
+  return jaxlp::launch_kernel(units_kernel<D, KG, VPL, PATH>, dim3(p.splits, p.kvh, batch), dim3(kThreads), smem,
                               stream, 1, false, p);
 }
 
 // Kitty (one key scale per channel, one value scale per token) or KIVI-2 (key scales per 32-token
-// plane, value scales per channel group); the packed path where splits >= gsplits (head_dim 128).
+// plane, value scales per channel group); the packed path where splits >= gsplits (head_dim 128),
+// with integer MMAs for Kitty pages if int8.
 template <int D>
-cudaError_t launch(cudaStream_t stream, const Params& p, int batch) {
+cudaError_t launch(cudaStream_t stream, const Params& p, int batch, bool int8) {
   const bool one_value_scale = p.v_group == D;
   if constexpr (D == packed::kD) {
     if (p.gsplits < p.splits) {
-      if (p.kg == 1) return launch_variant<D, 1, 1, true>(stream, p, batch);
-      return launch_variant<D, 4, 4, true>(stream, p, batch);
+      if (p.kg == 1 && int8) return launch_variant<D, 1, 1, kPackedInt8>(stream, p, batch);
+      if (p.kg == 1) return launch_variant<D, 1, 1, kPackedF16>(stream, p, batch);
+      return launch_variant<D, 4, 4, kPackedF16>(stream, p, batch);
     }
   }
-  if (p.kg == 1 && one_value_scale) return launch_variant<D, 1, 1, false>(stream, p, batch);
-  if (p.kg == 1) return launch_variant<D, 1, 4, false>(stream, p, batch);
-  if (one_value_scale) return launch_variant<D, 4, 1, false>(stream, p, batch);
-  return launch_variant<D, 4, 4, false>(stream, p, batch);
+  if (p.kg == 1 && one_value_scale) return launch_variant<D, 1, 1, kStagedOnly>(stream, p, batch);
+  if (p.kg == 1) return launch_variant<D, 1, 4, kStagedOnly>(stream, p, batch);
+  if (one_value_scale) return launch_variant<D, 4, 1, kStagedOnly>(stream, p, batch);
+  return launch_variant<D, 4, 4, kStagedOnly>(stream, p, batch);
 }
 
 ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> bounds,
@@ -1135,7 +1559,7 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                      ffi::Buffer<ffi::F16> sink_k, ffi::Buffer<ffi::F16> sink_v, ffi::Buffer<ffi::F16> new_k,
                      ffi::Buffer<ffi::F16> new_v, ffi::Result<ffi::Buffer<ffi::F32>> o,
                      ffi::Result<ffi::Buffer<ffi::F32>> m, ffi::Result<ffi::Buffer<ffi::F32>> l, int64_t nb, int64_t kg,
-                     int64_t vt, int64_t v_group, int64_t tail, int64_t gsplits, float softcap) {
+                     int64_t vt, int64_t v_group, int64_t tail, int64_t gsplits, int64_t int8, float softcap) {
   auto qd = q.dimensions();
   auto od = o->dimensions();
   auto kd = k_low.dimensions();
@@ -1207,15 +1631,16 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   p.softcap = softcap;
   p.gsplits = static_cast<int>(gsplits);
   if (gsplits < 0 || gsplits > p.splits) return bad("gsplits must be in [0, splits]");
+  if (int8 && p.kg != 1) return bad("the integer-MMA path reads Kitty pages only");
   if (gsplits < p.splits && !packed_reads(p, d))
     return bad("the packed path takes head_dim 128, at most 8 query heads per KV head, Kitty pages with 16 or 32 "
                "boosted channels or KIVI-2 values in groups of 32 or 64 channels");
   if (batch == 0 || kvh == 0) return ffi::Error::Success();
   cudaError_t e;
   switch (d) {
-    case 64: e = launch<64>(stream, p, static_cast<int>(batch)); break;
-    case 128: e = launch<128>(stream, p, static_cast<int>(batch)); break;
-    case 256: e = launch<256>(stream, p, static_cast<int>(batch)); break;
+    case 64: e = launch<64>(stream, p, static_cast<int>(batch), int8 != 0); break;
+    case 128: e = launch<128>(stream, p, static_cast<int>(batch), int8 != 0); break;
+    case 256: e = launch<256>(stream, p, static_cast<int>(batch), int8 != 0); break;
     default: return bad("head_dim must be 64, 128 or 256, got " + std::to_string(d));
   }
   if (e != cudaSuccess)
@@ -1256,5 +1681,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Attr<int64_t>("v_group")
                                   .Attr<int64_t>("tail")
                                   .Attr<int64_t>("gsplits")
+                                  .Attr<int64_t>("int8")
                                   .Attr<float>("softcap"),
                               {ffi::Traits::kCmdBufferCompatible});

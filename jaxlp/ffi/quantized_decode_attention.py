@@ -141,6 +141,21 @@ def packed_default(lay: Layout, head_dim: int, group: int) -> bool:
     return packed_reads(lay, head_dim, group) and lay.key_groups == 1
 
 
+MMAS = ("int8", "fp16")  # the packed path's matrix products (``mma=``)
+
+
+def packed_mma(lay: Layout, mma: str | None) -> str:
+    """The packed path's matrix products: ``"int8"`` (8-bit integer MMAs, Kitty pages: the
+    default there) or ``"fp16"`` (FP16 MMAs, Kitty and KIVI-2); ``None`` picks the default."""
+    if mma is None:
+        return "int8" if lay.key_groups == 1 else "fp16"
+    if mma not in MMAS:
+        raise ValueError(f"attend_units: unknown mma {mma!r}; expected one of {MMAS}")
+    if mma == "int8" and lay.key_groups != 1:
+        raise ValueError(f"attend_units: the int8 packed path reads Kitty pages only, not {lay}")
+    return mma
+
+
 def packed_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) -> int:
     """Splits of the packed path: about :data:`PACKED_CTAS_PER_SM` CTAs per SM, at least one block
     per warp (4 warps), no empty split."""
@@ -150,12 +165,13 @@ def packed_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) ->
 
 
 def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float, softcap: float | None = None,
-                 splits: int | None = None, packed: bool | None = None):
+                 splits: int | None = None, packed: bool | None = None, mma: str | None = None):
     """Attention of ``q [B, H, D]`` over the quantized stream indices ``[lo, hi)`` of each row:
     ``(out [B, H, D] float32 normalized, m [B, H], l [B, H])`` (module doc). ``hi`` must not pass
     the quantized tokens of either store. ``packed``: the packed path (True; ValueError where
     :func:`packed_reads` says no), the staged one (False), or :func:`packed_default` (None);
-    ``splits``: the path's splits along the sequence (default: one wave)."""
+    ``mma``: the packed path's matrix products (:func:`packed_mma`); ``splits``: the path's splits
+    along the sequence (default: one wave)."""
     b, h, d = q.shape
     kvh = jax.tree.leaves(k_store)[0].shape[2]
     lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)
@@ -164,11 +180,12 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
     ring = jnp.zeros((b, 0, kvh, d), jnp.float16), jnp.zeros((b, 0), jnp.int32)
     new = jnp.zeros((b, kvh, d), jnp.float16)
     return _call(q, k_store, v_store, k_codec, v_codec, bounds, ring, ring, (ring[0], ring[0]), (new, new),
-                 tail=False, scale=scale, softcap=softcap, splits=splits, packed=packed)
+                 tail=False, scale=scale, softcap=softcap, splits=splits, packed=packed, mma=mma)
 
 
 def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, scale: float,
-                 softcap: float | None = None, splits: int | None = None, packed: bool | None = None):
+                 softcap: float | None = None, splits: int | None = None, packed: bool | None = None,
+                 mma: str | None = None):
     """One query per row ``q [B, H, D]`` over a whole quantized cache (module doc):
     ``bounds [B, 8]`` int32 per row: the stream range ``lo, hi`` (hi: the row's non-sink tokens),
     ``qk, qv`` (its quantized keys and values), the visible sink tokens ``[sink_lo, sink_hi)``,
@@ -182,7 +199,7 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     k_ring, v_ring = (_fp16(k_ring[0]), k_ring[1].astype(jnp.int32)), (_fp16(v_ring[0]), v_ring[1].astype(jnp.int32))
     return _call(q, k_store, v_store, k_codec, v_codec, bounds.astype(jnp.int32), k_ring, v_ring,
                  tuple(map(_fp16, sink)), tuple(map(_fp16, new)), tail=True, scale=scale, softcap=softcap,
-                 splits=splits, packed=packed)
+                 splits=splits, packed=packed, mma=mma)
 
 
 def _fp16(x):
@@ -194,7 +211,7 @@ def _fp16(x):
 
 
 def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, tail, scale, softcap, splits,
-          packed):
+          packed, mma):
     b, h, d = q.shape
     kleaves = jax.tree.leaves(k_store)
     kvh = kleaves[0].shape[2]
@@ -217,7 +234,9 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
     if packed and not packed_reads(lay, d, g):
         raise ValueError(f"attend_units: the packed path does not read {lay} at head_dim {d} with {g} query heads "
                          f"per KV head (packed_reads)")
+    int8 = False
     if packed_default(lay, d, g) if packed is None else packed:  # the staged path: ring and tail blocks only
+        int8 = packed_mma(lay, mma) == "int8"
         general = GENERAL_SPLITS if tail else 0
         splits = general + (splits or packed_splits(b, kvh, k_low.shape[1]))
     else:
@@ -234,6 +253,7 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
     o, m, l = call(qg, bounds, k_low, k_high, k_boost, half(k_scale), half(k_min), v_codes, half(v_store.scale),
                    half(v_store.min), *k_ring, *v_ring, *sink, *new, nb=np.int64(lay.n_boost),
                    kg=np.int64(lay.key_groups), vt=np.int64(lay.value_tokens), v_group=np.int64(lay.value_group),
-                   tail=np.int64(tail), gsplits=np.int64(general), softcap=np.float32(softcap or 0.0))
+                   tail=np.int64(tail), gsplits=np.int64(general), int8=np.int64(int8),
+                   softcap=np.float32(softcap or 0.0))
     out, m_all, den = merge_splits(o, m, l)
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)

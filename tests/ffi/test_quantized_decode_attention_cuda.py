@@ -19,6 +19,7 @@ from jaxlp.pallas.quantized_decode_attention import reference
 ON_GPU = jax.default_backend() == "gpu"
 TOL = 2e-3  # relative to float64: FP16 operands (a quarter of it is typical)
 READ = ("kitty", "kitty-pro", "kivi-k2v2")
+MMAS_READ = ("int8", "fp16")  # the packed path's matrix products on Kitty pages
 
 
 def test_reads_2bit_kitty_and_kivi_only():
@@ -94,6 +95,13 @@ def test_packed_path_reads_head_dim_128_and_splits_without_empty_ones():
     assert cuda.packed_reads(cuda.Layout(0, 4, 1, 32), 128, 4) and cuda.packed_reads(cuda.Layout(0, 4, 1, 64), 128, 1)
     assert cuda.packed_default(cuda.Layout(32, 1, 128, 128), 128, 4)
     assert not cuda.packed_default(cuda.Layout(0, 4, 1, 32), 128, 4)  # KIVI-2: measured faster staged
+    assert cuda.packed_mma(cuda.Layout(32, 1, 128, 128), None) == "int8"  # Kitty: integer MMAs by default
+    assert cuda.packed_mma(cuda.Layout(32, 1, 128, 128), "fp16") == "fp16"
+    assert cuda.packed_mma(cuda.Layout(0, 4, 1, 32), None) == "fp16"
+    with pytest.raises(ValueError, match="Kitty pages only"):
+        cuda.packed_mma(cuda.Layout(0, 4, 1, 32), "int8")
+    with pytest.raises(ValueError, match="unknown mma 'bf16'"):
+        cuda.packed_mma(cuda.Layout(32, 1, 128, 128), "bf16")
     for lay, d, g in [(cuda.Layout(32, 1, 128, 128), 256, 4), (cuda.Layout(32, 1, 128, 128), 128, 16),
                       (cuda.Layout(24, 1, 128, 128), 128, 4), (cuda.Layout(0, 4, 1, 16), 128, 4),
                       (cuda.Layout(0, 4, 1, 128), 128, 4)]:
@@ -164,11 +172,11 @@ def test_bad_operands_are_refused():
 # --- the compiled kernel -----------------------------------------------------------------------
 
 
-def check(kc, vc, q, k, v, lo, hi, scale, softcap=None, splits=None, packed=None):
+def check(kc, vc, q, k, v, lo, hi, scale, softcap=None, splits=None, packed=None, mma=None):
     ks, vs = stores((kc, vc), k, v)
     lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
     out, m, l = jax.jit(lambda *a: cuda.attend_units(*a, kc, vc, lo, hi, scale=scale, softcap=softcap,
-                                                     splits=splits, packed=packed))(q, ks, vs)
+                                                     splits=splits, packed=packed, mma=mma))(q, ks, vs)
     out, m, l = (np.asarray(a, np.float64) for a in (out, m, l))
     assert np.isfinite(out).all() and not np.isnan(m).any() and np.isfinite(l).all()
     want_out, want_m, want_l = exact(q, np_decode(kc, ks), np_decode(vc, vs), lo, hi, scale, softcap)
@@ -186,11 +194,12 @@ def check(kc, vc, q, k, v, lo, hi, scale, softcap=None, splits=None, packed=None
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", READ)
-@pytest.mark.parametrize("d, packed", [(64, None), (128, None), (128, False), (256, None)])
-def test_gpu_matches_float64_at_block_edges(name, d, packed):
+@pytest.mark.parametrize("d, packed, mma", [(64, None, None), (128, None, None), (128, True, "fp16"),
+                                           (128, False, None), (256, None, None)])
+def test_gpu_matches_float64_at_block_edges(name, d, packed, mma):
     """Rows: a block boundary to boundary, 129 tokens from mid-block, 255 across three blocks, an
     empty range, the whole cache with a block of all-equal keys (scale floor), a zero block; at
-    head_dim 128 both paths (packed: the default there)."""
+    head_dim 128 every path (packed: the default there, integer MMAs on Kitty pages)."""
     kc, vc = CODECS[name]
     if isinstance(kc, kitty.KeyCodec):
         kc = kitty.KeyCodec(d // 8 if name == "kitty" else d // 4)
@@ -200,8 +209,8 @@ def test_gpu_matches_float64_at_block_edges(name, d, packed):
     k[5, :128], v[5, :128] = 0.0, 0.0
     q = np.random.default_rng(d).normal(size=(b, kvh * g, d)).astype(np.float32)
     lo, hi = [128, 5, 100, 7, 0, 0], [256, 134, 355, 7, 384, 128]
-    check(kc, vc, q, k, v, lo, hi, d**-0.5, packed=packed)
-    check(kc, vc, q, k, v, lo, hi, d**-0.5, softcap=5.0, splits=2, packed=packed)
+    check(kc, vc, q, k, v, lo, hi, d**-0.5, packed=packed, mma=mma)
+    check(kc, vc, q, k, v, lo, hi, d**-0.5, softcap=5.0, splits=2, packed=packed, mma=mma)
 
 
 @pytest.mark.gpu
@@ -229,7 +238,44 @@ def test_gpu_qwen3_8b_shape_any_split(name):
     # Each path: float64 within TOL (check), its split counts alike: FP16 probabilities are relative
     # to each split's max, and the packed path's FP16 operand is P times the value scale, with the
     # 1024 offset of planes 2 and 3 taken off FP32 sums (measured on an H200: 1.5e-4 to 1.8e-4).
-    for packed, agree in ((True, 5e-4), (False, 1e-4)):
-        outs = [check(kc, vc, q, k, v, lo, hi, d**-0.5, splits=s, packed=packed) for s in (None, 1, 5, 32)]
+    paths = [(True, None, 5e-4), (False, None, 1e-4)] + ([(True, "fp16", 5e-4)] if name != "kivi-k2v2" else [])
+    for packed, mma, agree in paths:
+        outs = [check(kc, vc, q, k, v, lo, hi, d**-0.5, splits=s, packed=packed, mma=mma) for s in (None, 1, 5, 32)]
         for o in outs[1:]:
             assert rel(o, outs[0]) <= agree
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ("kitty", "kitty-pro"))
+def test_gpu_int8_path_with_outlier_channels(name):
+    """Keys with a few channels 30x the rest and queries peaked on them (the fixed-point Q' of the
+    integer-MMA path spends its 16 bits on the largest |Q * scale|), values with outlier tokens
+    (the P' scale is the block's largest value scale): float64 within TOL, FP16 MMAs alike."""
+    kc, vc = CODECS[name]
+    b, kvh, g, d, n = 2, 2, 4, 128, 768
+    k, v = random_kv(11, b, n, kvh, d)
+    rng = np.random.default_rng(12)
+    hot = rng.choice(d, 4, replace=False)
+    k[..., hot] *= 30.0
+    v[:, rng.choice(n, 20, replace=False)] *= 25.0
+    q = rng.normal(size=(b, kvh * g, d)).astype(np.float32)
+    q[..., hot] *= 8.0
+    lo, hi = [0, 130], [700, 512]
+    scale = d**-0.5 / 4
+    int8 = check(kc, vc, q, k, v, lo, hi, scale, mma="int8")
+    fp16 = check(kc, vc, q, k, v, lo, hi, scale, mma="fp16")
+    assert rel(int8, fp16) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mma", MMAS_READ)
+def test_gpu_long_rows_in_one_split(mma):
+    """16K tokens in one split: each warp walks 32 blocks, most far below the running max (the
+    integer path's P' scale is each block's own largest P')."""
+    kc, vc = CODECS["kitty-pro"]
+    b, kvh, g, d, n = 2, 2, 4, 128, 16384
+    k, v = random_kv(13, b, n, kvh, d)
+    q = np.random.default_rng(14).normal(size=(b, kvh * g, d)).astype(np.float32)
+    check(kc, vc, q, k, v, [0, 3000], [n, n - 5], d**-0.5, splits=1, mma=mma)
