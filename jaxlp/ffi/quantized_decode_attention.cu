@@ -1,8 +1,9 @@
 // Decode attention over the packed 2-bit units of Kitty and KIVI caches (XLA FFI custom call,
 // sm_90); Python side and layout: jaxlp/ffi/quantized_decode_attention.py.
 //
-// Two paths in one launch: the packed path (namespace `packed` below: head_dim 128, blocks holding
-// only packed codes, the codes fed to the MMAs from their packed words) and the staged path, here:
+// Two paths in one launch: the packed path (namespace `packed` below: Kitty pages, head_dim 128,
+// blocks holding only packed codes, fed to 8-bit integer MMAs from their packed words) and the
+// staged path, here:
 // One CTA of 4 warps per (row b, KV head, split). It walks its share of the row's 128-token
 // blocks; per block:
 //   1. unpack: the 128 threads read the block's packed codes (16-byte loads, issued one block
@@ -502,65 +503,57 @@ __device__ __forceinline__ void staged_path(const Params& p, int b, int kh, cons
 }
 
 // ---------------------------------------------------------------------------------------------
-// The packed path (head_dim 128, G <= 8, Kitty pages with 16 or 32 boosted channels or KIVI-2
-// blocks with value groups of 32 or 64 channels): the row's blocks whose keys and values are all
-// packed, with no shared-memory FP16 tile. Each warp walks its own blocks (a cp.async ring of
-// kStages blocks per warp copies the packed bytes, rows swizzled) and feeds the 2-bit codes to
-// mma.sync straight from the packed words, with tokens on the MMA's M side:
-//   * S^T = K Q'^T: 8 m-tiles of 16 tokens x 8 k-steps of 16 channels, N = 8 query heads. A
-//     thread's A fragment (rows gq, gq + 8; channel pairs) is byte `b` of its 4-byte word of a
-//     channel row, two channel words meeting in one prmt: token tau(m, r) = 4 (r & 7) + 2 (m & 1)
-//     + (r >> 3) + 32 (m >> 1), so that m-tile m holds plane t = m >> 1. `code << 2t | 0x6400` is
-//     the FP16 number 1024 + 4^t code (one LOP3; planes 0 and 1 less 1024 by HSUB2, code4): the key
-//     scale goes into Q' = Q * scale (FP32 product rounded once to FP16, the B operand), the 4^t and
-//     the 1024 (planes 2, 3) come off the FP32 scores: S = acc 4^-t + bias_t with bias_t = sum_c Q
-//     m_c - 1024 4^-t sum_c Q'_c, both sums by MMAs (A = the minimums against Q as FP16 hi + lo,
-//     A = ones against Q'). Kitty's
-//     boosted channels are 2 more k-steps over the high rows with B = 4 Q' of the channel of each
-//     rank (the inverse of boost_idx, built per page in shared memory).
-//   * O^T = V^T P'^T: 8 m-tiles of 16 channels (channel 4 (r & 7) + 2 (j & 1) + (r >> 3) + 32 (j >>
-//     1) at row r of m-tile j, plane u = j >> 1) x 8 k-steps (S's m-tiles), P' = P * the token's
-//     value scale, transposed from S's accumulator layout by movmatrix; the values' 4^u and (planes
-//     2, 3) 1024 come off at the end (sum_t P' by an MMA with A = ones) and sum_t P min_t is added.
-// Measured (Nsight Compute, H200, Kitty-Pro 8 x 32K, before the offsets were hoisted): ~3,300 warp
-// instructions per block where the staged path spends ~7,600; 2 CTAs (8 warps) per SM, issue-latency
-// bound. KIVI-2's per-plane scales cost it more: packed_default in the .py leaves KIVI staged.
+// The packed path (head_dim 128, G <= 8, Kitty pages with 16 or 32 boosted channels): the row's
+// blocks whose keys and values are all packed, with no shared-memory FP16 tile. Each warp walks
+// its own blocks (a cp.async ring of kStages blocks per warp copies the packed bytes, rows
+// swizzled) and feeds the 2-bit codes to 8-bit integer MMAs (mma.sync m16n8k32, s32 sums) straight
+// from the packed words: one LOP3 turns a word into the 4 codes an operand register holds.
+//
+// S = Q' K^T: A = Q' (row g: the high byte of query g's 16-bit Q', row g + 8: its low byte; both
+// s8), B = K^T codes (u8). Q' = Q * key scale in fixed point: x = round(Q' f), f = 32512 / max |Q'|
+// of the query over the page's channels, split as x = 256 hi + lo (hi, lo in [-128, 128)), so that
+// S = (256 S_hi + S_lo) / f + sum_c Q_c min_c (exact s32 sums). O = P' V likewise: A = P' = P *
+// value scale in unsigned 16-bit fixed point over the block's largest P', B = value codes, and
+// sum_t P_t min_t added to every channel.
+//
+// The B operands: a lane's word g of four channel rows (keys) or four token rows (values), bytes
+// transposed by four PRMTs per pair of words, gives per byte b the four rows' codes of plane t at
+// bits 2t (4 k-elements of one n). Plane t's codes enter as code * 4^t (no shift; t = 3 as code *
+// 16, one shift, so that Kitty's boosted channels' high bits, 4 h * 4^t, fit a byte too), undone in
+// the float epilogue. Column n of S's n-tile (b, t) is token 4 n + b + 32 t, so a lane's
+// accumulators hold tokens 8 c + {0, 4} + b + 32 t: the eight of plane t are the A fragment of
+// P V's k-step t with no exchange between lanes (FlashAttention-2's register reuse), and its B
+// fragment reads the same tokens' value rows.
+//
+// Measured (H100, Kitty-Pro, docs/perf.md session 16): the FP16-MMA design before it (FP16 operands
+// 1024 + 4^t code, the offset taken off FP32 sums) was 1.07-1.30x slower and drifted to 1e-2
+// relative error over long walks; this one stays within 2e-4 of the float32 reference.
 namespace packed {
 
 constexpr int kD = 128;
 constexpr int kStages = 2;
 constexpr int kMaxBoost = 32;
-constexpr uint32_t kMagic = 0x64006400u;  // FP16 (1024, 1024)
-constexpr uint32_t kOnes = 0x3c003c00u;   // FP16 (1, 1)
 
-// Byte offsets of one stage (one 128-token block) of a warp's ring.
-template <int KG, int VPL>
+// Byte offsets of one stage (one 128-token Kitty block) of a warp's ring.
 struct Stage {
-  static constexpr int kLow = 0;                           // key codes [128 channels][32 B], swizzled rows
-  static constexpr int kHigh = kLow + kD * 32;             // Kitty high codes [<= 32 ranks][32 B]
-  static constexpr int kVal = kHigh + kMaxBoost * 32;      // value codes [128 tokens][32 B], swizzled rows
-  static constexpr int kKs = kVal + kBlock * 32;           // key scales [KG][128] FP16
-  static constexpr int kKm = kKs + KG * kD * 2;            // key minimums
-  static constexpr int kVs = kKm + KG * kD * 2;            // value scales [128 tokens][VPL] FP16
-  static constexpr int kVm = kVs + kBlock * VPL * 2;       // value minimums
-  static constexpr int kBoost = kVm + kBlock * VPL * 2;    // Kitty boost_idx [128]
+  static constexpr int kLow = 0;                        // key codes [128 channels][32 B], swizzled rows
+  static constexpr int kHigh = kLow + kD * 32;          // high codes [<= 32 ranks][32 B], swizzled rows
+  static constexpr int kVal = kHigh + kMaxBoost * 32;   // value codes [128 tokens][32 B], swizzled rows
+  static constexpr int kKs = kVal + kBlock * 32;        // key scales [128] FP16
+  static constexpr int kKm = kKs + kD * 2;              // key minimums
+  static constexpr int kVs = kKm + kD * 2;              // value scales [128 tokens] FP16
+  static constexpr int kVm = kVs + kBlock * 2;          // value minimums
+  static constexpr int kBoost = kVm + kBlock * 2;       // boost_idx [128]
   static constexpr int kBytes = kBoost + kD;
 };
 
-template <int KG, int VPL>
-constexpr size_t smem_bytes() { return static_cast<size_t>(4) * kStages * Stage<KG, VPL>::kBytes; }
+constexpr size_t smem_bytes() { return static_cast<size_t>(4) * kStages * Stage::kBytes; }
 
-// Rows of a 32-byte-row tile are stored at row ^ ((row >> shift) & 3): the four lanes tg that read
-// rows (tg << shift) + i at the same time then hit four different bank groups.
+// Rows of a 32-byte-row tile are stored at row ^ ((row >> shift) & 3): the four lanes c that read
+// rows (c << shift) + i at the same time then hit four different bank groups.
 __device__ __forceinline__ int swz(int row, int shift) { return row ^ ((row >> shift) & 3); }
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) { return __byte_perm(a, b, s); }
-
-__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
 
 // A lane's destinations in a stage for its 16-byte pieces lane + 32 i of a 32-byte-row tile (row
 // (lane >> 1) + 16 i): keys at low_dst[i >> 1] + 512 i (swizzle shift 5), values at val_dst[i & 1]
@@ -577,455 +570,35 @@ struct CopyDst {
 };
 
 // Copies of block `blk` of row b, KV head kh into stage `st` (one warp; committed by the caller).
-template <int KG, int VPL>
 __device__ __forceinline__ void issue_block(const Params& p, int b, int kh, int blk, unsigned char* st, int lane,
                                             int hshift, const CopyDst& cd) {
-  using S = Stage<KG, VPL>;
   const uint32_t sa = smem_addr(st);
   const long kpage = (static_cast<long>(b) * p.k_units + blk) * p.kvh + kh;
   const uint8_t* low = p.k_low + kpage * (kD * 32) + lane * 16;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) cp_async16(sa + S::kLow + cd.low_dst[i >> 1] + 512 * i, low + 512 * i, 16u);
-  if (KG == 1) {  // Kitty: the boosted channels' high rows and the ranks
-    const uint8_t* high = p.k_high + kpage * p.nb * 32;
+  for (int i = 0; i < 8; ++i) cp_async16(sa + Stage::kLow + cd.low_dst[i >> 1] + 512 * i, low + 512 * i, 16u);
+  const uint8_t* high = p.k_high + kpage * p.nb * 32;  // the boosted channels' high rows, the ranks
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int x = lane + 32 * i;
-      if (x < 2 * p.nb) cp_async16(smem_addr(st + S::kHigh + swz(x >> 1, hshift) * 32 + (x & 1) * 16), high + x * 16, 16u);
-    }
-    if (lane < kD / 16) cp_async16(smem_addr(st + S::kBoost + lane * 16), p.k_boost + kpage * kD + lane * 16, 16u);
+  for (int i = 0; i < 2; ++i) {
+    const int x = lane + 32 * i;
+    if (x < 2 * p.nb) cp_async16(smem_addr(st + Stage::kHigh + swz(x >> 1, hshift) * 32 + (x & 1) * 16), high + x * 16, 16u);
   }
-  {  // key scales and minimums: KG x 128 FP16 each, 16 KG chunks each
-    const __half* ks = p.k_scale + kpage * KG * kD;
-    const __half* km = p.k_min + kpage * KG * kD;
-    constexpr int kChunks = KG * kD / 8;
-#pragma unroll
-    for (int i = 0; i < (2 * kChunks + 31) / 32; ++i) {
-      const int x = lane + 32 * i;
-      if (x < 2 * kChunks) {
-        const bool mins = x >= kChunks;
-        const int c = mins ? x - kChunks : x;
-        cp_async16(smem_addr(st + (mins ? S::kKm : S::kKs) + c * 16), (mins ? km : ks) + c * 8, 16u);
-      }
-    }
-  }
-  if (VPL == 1) {  // Kitty value page: codes [128][32 B], FP16 scale and min per token
-    const long vpage = (static_cast<long>(b) * p.v_units + blk) * p.kvh + kh;
-    const uint8_t* codes = p.v_codes + vpage * (kBlock * 32) + lane * 16;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) cp_async16(sa + S::kVal + cd.val_dst[i & 1] + 512 * i, codes + 512 * i, 16u);
+  if (lane < kD / 16) cp_async16(smem_addr(st + Stage::kBoost + lane * 16), p.k_boost + kpage * kD + lane * 16, 16u);
+  {  // key scales and minimums: 128 FP16 each, 16 chunks each
     const bool mins = lane >= 16;
     const int c = lane & 15;
-    cp_async16(smem_addr(st + (mins ? S::kVm : S::kVs) + c * 16), (mins ? p.v_min : p.v_scale) + vpage * kBlock + c * 8,
+    cp_async16(smem_addr(st + (mins ? Stage::kKm : Stage::kKs) + c * 16), (mins ? p.k_min : p.k_scale) + kpage * kD + c * 8,
                16u);
-  } else {  // KIVI value tokens (one-token units): codes [32 B], FP16 scale and min per channel group
-    const int vg = kD >> p.v_group_shift;  // groups per token: 4 or 2
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int x = lane + 32 * i, tok = x >> 1, j = blk * kBlock + tok;
-      const bool ok = j < p.v_units;
-      const long unit = (static_cast<long>(b) * p.v_units + (ok ? j : 0)) * p.kvh + kh;
-      cp_async16(sa + S::kVal + cd.val_dst[i & 1] + 512 * i, p.v_codes + unit * 32 + (x & 1) * 16, ok ? 16u : 0u);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int tok = lane + 32 * i, j = blk * kBlock + tok;
-      const bool ok = j < p.v_units;
-      const long unit = (static_cast<long>(b) * p.v_units + (ok ? j : 0)) * p.kvh + kh;
-      const uint32_t ds = smem_addr(st + S::kVs + tok * VPL * 2), dm = smem_addr(st + S::kVm + tok * VPL * 2);
-      if (vg == 4) {
-        cp_async8(ds, p.v_scale + unit * 4, ok ? 8u : 0u);
-        cp_async8(dm, p.v_min + unit * 4, ok ? 8u : 0u);
-      } else {
-        cp_async4(ds, p.v_scale + unit * 2, ok ? 4u : 0u);
-        cp_async4(dm, p.v_min + unit * 2, ok ? 4u : 0u);
-      }
-    }
   }
+  const long vpage = (static_cast<long>(b) * p.v_units + blk) * p.kvh + kh;  // codes [128][32 B], scale and min per token
+  const uint8_t* codes = p.v_codes + vpage * (kBlock * 32) + lane * 16;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) cp_async16(sa + Stage::kVal + cd.val_dst[i & 1] + 512 * i, codes + 512 * i, 16u);
+  const bool mins = lane >= 16;
+  const int c = lane & 15;
+  cp_async16(smem_addr(st + (mins ? Stage::kVm : Stage::kVs) + c * 16), (mins ? p.v_min : p.v_scale) + vpage * kBlock + c * 8,
+             16u);
 }
-
-// The FP16 pair (1024 + 4^t c0, 1024 + 4^t c1) of the plane-t codes under `mask` (bits 2t, 2t + 1
-// of each half), less 1024 for planes 0 and 1: there the offset would be 256 to 1024 times the
-// code's weight, and the MMA's FP32 sums lose that many times more of the code's bits
-// (measured: 2.2e-3 relative error in O with the offset on every plane).
-__device__ __forceinline__ uint32_t code4(uint32_t x, uint32_t mask) {
-  uint32_t h;  // (x & mask) | 0x64006400 in one LOP3 (and / or in C++ become two: one immediate each)
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(h) : "r"(x), "r"(mask), "r"(kMagic));
-  if (mask <= 0x000c000cu) {
-    uint32_t off = kMagic;
-    __half2 r = __hsub2(*reinterpret_cast<__half2*>(&h), *reinterpret_cast<__half2*>(&off));
-    h = *reinterpret_cast<uint32_t*>(&r);
-  }
-  return h;
-}
-// Whether plane t's FP16 codes carry the 1024 offset (code4).
-__host__ __device__ constexpr bool offset_plane(int t) { return t >= 2; }
-
-// The 8 m-tiles of one k-step of S^T: channel words w0..w3 (this thread's 4 channels of the
-// k-step, word gq of each row: tokens 4 gq + b + 32 t at byte b, plane t); b0[t], b1[t] the B
-// fragment (Q' of those channels) for the m-tiles of plane t.
-__device__ __forceinline__ void key_step(float (&s)[8][4], uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
-                                         const uint32_t (&b0)[4], const uint32_t (&b1)[4]) {
-  const uint32_t p01[2] = {prmt(w0, w1, 0x5410u), prmt(w0, w1, 0x7632u)};  // bytes (0, 1) / (2, 3)
-  const uint32_t p23[2] = {prmt(w2, w3, 0x5410u), prmt(w2, w3, 0x7632u)};
-  const uint32_t q01[2] = {p01[0] >> 8, p01[1] >> 8}, q23[2] = {p23[0] >> 8, p23[1] >> 8};
-#pragma unroll
-  for (int m = 0; m < 8; ++m) {
-    const int t = m >> 1, hb = m & 1;
-    const uint32_t mask = 0x00030003u << (2 * t);
-    const uint32_t a[4] = {code4(p01[hb], mask), code4(q01[hb], mask), code4(p23[hb], mask), code4(q23[hb], mask)};
-    mma16816(s[m], a, b0[t], b1[t]);
-  }
-}
-
-// One warp's walk over blocks blk0, blk0 + 4, ... < blk1 of row b, KV head kh; leaves its partials
-// like staged_path (red_m / red_l, then osm after a __syncthreads).
-template <int KG, int VPL>
-__device__ __forceinline__ void packed_path(const Params& p, int b, int kh, const Bounds& rb, int blk0, int blk1,
-                                            unsigned char* smem, const __half (*qsm)[kD + kPad],
-                                            const float (*q32)[kD], const __half (*q16lo)[kD],
-                                            uint8_t (*inv)[kMaxBoost], uint2 (*pbs)[8 * 32], float (*red_m)[kRows],
-                                            float (*red_l)[kRows]) {
-  using S = Stage<KG, VPL>;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int gq = lane >> 2, tg = lane & 3;
-  unsigned char* ring = smem + warp * kStages * S::kBytes;
-  const int hshift = p.nb == 16 ? 2 : 3;  // log2 of the high rows per lane group tg (nb / 4)
-  const int gshift = VPL == 1 ? 0 : p.v_group_shift - 5;  // value plane u -> scale group u >> gshift
-  // Byte offsets of this thread's words in a stage's swizzled tiles (word gq of a row): key channel
-  // 32 tg + 4 k + i at koff[i] + 128 k, high rank tg nb / 4 + 4 kk + i at hoff[i] + 128 kk, value
-  // token 8 tg + d + 32 t at voff[d] + 1024 t (the row's swizzle flips its low bits by tg).
-  int koff[4], hoff[4], voff[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    koff[i] = (32 * tg + (i ^ tg)) * 32 + 4 * gq;
-    hoff[i] = ((tg << hshift) + (i ^ tg)) * 32 + 4 * gq;
-  }
-#pragma unroll
-  for (int d = 0; d < 8; ++d) voff[d] = (8 * tg + (d ^ tg)) * 32 + 4 * gq;
-
-  constexpr int kG = VPL == 1 ? 1 : 4;  // value scale sets (planes) kept apart
-  float oacc[8][4], sp[kG][4], mb[kG][2];
-  float row_m[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.f, 0.f};
-#pragma unroll
-  for (int j = 0; j < 8; ++j) oacc[j][0] = oacc[j][1] = oacc[j][2] = oacc[j][3] = 0.f;
-#pragma unroll
-  for (int g = 0; g < kG; ++g) sp[g][0] = sp[g][1] = sp[g][2] = sp[g][3] = mb[g][0] = mb[g][1] = 0.f;
-
-  const CopyDst cd(lane);
-  const int first_blk = blk0 + warp;
-  const int n = first_blk < blk1 ? (blk1 - first_blk + 3) / 4 : 0;
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < n) issue_block<KG, VPL>(p, b, kh, first_blk + 4 * i, ring + i * S::kBytes, lane, hshift, cd);
-    cp_async_commit();
-  }
-  for (int i = 0; i < n; ++i) {
-    const int blk = first_blk + 4 * i;
-    if (i + kStages - 1 < n)
-      issue_block<KG, VPL>(p, b, kh, blk + 4 * (kStages - 1), ring + ((i + kStages - 1) % kStages) * S::kBytes, lane,
-                           hshift, cd);
-    cp_async_commit();
-    cp_async_wait<kStages - 1>();
-    __syncwarp();
-    const unsigned char* st = ring + (i % kStages) * S::kBytes;
-    const __half* ks = reinterpret_cast<const __half*>(st + S::kKs);
-    const __half* km = reinterpret_cast<const __half*>(st + S::kKm);
-
-    // ---- S^T = K Q'^T, the bias of each plane (sum_c Q m_c - 1024 4^-t sum_c Q'_c) by MMAs.
-    float s[8][4], cb[KG][4];
-#pragma unroll
-    for (int m = 0; m < 8; ++m) s[m][0] = s[m][1] = s[m][2] = s[m][3] = 0.f;
-#pragma unroll
-    for (int t = 0; t < KG; ++t) cb[t][0] = cb[t][1] = cb[t][2] = cb[t][3] = 0.f;
-    if (KG == 1) {  // Kitty: one scale per channel; the ranks' channels for the high rows
-      const uint32_t ranks = *reinterpret_cast<const uint32_t*>(st + S::kBoost + 4 * lane);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = (ranks >> (8 * e)) & 0xff;
-        if (r < p.nb) inv[warp][r] = static_cast<uint8_t>(4 * lane + e);
-      }
-    }
-    float off[4] = {0.f, 0.f, 0.f, 0.f};  // Kitty: sum_c Q'_c (the minimums' sum goes to cb[0])
-#pragma unroll 1
-    for (int k = 0; k < 8; ++k) {
-      const int c = 32 * tg + 4 * k;
-      const unsigned char* lk = st + S::kLow + 128 * k;
-      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(lk + koff[0]);
-      const uint32_t w1 = *reinterpret_cast<const uint32_t*>(lk + koff[1]);
-      const uint32_t w2 = *reinterpret_cast<const uint32_t*>(lk + koff[2]);
-      const uint32_t w3 = *reinterpret_cast<const uint32_t*>(lk + koff[3]);
-      // Q of query gq, channels c .. c + 3: FP32, and FP16 as hi + lo (the minimums' sum in two MMAs).
-      const float4 qv = *reinterpret_cast<const float4*>(&q32[gq][c]);
-      const uint2 qhi = *reinterpret_cast<const uint2*>(&qsm[gq][c]);
-      const uint2 qlo = *reinterpret_cast<const uint2*>(&q16lo[gq][c]);
-      uint32_t b0[4], b1[4];
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        if (KG == 1 && t > 0) {
-          b0[t] = b0[0];
-          b1[t] = b1[0];
-          continue;
-        }
-        const uint2 sv = *reinterpret_cast<const uint2*>(ks + t * kD + c);
-        const uint2 mv = *reinterpret_cast<const uint2*>(km + t * kD + c);
-        const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sv.x));
-        const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sv.y));
-        b0[t] = pack_half2(qv.x * s01.x, qv.y * s01.y);  // Q' = Q scale, rounded once
-        b1[t] = pack_half2(qv.z * s23.x, qv.w * s23.y);
-        const uint32_t am[4] = {mv.x, mv.x, mv.y, mv.y};
-        mma16816(cb[t], am, qhi.x, qhi.y);  // sum_c m_c Q_c
-        mma16816(cb[t], am, qlo.x, qlo.y);
-        if (KG == 1) {
-          const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
-          mma16816(off, ones, b0[t], b1[t]);
-        } else if (offset_plane(t)) {  // A = -1024 4^-t: the offset straight into this plane's bias
-          const uint32_t neg = 0xe400e400u - 0x08000800u * t;  // FP16 -1024, -256, -64, -16
-          const uint32_t an[4] = {neg, neg, neg, neg};
-          mma16816(cb[t], an, b0[t], b1[t]);
-        }
-      }
-      key_step(s, w0, w1, w2, w3, b0, b1);
-    }
-    if (KG == 1) {
-      __syncwarp();  // inv is written
-      const int per_tg = p.nb >> 2;
-#pragma unroll
-      for (int kk = 0; kk < kMaxBoost / 16; ++kk) {
-        if (kk * 16 >= p.nb) break;
-        const int r = tg * per_tg + 4 * kk;
-        float qh[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = inv[warp][r + e];
-          qh[e] = 4.f * q32[gq][c] * __half2float(ks[c]);
-        }
-        uint32_t b0[4], b1[4];
-        b0[0] = b0[1] = b0[2] = b0[3] = pack_half2(qh[0], qh[1]);
-        b1[0] = b1[1] = b1[2] = b1[3] = pack_half2(qh[2], qh[3]);
-        const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
-        mma16816(off, ones, b0[0], b1[0]);
-        const unsigned char* hk = st + S::kHigh + 128 * kk;
-        key_step(s, *reinterpret_cast<const uint32_t*>(hk + hoff[0]), *reinterpret_cast<const uint32_t*>(hk + hoff[1]),
-                 *reinterpret_cast<const uint32_t*>(hk + hoff[2]), *reinterpret_cast<const uint32_t*>(hk + hoff[3]),
-                 b0, b1);
-      }
-    }
-    // The bias of each plane's scores, per query 2 tg + (0, 1) (the accumulators' rows are equal).
-    float bias[4][2];
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        bias[t][e] = KG != 1 ? cb[KG == 1 ? 0 : t][e]
-                     : offset_plane(t) ? cb[0][e] - (1024.f / static_cast<float>(1 << (2 * t))) * off[e] : cb[0][e];
-
-    // ---- Scores (base 2), mask, online softmax over this thread's 16 tokens x queries 2 tg + (0, 1).
-    const int base = blk * kBlock;
-    const bool interior = base >= rb.lo && base + kBlock <= rb.hi;
-    // Uniform branches outside the element loops (inside them the compiler kept 32 copies of each).
-    if (p.softcap > 0.f) {
-      const float inv_cap = 1.f / p.softcap;
-#pragma unroll
-      for (int m = 0; m < 8; ++m)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x = fmaf(s[m][e], 1.f / static_cast<float>(1 << (m & ~1)), bias[m >> 1][e & 1]);
-          s[m][e] = p.softcap * tanhf(x * inv_cap) * kLog2e;
-        }
-    } else {
-#pragma unroll
-      for (int m = 0; m < 8; ++m)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[m][e] = fmaf(s[m][e], kLog2e / static_cast<float>(1 << (m & ~1)), bias[m >> 1][e & 1] * kLog2e);
-    }
-    if (!interior) {
-#pragma unroll
-      for (int m = 0; m < 8; ++m)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = base + 4 * gq + 2 * (m & 1) + (e >> 1) + 32 * (m >> 1);
-          if (j < rb.lo || j >= rb.hi) s[m][e] = -INFINITY;
-        }
-    }
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int m = 0; m < 8; ++m)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) mx[e & 1] = fmaxf(mx[e & 1], s[m][e]);
-    float alpha[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
-      const float m_new = fmaxf(row_m[e], mx[e]);
-      alpha[e] = m_new == -INFINITY ? 1.f : fast_exp2(row_m[e] - m_new);
-      row_m[e] = m_new;
-    }
-    float psum[2] = {0.f, 0.f};
-    const float mref[2] = {row_m[0] == -INFINITY ? 0.f : row_m[0], row_m[1] == -INFINITY ? 0.f : row_m[1]};
-#pragma unroll
-    for (int m = 0; m < 8; ++m)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pe = fast_exp2(s[m][e] - mref[e & 1]);  // a row of -inf: 2^-inf = 0
-        s[m][e] = pe;
-        psum[e & 1] += pe;
-      }
-#pragma unroll
-    for (int e = 0; e < 2; ++e) lsum[e] = lsum[e] * alpha[e] + psum[e];
-#pragma unroll
-    for (int g = 0; g < kG; ++g) {
-      mb[g][0] *= alpha[0];
-      mb[g][1] *= alpha[1];
-    }
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) oacc[j][e] *= alpha[e & 1];
-#pragma unroll
-      for (int g = 0; g < kG; ++g)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sp[g][e] *= alpha[e & 1];
-    }
-
-    // ---- O^T += V^T P'^T, per value scale set (Kitty: one; KIVI: per plane u, m-tiles 2u, 2u + 1).
-    const unsigned char* val = st + S::kVal;
-    const __half* vs = reinterpret_cast<const __half*>(st + S::kVs);
-    const __half* vm = reinterpret_cast<const __half*>(st + S::kVm);
-#pragma unroll
-    for (int g = 0; g < kG; ++g) {
-      const int grp = VPL == 1 ? 0 : g >> gshift;
-      uint2* pb = pbs[warp];  // [8 k-steps][32 lanes]: B fragments of P'^T, a rolled loop reads them
-#pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        float pv[4];
-        const int tok = 4 * gq + 2 * (m & 1) + 32 * (m >> 1);  // rows gq, gq + 8: tokens tok, tok + 1
-        float2 sc, mn;
-        if (VPL == 1) {  // one FP16 pair per row pair
-          sc = __half22float2(*reinterpret_cast<const __half2*>(vs + tok));
-          mn = __half22float2(*reinterpret_cast<const __half2*>(vm + tok));
-        } else {
-          sc = make_float2(__half2float(vs[tok * VPL + grp]), __half2float(vs[(tok + 1) * VPL + grp]));
-          mn = make_float2(__half2float(vm[tok * VPL + grp]), __half2float(vm[(tok + 1) * VPL + grp]));
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float se = e >> 1 ? sc.y : sc.x, me = e >> 1 ? mn.y : mn.x;
-          pv[e] = s[m][e] * se;
-          mb[g][e & 1] = fmaf(s[m][e], me, mb[g][e & 1]);
-        }
-        pb[m * 32 + lane] = make_uint2(movmatrix_trans(pack_half2(pv[0], pv[1])),
-                                       movmatrix_trans(pack_half2(pv[2], pv[3])));
-      }
-      __syncwarp();
-#pragma unroll 1
-      for (int t = 0; t < 4; ++t)  // rolled: the unrolled k-steps would not fit the instruction cache
-#pragma unroll
-      for (int hb = 0; hb < 2; ++hb) {
-        const int m = 2 * t + hb;
-        const uint2 pbm = pb[m * 32 + lane];
-        // tokens t0, t0 + 4 (k = 2 tg, 2 tg + 1), t0 + 1, t0 + 5 with t0 = 8 tg + 2 hb + 32 t
-        const unsigned char* vt = val + 1024 * t;
-        const int d0 = 2 * hb;
-        const uint32_t v0 = *reinterpret_cast<const uint32_t*>(vt + voff[d0]);
-        const uint32_t v1 = *reinterpret_cast<const uint32_t*>(vt + voff[d0 + 4]);
-        const uint32_t v2 = *reinterpret_cast<const uint32_t*>(vt + voff[d0 + 1]);
-        const uint32_t v3 = *reinterpret_cast<const uint32_t*>(vt + voff[d0 + 5]);
-        const uint32_t p01[2] = {prmt(v0, v1, 0x5410u), prmt(v0, v1, 0x7632u)};
-        const uint32_t p23[2] = {prmt(v2, v3, 0x5410u), prmt(v2, v3, 0x7632u)};
-        const uint32_t q01[2] = {p01[0] >> 8, p01[1] >> 8}, q23[2] = {p23[0] >> 8, p23[1] >> 8};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int u = j >> 1, jb = j & 1;
-          if (VPL != 1 && u != g) continue;
-          const uint32_t mask = 0x00030003u << (2 * u);
-          const uint32_t a[4] = {code4(p01[jb], mask), code4(q01[jb], mask), code4(p23[jb], mask),
-                                 code4(q23[jb], mask)};
-          mma16816(oacc[j], a, pbm.x, pbm.y);
-        }
-        if (VPL == 1 || offset_plane(g)) {
-          const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
-          mma16816(sp[g], ones, pbm.x, pbm.y);
-        }
-      }
-      __syncwarp();  // pb is read
-    }
-    __syncwarp();  // the stage and inv are read: the next copies may overwrite them
-  }
-  cp_async_wait<0>();
-
-  // ---- This warp's partials: sums over the 8 lanes gq of a query, then through shared memory.
-#pragma unroll
-  for (int e = 0; e < 2; ++e)
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      lsum[e] += __shfl_xor_sync(0xffffffffu, lsum[e], o);
-#pragma unroll
-      for (int g = 0; g < kG; ++g) mb[g][e] += __shfl_xor_sync(0xffffffffu, mb[g][e], o);
-    }
-  if (gq == 0) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      red_m[warp][2 * tg + e] = row_m[e];
-      red_l[warp][2 * tg + e] = lsum[e];
-    }
-  }
-  __syncthreads();  // every warp is done with its ring
-  float* osm = reinterpret_cast<float*>(smem);  // [4][kRows][D]
-  float wscale[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    float mm = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) mm = fmaxf(mm, red_m[w][2 * tg + e]);
-    wscale[e] = row_m[e] == -INFINITY ? 0.f : exp2f(row_m[e] - mm);
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int u = j >> 1, g = VPL == 1 ? 0 : u;
-    const float inv4 = 1.f / static_cast<float>(1 << (2 * u));
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int q = 2 * tg + (e & 1), c = 4 * gq + 2 * (j & 1) + (e >> 1) + 32 * u;
-      const float o = (offset_plane(u) ? oacc[j][e] - 1024.f * sp[g][e & 1] : oacc[j][e]) * inv4 + mb[g][e & 1];
-      osm[(warp * kRows + q) * kD + c] = o * wscale[e & 1];
-    }
-  }
-}
-
-}  // namespace packed
-
-// ---------------------------------------------------------------------------------------------
-// The integer-MMA path (Kitty pages, head_dim 128, <= 8 query heads per KV head): the packed path's
-// work with 8-bit integer MMAs (mma m16n8k32, s32 sums), so that one LOP3 turns a 32-bit word into
-// the 4 codes an operand register holds (the FP16 path: 2 codes, and an HSUB2 on planes 0 and 1).
-//
-// S = Q' K^T: A = Q' (row g: the high byte of query g's 16-bit Q', row g + 8: its low byte; both
-// s8), B = K^T codes (u8). Q' = Q * key scale in fixed point: x = round(Q' f), f = 32512 / max |Q'|
-// of the query over the page's channels, split as x = 256 hi + lo (hi, lo in [-128, 128)), so that
-// S = (256 S_hi + S_lo) / f (exact s32 sums). O = P' V likewise: A = P' = P * value scale in
-// unsigned 16-bit fixed point over the block's largest P', B = value codes.
-//
-// The operands come straight from the packed words: a lane's word g of four channel rows (keys) or
-// four token rows (values), bytes transposed by four PRMTs per pair, gives per byte b the four rows'
-// codes of plane t at bits 2t (the B fragment: 4 k-elements of one n). Plane t's codes enter as
-// code * 4^t (no shift; t = 3 as code * 16, one shift: Kitty's high bits of the boosted channels,
-// 4 h * 4^t, then fit a byte), undone in the float epilogue. The token (n) of S's column n of
-// n-tile (b, t) is 4 n + b + 32 t, so a lane's accumulators hold tokens 8 c + {0, 4} + b + 32 t:
-// the eight of plane t are the A fragment of P V's k-step t without any exchange between lanes
-// (FlashAttention-2's register reuse), and its B fragment reads the same tokens' value rows.
-namespace imma {
-
-using packed::CopyDst;
-using packed::issue_block;
-using packed::kD;
-using packed::kMaxBoost;
-using packed::kStages;
-using packed::prmt;
-using packed::Stage;
 
 constexpr float kMagic = 8388608.f;  // 2^23: the low 16 bits of y = 2^23 + v (0 <= v < 2^16) hold round(v)
 constexpr float kQRange = 32512.f;   // |x| <= 32512 (margin for the rounding of f)
@@ -1074,16 +647,16 @@ __device__ __forceinline__ uint32_t high_plane(uint32_t r, int t) {
   return t < 3 ? (r << 2) & (0x03030303u << (2 * t + 2)) : r & 0xc0c0c0c0u;
 }
 
-// One warp's walk over blocks blk0, blk0 + 4, ... < blk1 (as packed::packed_path, Kitty pages);
-// q4[g][c][j]: query g's channel 32 c + j in FP32 (rows padded: conflict-free 16-byte reads);
-// frag: per warp, a lane's A fragments of one block ([k-step][lane]).
-__device__ __forceinline__ void imma_path(const Params& p, int b, int kh, const Bounds& rb, int blk0, int blk1,
+// One warp's walk over blocks blk0, blk0 + 4, ... < blk1 of row b, KV head kh; leaves its partials
+// like staged_path (red_m / red_l, then osm after a __syncthreads). q4[g][c][j]: query g's channel
+// 32 c + j in FP32 (rows padded: conflict-free 16-byte reads); frag: per warp, a lane's A fragments
+// of one block ([k-step][lane]).
+__device__ __forceinline__ void packed_path(const Params& p, int b, int kh, const Bounds& rb, int blk0, int blk1,
                                           unsigned char* smem, const float (*q4)[4][36], uint8_t (*inv)[kMaxBoost],
                                           uint4 (*frag)[4][32], float (*red_m)[kRows], float (*red_l)[kRows]) {
-  using S = Stage<1, 1>;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
-  unsigned char* ring = smem + warp * kStages * S::kBytes;
+  unsigned char* ring = smem + warp * kStages * Stage::kBytes;
   const int hshift = p.nb == 16 ? 2 : 3;
   const bool two_high = p.nb == 32;
   // Byte offsets of this lane's words (word g of a row; rows swizzled as packed::CopyDst stores them):
@@ -1112,22 +685,22 @@ __device__ __forceinline__ void imma_path(const Params& p, int b, int kh, const 
   const int n = first_blk < blk1 ? (blk1 - first_blk + 3) / 4 : 0;
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
-    if (i < n) issue_block<1, 1>(p, b, kh, first_blk + 4 * i, ring + i * S::kBytes, lane, hshift, cd);
+    if (i < n) issue_block(p, b, kh, first_blk + 4 * i, ring + i * Stage::kBytes, lane, hshift, cd);
     cp_async_commit();
   }
   for (int i = 0; i < n; ++i) {
     const int blk = first_blk + 4 * i;
     if (i + kStages - 1 < n)
-      issue_block<1, 1>(p, b, kh, blk + 4 * (kStages - 1), ring + ((i + kStages - 1) % kStages) * S::kBytes, lane,
+      issue_block(p, b, kh, blk + 4 * (kStages - 1), ring + ((i + kStages - 1) % kStages) * Stage::kBytes, lane,
                         hshift, cd);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    const unsigned char* st = ring + (i % kStages) * S::kBytes;
-    const __half* ks = reinterpret_cast<const __half*>(st + S::kKs);
-    const __half* km = reinterpret_cast<const __half*>(st + S::kKm);
+    const unsigned char* st = ring + (i % kStages) * Stage::kBytes;
+    const __half* ks = reinterpret_cast<const __half*>(st + Stage::kKs);
+    const __half* km = reinterpret_cast<const __half*>(st + Stage::kKm);
     {  // the channel of each boosted rank
-      const uint32_t ranks = *reinterpret_cast<const uint32_t*>(st + S::kBoost + 4 * lane);
+      const uint32_t ranks = *reinterpret_cast<const uint32_t*>(st + Stage::kBoost + 4 * lane);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = (ranks >> (8 * e)) & 0xff;
@@ -1184,7 +757,7 @@ __device__ __forceinline__ void imma_path(const Params& p, int b, int kh, const 
 #pragma unroll 1
     for (int k = 0; k < 4; ++k) {
       const uint4 a = frag[warp][k][lane];
-      const unsigned char* lk = st + S::kLow + 256 * k;
+      const unsigned char* lk = st + Stage::kLow + 256 * k;
       uint32_t r0[4], r1[4];
       transpose4(r0, *reinterpret_cast<const uint32_t*>(lk + koff[0]), *reinterpret_cast<const uint32_t*>(lk + koff[1]),
                  *reinterpret_cast<const uint32_t*>(lk + koff[2]), *reinterpret_cast<const uint32_t*>(lk + koff[3]));
@@ -1210,7 +783,7 @@ __device__ __forceinline__ void imma_path(const Params& p, int b, int kh, const 
       split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
       const uint4 a = two_high ? make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, hi1 ^ 0x80808080u, lo1 ^ 0x80808080u)
                                : make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, 0u, 0u);
-      const unsigned char* hk = st + S::kHigh;
+      const unsigned char* hk = st + Stage::kHigh;
       uint32_t r0[4], r1[4];
       transpose4(r0, *reinterpret_cast<const uint32_t*>(hk + hoff[0]), *reinterpret_cast<const uint32_t*>(hk + hoff[1]),
                  *reinterpret_cast<const uint32_t*>(hk + hoff[2]), *reinterpret_cast<const uint32_t*>(hk + hoff[3]));
@@ -1302,8 +875,8 @@ __device__ __forceinline__ void imma_path(const Params& p, int b, int kh, const 
     // ---- P' = P * value scale in u16 fixed point (scale fp: the block's largest P'; P itself is
     // relative to the running max, often far below 1), as the A fragments of k-step t (tokens
     // 8 c + kTok + 32 t); the value minimums' sum.
-    const __half* vs = reinterpret_cast<const __half*>(st + S::kVs);
-    const __half* vm = reinterpret_cast<const __half*>(st + S::kVm);
+    const __half* vs = reinterpret_cast<const __half*>(st + Stage::kVs);
+    const __half* vm = reinterpret_cast<const __half*>(st + Stage::kVm);
     float pmax = 0.f;
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
@@ -1344,7 +917,7 @@ __device__ __forceinline__ void imma_path(const Params& p, int b, int kh, const 
 #pragma unroll 1
     for (int t = 0; t < 4; ++t) {
       const uint4 a = frag[warp][t][lane];
-      const unsigned char* vt = st + S::kVal + 1024 * t;
+      const unsigned char* vt = st + Stage::kVal + 1024 * t;
       uint32_t r0[4], r1[4];
       transpose4(r0, *reinterpret_cast<const uint32_t*>(vt + voff[0]), *reinterpret_cast<const uint32_t*>(vt + voff[4]),
                  *reinterpret_cast<const uint32_t*>(vt + voff[1]), *reinterpret_cast<const uint32_t*>(vt + voff[5]));
@@ -1393,7 +966,7 @@ __device__ __forceinline__ void imma_path(const Params& p, int b, int kh, const 
       for (int e = 0; e < 2; ++e) osm[(warp * kRows + g) * kD + 8 * c + 4 * e + bb + 32 * u] = (o[bb][u][e] + mb) * wscale;
 }
 
-}  // namespace imma
+}  // namespace packed
 
 template <int D>
 constexpr int min_ctas() { return D == 256 ? 1 : 3; }
@@ -1407,17 +980,11 @@ __device__ __forceinline__ int packed_end(const Params& p, const Bounds& r, int 
   return r.hi <= lim ? last : min(max(lim / kBlock, first), last);
 }
 
-// The paths a launch runs beside the staged one.
-enum Path { kStagedOnly = 0, kPackedF16 = 1, kPackedInt8 = 2 };
-
-// PATH != kStagedOnly: splits [0, gsplits) run the staged path over the blocks the packed path
-// leaves (those holding FP16 ring tokens, the tail block), splits [gsplits, splits) the packed path
-// (FP16 MMAs, or the integer-MMA path of Kitty pages).
-template <int D, int KG, int VPL, int PATH>
-__global__ void __launch_bounds__(kThreads, PATH != kStagedOnly ? 2 : min_ctas<D>()) units_kernel(Params p) {
-  constexpr bool PACKED = PATH != kStagedOnly;
-  static_assert(!PACKED || D == packed::kD, "the packed path is for head_dim 128");
-  static_assert(PATH != kPackedInt8 || (KG == 1 && VPL == 1), "the integer-MMA path reads Kitty pages");
+// PACKED (Kitty pages): splits [0, gsplits) run the staged path over the blocks the packed path
+// leaves (those holding FP16 ring tokens, the tail block), splits [gsplits, splits) the packed path.
+template <int D, int KG, int VPL, bool PACKED>
+__global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_kernel(Params p) {
+  static_assert(!PACKED || (D == packed::kD && KG == 1 && VPL == 1), "the packed path reads Kitty pages, head_dim 128");
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red_m[4][kRows], red_l[4][kRows];
   __shared__ __align__(16) __half qsm[kRows][D + kPad];   // the query rows, FP16 (rows >= G zero)
@@ -1434,7 +1001,7 @@ __global__ void __launch_bounds__(kThreads, PATH != kStagedOnly ? 2 : min_ctas<D
     }
   }
   const int first = max(rb.lo, 0) / kBlock, last = rb.hi > rb.lo ? (rb.hi + kBlock - 1) / kBlock : first;
-  if constexpr (PATH == kPackedInt8) {
+  if constexpr (PACKED) {
     __shared__ uint8_t inv[4][packed::kMaxBoost];     // per warp: the channel of each boosted rank
     __shared__ __align__(16) float q4[8][4][36];      // the query rows in FP32, 32-channel rows padded
     __shared__ uint4 frag[4][4][32];                  // per warp: a block's A fragments [k-step][lane]
@@ -1449,29 +1016,7 @@ __global__ void __launch_bounds__(kThreads, PATH != kStagedOnly ? 2 : min_ctas<D
       __syncthreads();  // q4, inv
       const int ns = p.splits - p.gsplits, per = (fend - first + ns - 1) / ns;
       const int blk0 = first + (split - p.gsplits) * per, blk1 = min(blk0 + per, fend);
-      imma::imma_path(p, b, kh, rb, blk0, blk1, smem, q4, inv, frag, red_m, red_l);
-    } else {
-      staged_path<D, KG, VPL>(p, b, kh, rb, fend, split, p.gsplits, smem, qsm, red_m, red_l);
-    }
-  } else if constexpr (PACKED) {
-    __shared__ uint8_t inv[4][packed::kMaxBoost];  // per warp: the channel of each boosted rank
-    __shared__ __align__(16) float q32[8][D];       // the query rows in FP32 (rows >= G zero)
-    __shared__ __align__(16) __half q16lo[8][D];    // and what FP16 leaves of them: q32 - qsm
-    __shared__ uint2 pbs[4][8 * 32];                 // per warp: one block's P'^T B fragments
-    const int fend = packed_end(p, rb, first, last);
-    if (split >= p.gsplits) {
-      if (tid < 4 * packed::kMaxBoost) inv[tid / packed::kMaxBoost][tid % packed::kMaxBoost] = 0;
-      const float* qrow = p.q + (static_cast<long>(b) * p.kvh + kh) * p.g * D;
-      for (int e = tid; e < 8 * D; e += kThreads) {
-        const int row = e / D, col = e % D;
-        const float x = row < p.g ? __ldg(qrow + row * D + col) : 0.f;
-        q32[row][col] = x;
-        q16lo[row][col] = __float2half_rn(x - __half2float(__float2half_rn(x)));
-      }
-      __syncthreads();  // qsm, inv
-      const int ns = p.splits - p.gsplits, per = (fend - first + ns - 1) / ns;
-      const int blk0 = first + (split - p.gsplits) * per, blk1 = min(blk0 + per, fend);
-      packed::packed_path<KG, VPL>(p, b, kh, rb, blk0, blk1, smem, qsm, q32, q16lo, inv, pbs, red_m, red_l);
+      packed::packed_path(p, b, kh, rb, blk0, blk1, smem, q4, inv, frag, red_m, red_l);
     } else {
       staged_path<D, KG, VPL>(p, b, kh, rb, fend, split, p.gsplits, smem, qsm, red_m, red_l);
     }
@@ -1516,39 +1061,33 @@ inline ffi::Error bad(const std::string& msg) {
 
 // Whether the packed path reads this layout (see the packed namespace's head).
 inline bool packed_reads(const Params& p, int64_t d) {
-  if (d != packed::kD || p.g > 8) return false;
-  if (p.kg == 1) return (p.nb == 16 || p.nb == 32) && p.vt == kBlock && p.v_group == d;
-  return p.nb == 0 && p.vt == 1 && (p.v_group == 32 || p.v_group == 64);
+  return d == packed::kD && p.g <= 8 && p.kg == 1 && (p.nb == 16 || p.nb == 32) && p.vt == kBlock && p.v_group == d;
 }
 
-template <int D, int KG, int VPL, int PATH>
+template <int D, int KG, int VPL, bool PACKED>
 cudaError_t launch_variant(cudaStream_t stream, const Params& p, int batch) {
   size_t smem = smem_bytes<D>();
-  if constexpr (PATH != kStagedOnly) smem = std::max(smem, packed::smem_bytes<KG, VPL>());
+  if constexpr (PACKED) smem = std::max(smem, packed::smem_bytes());
   static const cudaError_t attr = cudaFuncSetAttribute(
-      units_kernel<D, KG, VPL, PATH>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      units_kernel<D, KG, VPL, PACKED>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (attr != cudaSuccess) return attr;
-  return jaxlp::launch_kernel(units_kernel<D, KG, VPL, PATH>, dim3(p.splits, p.kvh, batch), dim3(kThreads), smem,
+  return jaxlp::launch_kernel(units_kernel<D, KG, VPL, PACKED>, dim3(p.splits, p.kvh, batch), dim3(kThreads), smem,
                               stream, 1, false, p);
 }
 
 // Kitty (one key scale per channel, one value scale per token) or KIVI-2 (key scales per 32-token
-// plane, value scales per channel group); the packed path where splits >= gsplits (head_dim 128),
-// with integer MMAs for Kitty pages if int8.
+// plane, value scales per channel group); the packed path where splits >= gsplits (Kitty pages,
+// head_dim 128).
 template <int D>
-cudaError_t launch(cudaStream_t stream, const Params& p, int batch, bool int8) {
+cudaError_t launch(cudaStream_t stream, const Params& p, int batch) {
   const bool one_value_scale = p.v_group == D;
   if constexpr (D == packed::kD) {
-    if (p.gsplits < p.splits) {
-      if (p.kg == 1 && int8) return launch_variant<D, 1, 1, kPackedInt8>(stream, p, batch);
-      if (p.kg == 1) return launch_variant<D, 1, 1, kPackedF16>(stream, p, batch);
-      return launch_variant<D, 4, 4, kPackedF16>(stream, p, batch);
-    }
+    if (p.gsplits < p.splits) return launch_variant<D, 1, 1, true>(stream, p, batch);
   }
-  if (p.kg == 1 && one_value_scale) return launch_variant<D, 1, 1, kStagedOnly>(stream, p, batch);
-  if (p.kg == 1) return launch_variant<D, 1, 4, kStagedOnly>(stream, p, batch);
-  if (one_value_scale) return launch_variant<D, 4, 1, kStagedOnly>(stream, p, batch);
-  return launch_variant<D, 4, 4, kStagedOnly>(stream, p, batch);
+  if (p.kg == 1 && one_value_scale) return launch_variant<D, 1, 1, false>(stream, p, batch);
+  if (p.kg == 1) return launch_variant<D, 1, 4, false>(stream, p, batch);
+  if (one_value_scale) return launch_variant<D, 4, 1, false>(stream, p, batch);
+  return launch_variant<D, 4, 4, false>(stream, p, batch);
 }
 
 ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> bounds,
@@ -1559,7 +1098,7 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                      ffi::Buffer<ffi::F16> sink_k, ffi::Buffer<ffi::F16> sink_v, ffi::Buffer<ffi::F16> new_k,
                      ffi::Buffer<ffi::F16> new_v, ffi::Result<ffi::Buffer<ffi::F32>> o,
                      ffi::Result<ffi::Buffer<ffi::F32>> m, ffi::Result<ffi::Buffer<ffi::F32>> l, int64_t nb, int64_t kg,
-                     int64_t vt, int64_t v_group, int64_t tail, int64_t gsplits, int64_t int8, float softcap) {
+                     int64_t vt, int64_t v_group, int64_t tail, int64_t gsplits, float softcap) {
   auto qd = q.dimensions();
   auto od = o->dimensions();
   auto kd = k_low.dimensions();
@@ -1631,16 +1170,15 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   p.softcap = softcap;
   p.gsplits = static_cast<int>(gsplits);
   if (gsplits < 0 || gsplits > p.splits) return bad("gsplits must be in [0, splits]");
-  if (int8 && p.kg != 1) return bad("the integer-MMA path reads Kitty pages only");
   if (gsplits < p.splits && !packed_reads(p, d))
     return bad("the packed path takes head_dim 128, at most 8 query heads per KV head, Kitty pages with 16 or 32 "
-               "boosted channels or KIVI-2 values in groups of 32 or 64 channels");
+               "boosted channels");
   if (batch == 0 || kvh == 0) return ffi::Error::Success();
   cudaError_t e;
   switch (d) {
-    case 64: e = launch<64>(stream, p, static_cast<int>(batch), int8 != 0); break;
-    case 128: e = launch<128>(stream, p, static_cast<int>(batch), int8 != 0); break;
-    case 256: e = launch<256>(stream, p, static_cast<int>(batch), int8 != 0); break;
+    case 64: e = launch<64>(stream, p, static_cast<int>(batch)); break;
+    case 128: e = launch<128>(stream, p, static_cast<int>(batch)); break;
+    case 256: e = launch<256>(stream, p, static_cast<int>(batch)); break;
     default: return bad("head_dim must be 64, 128 or 256, got " + std::to_string(d));
   }
   if (e != cudaSuccess)
@@ -1681,6 +1219,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Attr<int64_t>("v_group")
                                   .Attr<int64_t>("tail")
                                   .Attr<int64_t>("gsplits")
-                                  .Attr<int64_t>("int8")
                                   .Attr<float>("softcap"),
                               {ffi::Traits::kCmdBufferCompatible});

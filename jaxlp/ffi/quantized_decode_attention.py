@@ -23,20 +23,19 @@ to the row's last token, whose newest keys and values the kernel reads from the 
 they hold them (else their units, as the cache's reference view does), and one more block holds
 the FP16 sink and the new token.
 
-Design (``quantized_decode_attention.cu``), two paths in one launch, ``mma.sync`` m16n8k16
-flash-decoding (FP16 operands, FP32 accumulation and softmax) in both:
+Design (``quantized_decode_attention.cu``), two paths in one launch, both flash-decoding with
+``mma.sync`` (FP32 softmax):
 
-* packed (head_dim 128, <= 8 query heads per KV head, :func:`packed_reads`; ``packed=None`` picks
-  it for Kitty, :func:`packed_default`): each warp walks its own fully packed blocks, copied by
-  ``cp.async``, and feeds the 2-bit codes to the MMAs straight from the packed words (tokens on the
-  M side, the scales folded into Q and P, FP16 ``1024 + 4^t code`` operands whose offset comes off
-  in FP16 or in the FP32 sums);
-* staged (everything else, and a whole-cache call's blocks holding FP16 ring tokens or the sink):
-  one CTA unpacks each block into shared memory as FP16 (``code * scale + min`` by HFMA2; never to
-  global memory), copies the ring tokens over it, and reads it with ``ldmatrix``, the query heads as
-  the 16 rows.
-
-FP16 operands keep the output within about ``1e-3`` relative of the float32 reference. Splits
+* packed (Kitty pages, head_dim 128, <= 8 query heads per KV head, :func:`packed_reads`; taken
+  wherever it reads unless ``packed=False``): each warp walks its own fully packed blocks, copied
+  by ``cp.async``, and feeds the 2-bit codes straight from the packed words to 8-bit integer MMAs
+  (m16n8k32, exact int32 sums): ``Q * key scale`` and ``P * value scale`` as 16-bit fixed point
+  split into high and low bytes (the MMA's rows ``g`` and ``g + 8``), the codes as bytes, one LOP3
+  per 4 codes; about ``2e-4`` relative of the float32 reference;
+* staged (KIVI, other head dims, and a whole-cache call's blocks holding FP16 ring tokens or the
+  sink): one CTA unpacks each block into shared memory as FP16 (``code * scale + min`` by HFMA2;
+  never to global memory), copies the ring tokens over it, and reads it with ``ldmatrix``, FP16
+  m16n8k16 MMAs with the query heads as the 16 rows; within about ``1e-3`` of the reference. Splits
 along the sequence are merged in float32 by XLA (:func:`jaxlp.attention.reference.merge_splits`).
 
 The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
@@ -124,36 +123,10 @@ def default_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) -
 
 
 def packed_reads(lay: Layout, head_dim: int, group: int) -> bool:
-    """Whether the packed path (no shared-memory FP16 tile; the .cu file's ``packed`` namespace)
-    reads this layout: head_dim 128, at most 8 query heads per KV head, Kitty pages with 16 or 32
-    boosted channels, or KIVI-2 values in groups of 32 or 64 channels."""
-    if head_dim != 128 or group > 8:
-        return False
-    if lay.key_groups == 1:
-        return lay.n_boost in (16, 32)
-    return lay.value_group in (32, 64)
-
-
-def packed_default(lay: Layout, head_dim: int, group: int) -> bool:
-    """Whether ``packed=None`` takes the packed path: where it reads and measured faster, Kitty
-    pages (KIVI-2's four key and value scale sets per block cost it more than the staged path
-    spends: docs/perf.md, session 14)."""
-    return packed_reads(lay, head_dim, group) and lay.key_groups == 1
-
-
-MMAS = ("int8", "fp16")  # the packed path's matrix products (``mma=``)
-
-
-def packed_mma(lay: Layout, mma: str | None) -> str:
-    """The packed path's matrix products: ``"int8"`` (8-bit integer MMAs, Kitty pages: the
-    default there) or ``"fp16"`` (FP16 MMAs, Kitty and KIVI-2); ``None`` picks the default."""
-    if mma is None:
-        return "int8" if lay.key_groups == 1 else "fp16"
-    if mma not in MMAS:
-        raise ValueError(f"attend_units: unknown mma {mma!r}; expected one of {MMAS}")
-    if mma == "int8" and lay.key_groups != 1:
-        raise ValueError(f"attend_units: the int8 packed path reads Kitty pages only, not {lay}")
-    return mma
+    """Whether the packed path (no shared-memory FP16 tile, integer MMAs; the .cu file's ``packed``
+    namespace) reads this layout: head_dim 128, at most 8 query heads per KV head, Kitty pages with
+    16 or 32 boosted channels. ``packed=None`` takes it wherever it reads."""
+    return head_dim == 128 and group <= 8 and lay.key_groups == 1 and lay.n_boost in (16, 32)
 
 
 def packed_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) -> int:
@@ -165,13 +138,12 @@ def packed_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) ->
 
 
 def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float, softcap: float | None = None,
-                 splits: int | None = None, packed: bool | None = None, mma: str | None = None):
+                 splits: int | None = None, packed: bool | None = None):
     """Attention of ``q [B, H, D]`` over the quantized stream indices ``[lo, hi)`` of each row:
     ``(out [B, H, D] float32 normalized, m [B, H], l [B, H])`` (module doc). ``hi`` must not pass
     the quantized tokens of either store. ``packed``: the packed path (True; ValueError where
-    :func:`packed_reads` says no), the staged one (False), or :func:`packed_default` (None);
-    ``mma``: the packed path's matrix products (:func:`packed_mma`); ``splits``: the path's splits
-    along the sequence (default: one wave)."""
+    :func:`packed_reads` says no), the staged one (False), or the packed one where it reads (None);
+    ``splits``: the path's splits along the sequence (default: one wave)."""
     b, h, d = q.shape
     kvh = jax.tree.leaves(k_store)[0].shape[2]
     lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)
@@ -180,12 +152,11 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
     ring = jnp.zeros((b, 0, kvh, d), jnp.float16), jnp.zeros((b, 0), jnp.int32)
     new = jnp.zeros((b, kvh, d), jnp.float16)
     return _call(q, k_store, v_store, k_codec, v_codec, bounds, ring, ring, (ring[0], ring[0]), (new, new),
-                 tail=False, scale=scale, softcap=softcap, splits=splits, packed=packed, mma=mma)
+                 tail=False, scale=scale, softcap=softcap, splits=splits, packed=packed)
 
 
 def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, scale: float,
-                 softcap: float | None = None, splits: int | None = None, packed: bool | None = None,
-                 mma: str | None = None):
+                 softcap: float | None = None, splits: int | None = None, packed: bool | None = None):
     """One query per row ``q [B, H, D]`` over a whole quantized cache (module doc):
     ``bounds [B, 8]`` int32 per row: the stream range ``lo, hi`` (hi: the row's non-sink tokens),
     ``qk, qv`` (its quantized keys and values), the visible sink tokens ``[sink_lo, sink_hi)``,
@@ -199,7 +170,7 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     k_ring, v_ring = (_fp16(k_ring[0]), k_ring[1].astype(jnp.int32)), (_fp16(v_ring[0]), v_ring[1].astype(jnp.int32))
     return _call(q, k_store, v_store, k_codec, v_codec, bounds.astype(jnp.int32), k_ring, v_ring,
                  tuple(map(_fp16, sink)), tuple(map(_fp16, new)), tail=True, scale=scale, softcap=softcap,
-                 splits=splits, packed=packed, mma=mma)
+                 splits=splits, packed=packed)
 
 
 def _fp16(x):
@@ -211,7 +182,7 @@ def _fp16(x):
 
 
 def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, tail, scale, softcap, splits,
-          packed, mma):
+          packed):
     b, h, d = q.shape
     kleaves = jax.tree.leaves(k_store)
     kvh = kleaves[0].shape[2]
@@ -234,9 +205,7 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
     if packed and not packed_reads(lay, d, g):
         raise ValueError(f"attend_units: the packed path does not read {lay} at head_dim {d} with {g} query heads "
                          f"per KV head (packed_reads)")
-    int8 = False
-    if packed_default(lay, d, g) if packed is None else packed:  # the staged path: ring and tail blocks only
-        int8 = packed_mma(lay, mma) == "int8"
+    if packed_reads(lay, d, g) if packed is None else packed:  # the staged path: ring and tail blocks only
         general = GENERAL_SPLITS if tail else 0
         splits = general + (splits or packed_splits(b, kvh, k_low.shape[1]))
     else:
@@ -253,7 +222,6 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
     o, m, l = call(qg, bounds, k_low, k_high, k_boost, half(k_scale), half(k_min), v_codes, half(v_store.scale),
                    half(v_store.min), *k_ring, *v_ring, *sink, *new, nb=np.int64(lay.n_boost),
                    kg=np.int64(lay.key_groups), vt=np.int64(lay.value_tokens), v_group=np.int64(lay.value_group),
-                   tail=np.int64(tail), gsplits=np.int64(general), int8=np.int64(int8),
-                   softcap=np.float32(softcap or 0.0))
+                   tail=np.int64(tail), gsplits=np.int64(general), softcap=np.float32(softcap or 0.0))
     out, m_all, den = merge_splits(o, m, l)
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)
