@@ -22,6 +22,7 @@ Caches are filled through each format's own ``store`` with random keys and value
 zeros), 4096 positions per call; every layer gets a copy of the same layer state.
 
     python scripts/bench_kvcache.py --out docs/bench_kvcache_h100.json --plot docs/kvcache_capacity_h100.png
+    python scripts/bench_kvcache.py --replot docs/bench_kvcache_h100.json --plot capacity.png  # no GPU needed
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import sys
 import time
 from pathlib import Path
@@ -369,7 +371,13 @@ def main(argv=None):
                         "(';' between options)")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="measure nothing: the table and --plot of a saved --out file's rows")
     args = p.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        report(args, saved["rows"])
+        return saved
     parts = args.parts.split(",")
     rows = Rows(args.out, harness.run_metadata(argv))
     config = model_config(args.layers, args.tiny)
@@ -385,6 +393,12 @@ def main(argv=None):
     result = dict(rows.meta, rows=list(rows))
     if args.out:
         harness.write_json(args.out, result)
+    report(args, rows)
+    return result
+
+
+def report(args, rows):
+    """The capacity plot (``--plot``) and the table of ``rows``."""
     if args.plot and any(r["part"] == "capacity" for r in rows):
         cap = [r for r in rows if r["part"] == "capacity"]
         plt = harness.pyplot()
@@ -392,7 +406,7 @@ def main(argv=None):
         ax.bar([r["format"] for r in cap], [r["tokens_per_s"] for r in cap])
         for i, r in enumerate(cap):
             ax.text(i, r["tokens_per_s"], f"B={r['batch']}", ha="center", va="bottom", fontsize=8)
-        ax.set(ylabel="decode tokens/s", title=f"{args.budget_gb:g} GB of KV cache, {args.capacity_context} tokens, "
+        ax.set(ylabel="decode tokens/s", title=f"{cap[0]['budget_gb']:g} GB of KV cache, {cap[0]['context']} tokens, "
                                               f"{args.layers} Qwen3-8B layers")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
@@ -405,7 +419,6 @@ def main(argv=None):
                  "capacity": lambda: f"{r['tokens_per_s']:.0f} tok/s at B={r['batch']}",
                  "prefill": lambda: f"{r['seconds']:.2f} s, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_gb']:.1f} GB"}
         print(f"{r['part']:<10} {r['format']:<12} {r['batch']:>5} {r['context']:>8}   {value[r['part']]()}")
-    return result
 
 
 if __name__ == "__main__":
