@@ -269,3 +269,75 @@ def test_gpu_long_rows_in_one_split(packed):
     k, v = random_kv(13, b, n, kvh, d)
     q = np.random.default_rng(14).normal(size=(b, kvh * g, d)).astype(np.float32)
     check(kc, vc, q, k, v, [0, 3000], [n, n - 5], d**-0.5, splits=1, packed=packed)
+
+
+# --- The packed path's integer arithmetic, mirrored in NumPy (the .cu file's `packed` namespace) ---
+
+MAGIC, Q_RANGE, Q_OFFSET, P_RANGE = 2.0**23, 32512.0, 32896.0, 65280.0  # kMagic, kQRange, kQOffset, kPRange
+
+
+def fixed_bits(x, f, magic):
+    """``__float_as_uint(fmaf(x, f, magic))``: the float32 products are exact in float64, and so
+    is the sum (< 2^24), so one rounding to float32 is fmaf's."""
+    y = (np.float64(np.float32(x)) * np.float64(np.float32(f)) + magic).astype(np.float32)
+    return y.view(np.uint32)
+
+
+def prmt(a, b, sel):
+    """PTX ``prmt.b32`` (default mode) on uint32 arrays."""
+    src = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+    return sum(src[(sel >> (4 * i)) & 7].astype(np.uint32) << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
+
+
+def test_packed_fixed_point_q_splits_into_signed_bytes_without_overflow():
+    """Q' of a query (a page's channels, one outlier, one all-zero query): x = round(Q' f) with f =
+    32512 / max|Q'|, the low 16 bits of fmaf(Q', f, 2^23 + 32896) give hi, lo with x = 256 (hi -
+    128) + (lo - 128) and nothing carried past them."""
+    rng = np.random.default_rng(0)
+    for q in [rng.normal(size=128), rng.normal(size=128) * np.exp(rng.normal(size=128)),
+              np.r_[rng.normal(size=127), -4e3], np.r_[np.full(127, 1e-30), 7.0]]:
+        q = q.astype(np.float32)
+        amax = np.abs(q).max()
+        f = np.float32(Q_RANGE) / amax
+        bits = fixed_bits(q, f, MAGIC + Q_OFFSET)
+        assert (bits >> 16 == 0x4B00).all()
+        v = (bits & 0xFFFF).astype(np.int64)
+        hi, lo = (v >> 8) - 128, (v & 0xFF) - 128
+        assert (np.abs(hi) <= 128).all() and hi.max() <= 127 and lo.min() >= -128 and lo.max() <= 127
+        np.testing.assert_array_equal(256 * hi + lo, np.rint(np.float64(q) * np.float64(f)))
+    assert (fixed_bits(np.zeros(4, np.float32), 0.0, MAGIC + Q_OFFSET) & 0xFFFF == 0x8080).all()  # zero query
+
+
+def test_packed_fixed_point_p_is_unsigned_16_bit():
+    """P' = P * value scale over the block's largest: u = round(P' fp) in [0, 65280], fp = 65280 / max P'."""
+    rng = np.random.default_rng(1)
+    p = np.exp2(-rng.exponential(4.0, size=128)).astype(np.float32) * np.float32(2.0**-20)  # far below the running max
+    pv = (p * rng.uniform(0.01, 3.0, size=128).astype(np.float32)).astype(np.float32)
+    fp = np.float32(P_RANGE) / pv.max()
+    bits = fixed_bits(pv, fp, MAGIC)
+    assert (bits >> 16 == 0x4B00).all()
+    u = bits & 0xFFFF
+    assert u.max() == P_RANGE and u.min() >= 0
+    np.testing.assert_array_equal(u, np.rint(np.float64(pv) * np.float64(fp)))
+    # The s32 sums cannot overflow: 128 tokens of 255 * (3 * 64) in the high row, times 256.
+    assert 256 * 128 * 255 * 192 + 128 * 255 * 192 < 2**31
+    assert 256 * (128 + 32) * 128 * 192 + 160 * 128 * 192 < 2**31  # S: 128 + 32 boosted channels of |hi| <= 128
+
+
+def test_packed_operand_bytes_are_codes_of_four_rows():
+    """transpose4 + plane / high_plane: byte i of the B register (b, t) is row i's code of token
+    4 g + b + 32 t, times 4^t (plane 3: times 16; high bits h: 4 h times the same)."""
+    rng = np.random.default_rng(2)
+    words = rng.integers(0, 2**32, size=(4, 1000), dtype=np.uint64).astype(np.uint32)  # 4 rows' word g
+    t0, t1 = prmt(words[0], words[1], 0x5140), prmt(words[0], words[1], 0x7362)
+    t2, t3 = prmt(words[2], words[3], 0x5140), prmt(words[2], words[3], 0x7362)
+    r = [prmt(t0, t2, 0x5410), prmt(t0, t2, 0x7632), prmt(t1, t3, 0x5410), prmt(t1, t3, 0x7632)]
+    for b in range(4):
+        for t in range(4):
+            code = (words >> np.uint32(8 * b + 2 * t)) & 3  # [row, word]: byte b, plane t
+            low = r[b] & np.uint32(0x03030303 << 2 * t) if t < 3 else (r[b] >> np.uint32(2)) & np.uint32(0x30303030)
+            high = (r[b] << np.uint32(2)) & np.uint32(0x03030303 << (2 * t + 2)) if t < 3 else r[b] & np.uint32(0xC0C0C0C0)
+            weight = 4**t if t < 3 else 16
+            for i in range(4):
+                np.testing.assert_array_equal((low >> np.uint32(8 * i)) & 0xFF, code[i] * weight)
+                np.testing.assert_array_equal((high >> np.uint32(8 * i)) & 0xFF, 4 * code[i] * weight)
