@@ -2,12 +2,7 @@
 
 import os
 
-# Without a GPU the suite compiles hundreds of tiny XLA:CPU programs, and compiling is most of its
-# time: one codegen thread per program (the two pytest-xdist workers already fill the machine's
-# cores) saves a few percent. (LLVM at -O0 would save a third, but it changes XLA:CPU's rounding:
-# an FP8-activation sharding test then fails its bound.)
-_CPU_COMPILE_FLAGS = "" if os.path.exists("/dev/nvidia0") else " --xla_cpu_parallel_codegen_split_count=1"
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4" + _CPU_COMPILE_FLAGS)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
