@@ -87,7 +87,7 @@ struct Params {
   int v_units, vt, v_group;    // value units per row, tokens per value unit (128 or 1), channels per value scale
   int vt_shift, v_group_shift; // log2 of vt and v_group (both powers of two)
   int rk, rv, off, tail;        // ring slots, sink tokens, 1: the sink + new-token block after the stream
-  int gsplits;                 // splits of the staged path; the packed path takes the others (< splits)
+  int gsplits;                 // the last gsplits splits run the staged path, the others the packed one
   float softcap;               // <= 0: none
 };
 
@@ -275,24 +275,28 @@ __device__ __forceinline__ void store_key8(__half* kt, int c8, int tok, uint4 x)
 }
 
 // Token `tok`'s FP16 key and value (`ksrc`, `vsrc`: D channels in global memory, or null: left as
-// unpacked) into the tiles, loads issued two 16-byte pieces of each ahead of their stores.
+// unpacked) into the tiles: the value row by cp.async, the key through registers eight 16-byte
+// pieces at a time (its tile is channel-major), both in flight together; done on return.
 template <int D>
 __device__ __forceinline__ void copy_token(const __half* ksrc, const __half* vsrc, int tok, __half* kt, __half* vsm) {
-  constexpr int kVStride = D + kPad, kC8 = D / 8, kBatch = 2;
+  constexpr int kVStride = D + kPad, kC8 = D / 8, kBatch = 8;
+  if (vsrc) {
+    const uint32_t dst = smem_addr(vsm + tok * kVStride);
 #pragma unroll
-  for (int c0 = 0; c0 < kC8; c0 += kBatch) {
-    uint4 kx[kBatch], vx[kBatch];
+    for (int c = 0; c < kC8; ++c) cp_async16(dst + 16 * c, vsrc + 8 * c, 16u);
+    cp_async_commit();
+  }
+  if (ksrc) {
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      if (ksrc) kx[i] = __ldg(reinterpret_cast<const uint4*>(ksrc) + c0 + i);
-      if (vsrc) vx[i] = __ldg(reinterpret_cast<const uint4*>(vsrc) + c0 + i);
-    }
+    for (int c0 = 0; c0 < kC8; c0 += kBatch) {
+      uint4 kx[kBatch];
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      if (ksrc) store_key8<D>(kt, c0 + i, tok, kx[i]);
-      if (vsrc) *reinterpret_cast<uint4*>(vsm + tok * kVStride + (c0 + i) * 8) = vx[i];
+      for (int i = 0; i < kBatch; ++i) kx[i] = __ldg(reinterpret_cast<const uint4*>(ksrc) + c0 + i);
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) store_key8<D>(kt, c0 + i, tok, kx[i]);
     }
   }
+  cp_async_wait<0>();
 }
 
 // The FP16 tokens of block `blk` over its unpacked codes (see the file's head), one token per
@@ -628,6 +632,13 @@ __device__ __forceinline__ void transpose4(uint32_t (&r)[4], uint32_t w0, uint32
   r[3] = prmt(t1, t3, 0x7632u);
 }
 
+// transpose4 of the words at base + o0 .. base + o3 (a lane's word of four rows).
+__device__ __forceinline__ void load_transposed(uint32_t (&r)[4], const unsigned char* base, int o0, int o1, int o2,
+                                                int o3) {
+  transpose4(r, *reinterpret_cast<const uint32_t*>(base + o0), *reinterpret_cast<const uint32_t*>(base + o1),
+             *reinterpret_cast<const uint32_t*>(base + o2), *reinterpret_cast<const uint32_t*>(base + o3));
+}
+
 // The low and high bytes of the 16-bit numbers in the low halves of y0..y3 (float bits of 2^23 + v).
 __device__ __forceinline__ void split_bytes(uint32_t y0, uint32_t y1, uint32_t y2, uint32_t y3, uint32_t& hi,
                                             uint32_t& lo) {
@@ -759,11 +770,9 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
       const uint4 a = frag[warp][k][lane];
       const unsigned char* lk = st + Stage::kLow + 256 * k;
       uint32_t r0[4], r1[4];
-      transpose4(r0, *reinterpret_cast<const uint32_t*>(lk + koff[0]), *reinterpret_cast<const uint32_t*>(lk + koff[1]),
-                 *reinterpret_cast<const uint32_t*>(lk + koff[2]), *reinterpret_cast<const uint32_t*>(lk + koff[3]));
+      load_transposed(r0, lk, koff[0], koff[1], koff[2], koff[3]);
       lk += 128;
-      transpose4(r1, *reinterpret_cast<const uint32_t*>(lk + koff[0]), *reinterpret_cast<const uint32_t*>(lk + koff[1]),
-                 *reinterpret_cast<const uint32_t*>(lk + koff[2]), *reinterpret_cast<const uint32_t*>(lk + koff[3]));
+      load_transposed(r1, lk, koff[0], koff[1], koff[2], koff[3]);
 #pragma unroll
       for (int bb = 0; bb < 4; ++bb)
 #pragma unroll
@@ -785,12 +794,10 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
                                : make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, 0u, 0u);
       const unsigned char* hk = st + Stage::kHigh;
       uint32_t r0[4], r1[4];
-      transpose4(r0, *reinterpret_cast<const uint32_t*>(hk + hoff[0]), *reinterpret_cast<const uint32_t*>(hk + hoff[1]),
-                 *reinterpret_cast<const uint32_t*>(hk + hoff[2]), *reinterpret_cast<const uint32_t*>(hk + hoff[3]));
+      load_transposed(r0, hk, hoff[0], hoff[1], hoff[2], hoff[3]);
       if (two_high) {
         hk += 128;
-        transpose4(r1, *reinterpret_cast<const uint32_t*>(hk + hoff[0]), *reinterpret_cast<const uint32_t*>(hk + hoff[1]),
-                   *reinterpret_cast<const uint32_t*>(hk + hoff[2]), *reinterpret_cast<const uint32_t*>(hk + hoff[3]));
+        load_transposed(r1, hk, hoff[0], hoff[1], hoff[2], hoff[3]);
       } else {
         r1[0] = r1[1] = r1[2] = r1[3] = 0u;
       }
@@ -919,10 +926,8 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
       const uint4 a = frag[warp][t][lane];
       const unsigned char* vt = st + Stage::kVal + 1024 * t;
       uint32_t r0[4], r1[4];
-      transpose4(r0, *reinterpret_cast<const uint32_t*>(vt + voff[0]), *reinterpret_cast<const uint32_t*>(vt + voff[4]),
-                 *reinterpret_cast<const uint32_t*>(vt + voff[1]), *reinterpret_cast<const uint32_t*>(vt + voff[5]));
-      transpose4(r1, *reinterpret_cast<const uint32_t*>(vt + voff[2]), *reinterpret_cast<const uint32_t*>(vt + voff[6]),
-                 *reinterpret_cast<const uint32_t*>(vt + voff[3]), *reinterpret_cast<const uint32_t*>(vt + voff[7]));
+      load_transposed(r0, vt, voff[0], voff[4], voff[1], voff[5]);
+      load_transposed(r1, vt, voff[2], voff[6], voff[3], voff[7]);
 #pragma unroll
       for (int bb = 0; bb < 4; ++bb)
 #pragma unroll
@@ -980,50 +985,12 @@ __device__ __forceinline__ int packed_end(const Params& p, const Bounds& r, int 
   return r.hi <= lim ? last : min(max(lim / kBlock, first), last);
 }
 
-// PACKED (Kitty pages): splits [0, gsplits) run the staged path over the blocks the packed path
-// leaves (those holding FP16 ring tokens, the tail block), splits [gsplits, splits) the packed path.
-template <int D, int KG, int VPL, bool PACKED>
-__global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_kernel(Params p) {
-  static_assert(!PACKED || (D == packed::kD && KG == 1 && VPL == 1), "the packed path reads Kitty pages, head_dim 128");
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ float red_m[4][kRows], red_l[4][kRows];
-  __shared__ __align__(16) __half qsm[kRows][D + kPad];   // the query rows, FP16 (rows >= G zero)
+// A CTA's split to the outputs: the warps' partials (osm [4][kRows][D] over the dynamic shared
+// memory, red_m / red_l) summed to o, m (natural-log units), l at `split`.
+template <int D>
+__device__ __forceinline__ void write_split(const Params& p, int b, int kh, int split, const unsigned char* smem,
+                                            const float (*red_m)[kRows], const float (*red_l)[kRows]) {
   const int tid = threadIdx.x;
-  const int split = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
-  const Bounds rb = row_bounds(p, b);
-
-  // Q (times the softmax scale) to shared memory as FP16.
-  {
-    const float* qrow = p.q + (static_cast<long>(b) * p.kvh + kh) * p.g * D;
-    for (int e = tid; e < kRows * D; e += kThreads) {
-      const int row = e / D, col = e % D;
-      qsm[row][col] = __float2half_rn(row < p.g ? __ldg(qrow + row * D + col) : 0.f);
-    }
-  }
-  const int first = max(rb.lo, 0) / kBlock, last = rb.hi > rb.lo ? (rb.hi + kBlock - 1) / kBlock : first;
-  if constexpr (PACKED) {
-    __shared__ uint8_t inv[4][packed::kMaxBoost];     // per warp: the channel of each boosted rank
-    __shared__ __align__(16) float q4[8][4][36];      // the query rows in FP32, 32-channel rows padded
-    __shared__ uint4 frag[4][4][32];                  // per warp: a block's A fragments [k-step][lane]
-    const int fend = packed_end(p, rb, first, last);
-    if (split >= p.gsplits) {
-      if (tid < 4 * packed::kMaxBoost) inv[tid / packed::kMaxBoost][tid % packed::kMaxBoost] = 0;
-      const float* qrow = p.q + (static_cast<long>(b) * p.kvh + kh) * p.g * D;
-      for (int e = tid; e < 8 * D; e += kThreads) {
-        const int row = e / D, col = e % D;
-        q4[row][col >> 5][col & 31] = row < p.g ? __ldg(qrow + row * D + col) : 0.f;
-      }
-      __syncthreads();  // q4, inv
-      const int ns = p.splits - p.gsplits, per = (fend - first + ns - 1) / ns;
-      const int blk0 = first + (split - p.gsplits) * per, blk1 = min(blk0 + per, fend);
-      packed::packed_path(p, b, kh, rb, blk0, blk1, smem, q4, inv, frag, red_m, red_l);
-    } else {
-      staged_path<D, KG, VPL>(p, b, kh, rb, fend, split, p.gsplits, smem, qsm, red_m, red_l);
-    }
-  } else {
-    staged_path<D, KG, VPL>(p, b, kh, rb, first, split, p.splits, smem, qsm, red_m, red_l);
-  }
-  __syncthreads();
   const float* osm = reinterpret_cast<const float*>(smem);  // [4][kRows][D]
   const long out_row = ((static_cast<long>(b) * p.kvh + kh) * p.splits + split) * p.g;
   for (int e = tid; e < p.g * D; e += kThreads) {
@@ -1043,6 +1010,56 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
     p.m[out_row + tid] = mm == -INFINITY ? -INFINITY : mm / kLog2e;
     p.l[out_row + tid] = ll;
   }
+}
+
+// PACKED (Kitty pages): splits [0, ns = splits - gsplits) run the packed path, the last gsplits
+// splits the staged path over the blocks the packed path leaves (those holding FP16 ring tokens,
+// the tail block). (Running those inside the last packed CTAs instead measured slower at every
+// point, H100: 8 x 8K 58.9 us vs 39.3, 1 x 8K 27.2 vs 16.2.)
+template <int D, int KG, int VPL, bool PACKED>
+__global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_kernel(Params p) {
+  static_assert(!PACKED || (D == packed::kD && KG == 1 && VPL == 1), "the packed path reads Kitty pages, head_dim 128");
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ float red_m[4][kRows], red_l[4][kRows];
+  __shared__ __align__(16) __half qsm[kRows][D + kPad];   // the query rows, FP16 (rows >= G zero)
+  const int tid = threadIdx.x;
+  const int kh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;  // split-major: see launch_variant
+  const Bounds rb = row_bounds(p, b);
+
+  // Q (times the softmax scale) to shared memory as FP16.
+  {
+    const float* qrow = p.q + (static_cast<long>(b) * p.kvh + kh) * p.g * D;
+    for (int e = tid; e < kRows * D; e += kThreads) {
+      const int row = e / D, col = e % D;
+      qsm[row][col] = __float2half_rn(row < p.g ? __ldg(qrow + row * D + col) : 0.f);
+    }
+  }
+  const int first = max(rb.lo, 0) / kBlock, last = rb.hi > rb.lo ? (rb.hi + kBlock - 1) / kBlock : first;
+  if constexpr (PACKED) {
+    __shared__ uint8_t inv[4][packed::kMaxBoost];     // per warp: the channel of each boosted rank
+    __shared__ __align__(16) float q4[8][4][36];      // the query rows in FP32, 32-channel rows padded
+    __shared__ uint4 frag[4][4][32];                  // per warp: a block's A fragments [k-step][lane]
+    const int fend = packed_end(p, rb, first, last);
+    const int ns = p.splits - p.gsplits;  // packed splits first
+    if (split < ns) {
+      if (tid < 4 * packed::kMaxBoost) inv[tid / packed::kMaxBoost][tid % packed::kMaxBoost] = 0;
+      const float* qrow = p.q + (static_cast<long>(b) * p.kvh + kh) * p.g * D;
+      for (int e = tid; e < 8 * D; e += kThreads) {
+        const int row = e / D, col = e % D;
+        q4[row][col >> 5][col & 31] = row < p.g ? __ldg(qrow + row * D + col) : 0.f;
+      }
+      __syncthreads();  // q4, inv
+      const int per = (fend - first + ns - 1) / ns;
+      const int blk0 = first + split * per, blk1 = min(blk0 + per, fend);
+      packed::packed_path(p, b, kh, rb, blk0, blk1, smem, q4, inv, frag, red_m, red_l);
+    } else {
+      staged_path<D, KG, VPL>(p, b, kh, rb, fend, split - ns, p.gsplits, smem, qsm, red_m, red_l);
+    }
+  } else {
+    staged_path<D, KG, VPL>(p, b, kh, rb, first, split, p.splits, smem, qsm, red_m, red_l);
+  }
+  __syncthreads();
+  write_split<D>(p, b, kh, split, smem, red_m, red_l);
 }
 
 template <int D>
@@ -1071,12 +1088,15 @@ cudaError_t launch_variant(cudaStream_t stream, const Params& p, int batch) {
   static const cudaError_t attr = cudaFuncSetAttribute(
       units_kernel<D, KG, VPL, PACKED>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (attr != cudaSuccess) return attr;
-  return jaxlp::launch_kernel(units_kernel<D, KG, VPL, PACKED>, dim3(p.splits, p.kvh, batch), dim3(kThreads), smem,
+  // The grid split-major (blocks are dispatched in x, y, z order): every packed CTA (the first
+  // splits, sized to fill the GPU once) starts before the short staged CTAs, which then fill the
+  // slots the packed ones leave instead of pushing half of them into a second wave.
+  return jaxlp::launch_kernel(units_kernel<D, KG, VPL, PACKED>, dim3(p.kvh, batch, p.splits), dim3(kThreads), smem,
                               stream, 1, false, p);
 }
 
 // Kitty (one key scale per channel, one value scale per token) or KIVI-2 (key scales per 32-token
-// plane, value scales per channel group); the packed path where splits >= gsplits (Kitty pages,
+// plane, value scales per channel group); the packed path where gsplits < splits (Kitty pages,
 // head_dim 128).
 template <int D>
 cudaError_t launch(cudaStream_t stream, const Params& p, int batch) {
@@ -1170,6 +1190,7 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   p.softcap = softcap;
   p.gsplits = static_cast<int>(gsplits);
   if (gsplits < 0 || gsplits > p.splits) return bad("gsplits must be in [0, splits]");
+  if (batch > 65535 || p.splits > 65535) return bad("at most 65535 rows and 65535 splits (the grid's y and z)");
   if (gsplits < p.splits && !packed_reads(p, d))
     return bad("the packed path takes head_dim 128, at most 8 query heads per KV head, Kitty pages with 16 or 32 "
                "boosted channels");

@@ -264,10 +264,11 @@ class QuantizedLayerCache(LayerCache):
                              f"use attention='auto' or 'xla'")
         return self.attention
 
-    def _attend_one(self, q, k, v, p, *, scale, window, softcap):
+    def _attend_one(self, q, k, v, p, *, scale, window, softcap, cuda_options=None):
         """One query per row ``q [B, H, D]`` at position ``p [B]`` (new ``k, v [B, KVH, D]``), never
         building the dequantized cache. CUDA: one kernel reads everything (units, rings where they
-        hold a token, sink, new token; :func:`~jaxlp.ffi.quantized_decode_attention.attend_cache`).
+        hold a token, sink, new token; :func:`~jaxlp.ffi.quantized_decode_attention.attend_cache`,
+        given ``cuda_options`` as keywords).
         Pallas: the packed units that hold both keys and values go through the kernel; the sink,
         the window of at most ``max(ring)`` newer stream tokens (ring or units, as :meth:`dequantize`
         reads them) and the new token through XLA; the two softmax partials are merged. Float32 out."""
@@ -288,7 +289,7 @@ class QuantizedLayerCache(LayerCache):
             out, _, _ = cuda_attention.attend_cache(
                 q, self.k_store, self.v_store, self.k_spec.codec, self.v_spec.codec, bounds,
                 (self.k_ring, self.k_ring_pos), (self.v_ring, self.v_ring_pos), (self.sink_k, self.sink_v), (k, v),
-                scale=scale, softcap=softcap)
+                scale=scale, softcap=softcap, **(cuda_options or {}))
             return out
         parts = []
         if self.k_spec.units and self.v_spec.units:

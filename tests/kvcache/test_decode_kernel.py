@@ -237,6 +237,34 @@ def test_gpu_cuda_step_is_one_kernel_over_rings_sink_and_rewound_rows(name):
     assert text.count("jaxlp_quantized_decode_attention") == 1 and "dot_general" not in text
 
 
+@functools.partial(jax.jit, static_argnames=("window", "softcap", "options"))
+def _cuda_step(layer, q, k, v, positions, *, window, softcap, options):
+    return layer._attend_one(q[:, 0], k[:, 0], v[:, 0], positions, scale=0.125, window=window, softcap=softcap,
+                             cuda_options=dict(options))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ("kitty", "kitty-pro"))
+@pytest.mark.parametrize("batch, kvh", [(7, 2), (64, 4)], ids=["small-grid", "full-grid"])
+def test_gpu_cuda_step_packed_and_staged_paths_agree_with_the_reference(name, batch, kvh):
+    """The packed path with the ring, sink and new-token blocks in staged CTAs beside it, and the
+    staged path alone, at head_dim 128: a few CTAs, and a grid whose packed CTAs alone fill the GPU
+    (64 rows x 4 KV heads; the staged CTAs then queue behind them); rows ragged and rewound."""
+    rng = np.random.default_rng(batch)
+    stored = STORED if batch == 7 else list(rng.integers(1, 700, batch))
+    lengths = LENGTHS if batch == 7 else [int(n) - int(rng.integers(0, 2)) * int(rng.integers(0, n)) for n in stored]
+    layer = dataclasses.replace(filled_layer(name, stored, 720, h=4 * kvh, kvh=kvh, seed=batch, d=128),
+                                attention="cuda")
+    q, k, v = step_inputs(layer, 4 * kvh, batch)
+    p = jnp.asarray(lengths, jnp.int32)
+    for kw in (dict(window=None, softcap=None), dict(window=100, softcap=5.0)):
+        want = layer.reference_attend(q, k, v, p[:, None], scale=0.125, **kw)[0][:, 0]
+        for options in (dict(), dict(packed=True), dict(packed=False)):
+            got = _cuda_step(layer, q, k, v, p, options=tuple(options.items()), **kw)
+            assert_rows_close(got, want)
+
+
 def teacher_forced_logits(model, fmt, prompts, tokens):
     """Logits ``[B, T, V]`` of each decode step fed the given ``tokens [B, T]`` (no sampling), after
     the prompt call on prompts padded as :func:`jaxlp.generate` pads them, in a cache of its length."""
