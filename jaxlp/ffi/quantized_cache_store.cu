@@ -3,8 +3,8 @@
 // kernel replaces on one-token (decode) steps: one launch, no lax.cond, the cache updated in place
 // (every state buffer is an input aliased to an output).
 //
-// Grid (B, 2): one CTA of 256 threads per (row b, stream), stream 0 the keys, 1 the values; the
-// CTA owns its row's ring positions, so it handles every KV head (in turn). For the row's position
+// Grid (KVH, B, 2): one CTA of 256 threads per (KV head h, row b, stream), stream 0 the keys, 1 the
+// values; the CTA writes head h's part of the token and of a completed unit. For the row's position
 // p (skipped outside [0, max_len)):
 //   * p < off: the new token goes to the sink, slot p.
 //   * else j = p - off: if the stream's quantized count grows at this step (quantized(m) = 128 *
@@ -12,7 +12,10 @@
 //     from its 128 tokens j' = 128 u + t as the cache held them: the new token where j' = j, the
 //     FP16 ring where slot j' % R holds j', else the unit's old codes (a rewound row); then, if j
 //     stays in full precision (j >= quantized(j + 1)), the token goes to ring slot j % R. The ring
-//     is written after the encode has read it (the new token's slot held the unit's first token).
+//     is written after the encode has read it (the new token's slot held the unit's first token):
+//     each head's CTA writes its part after its own encode, and the slot's position, which every
+//     head's CTA reads, is written by the last of them to arrive (a counter per row and stream that
+//     wraps to 0 on its own; no CTA waits for another).
 //
 // Encoding (jaxlp.kvcache.kitty, asymmetric min-max of jaxlp.kvcache.quant, float32 math on the
 // FP16 tokens, its divisions as products with the float32 reciprocal):
@@ -215,7 +218,11 @@ __device__ void encode_values(const Params& p, size_t unit, const __half* tile) 
   }
 }
 
-// Copy one token [KVH, D] of FP16 (16-byte pieces).
+// Arrivals of a page-completing step's head CTAs per (row, stream): atomicInc wraps each back to 0
+// after the KVH-th, so it is 0 between launches.
+__device__ unsigned int g_arrivals[2 * 65536];
+
+// Copy n FP16 values (16-byte pieces): one head of a token.
 __device__ __forceinline__ void copy_token(__half* dst, const __half* src, int n) {
   for (int i = threadIdx.x; i < n / 8; i += kThreads)
     reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
@@ -223,37 +230,43 @@ __device__ __forceinline__ void copy_token(__half* dst, const __half* src, int n
 
 __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int b = blockIdx.x, which = blockIdx.y;
+  const int h = blockIdx.x, b = blockIdx.y, which = blockIdx.z;
   const Stream& s = p.s[which];
   const int pos = p.positions[b];
   if (pos < 0 || pos >= p.max_len) return;
   const int d = p.d, token = p.kvh * d;
-  const __half* x = s.x + static_cast<size_t>(b) * token;
+  const __half* x = s.x + static_cast<size_t>(b) * token + h * d;  // head h of the new token
   if (pos < p.off) {
-    copy_token(s.sink + (static_cast<size_t>(b) * p.off + pos) * token, x, token);
+    copy_token(s.sink + (static_cast<size_t>(b) * p.off + pos) * token + h * d, x, d);
     return;
   }
   const int j = pos - p.off;
   const int q0 = quantized(j, s.lag), q1 = quantized(j + 1, s.lag), u = q0 / kPage;
-  if (q1 > q0 && u < s.units) {
+  const bool encode = q1 > q0 && u < s.units, to_ring = s.r > 0 && j >= q1;
+  if (encode) {
     __half* tile = reinterpret_cast<__half*>(smem);
     float* scratch = reinterpret_cast<float*>(tile + kPage * (d + kPad));
-    for (int h = 0; h < p.kvh; ++h) {
-      const size_t unit = (static_cast<size_t>(b) * s.units + u) * p.kvh + h;
-      load_unit(p, s, which, b, h, u, j, tile);
-      __syncthreads();
-      if (which == 0)
-        encode_keys(p, unit, tile, scratch, scratch + d, scratch + 2 * d, reinterpret_cast<int*>(scratch + 3 * d),
-                    reinterpret_cast<int*>(scratch + 4 * d));
-      else
-        encode_values(p, unit, tile);
-      __syncthreads();  // the tile and scratch are reused by the next head
-    }
+    const size_t unit = (static_cast<size_t>(b) * s.units + u) * p.kvh + h;
+    load_unit(p, s, which, b, h, u, j, tile);
+    __syncthreads();  // every ring read of this head is done
+    if (which == 0)
+      encode_keys(p, unit, tile, scratch, scratch + d, scratch + 2 * d, reinterpret_cast<int*>(scratch + 3 * d),
+                  reinterpret_cast<int*>(scratch + 4 * d));
+    else
+      encode_values(p, unit, tile);
   }
-  if (s.r > 0 && j >= q1) {
+  if (to_ring) {
     const int slot = j % s.r;
-    copy_token(s.ring + (static_cast<size_t>(b) * s.r + slot) * token, x, token);
-    if (threadIdx.x == 0) s.ring_pos[static_cast<size_t>(b) * s.r + slot] = j;
+    copy_token(s.ring + (static_cast<size_t>(b) * s.r + slot) * token + h * d, x, d);
+    if (threadIdx.x == 0) {
+      bool last = h == 0;
+      if (encode) {  // the other heads' CTAs may still read the slot's position: the last one writes it
+        __threadfence();
+        last = atomicInc(&g_arrivals[2 * b + which], static_cast<unsigned>(p.kvh - 1)) ==
+               static_cast<unsigned>(p.kvh - 1);
+      }
+      if (last) s.ring_pos[static_cast<size_t>(b) * s.r + slot] = j;
+    }
   }
 }
 
@@ -335,12 +348,13 @@ ffi::Error StoreImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, ffi::
   p.kvh = static_cast<int>(kvh);
   p.d = static_cast<int>(d);
   p.nb = static_cast<int>(nb);
+  if (batch > 65535) return bad("at most 65535 rows (the grid's y), got " + std::to_string(batch));
   if (batch == 0 || kvh == 0) return ffi::Error::Success();
   const size_t smem = smem_bytes(p.d);
   static const cudaError_t attr = cudaFuncSetAttribute(store_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(smem_bytes(256)));
   if (attr != cudaSuccess) return bad(std::string("shared memory attribute: ") + cudaGetErrorString(attr));
-  store_kernel<<<dim3(static_cast<unsigned>(batch), 2), kThreads, smem, stream>>>(p);
+  store_kernel<<<dim3(static_cast<unsigned>(kvh), static_cast<unsigned>(batch), 2), kThreads, smem, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp quantized cache store launch: ") + cudaGetErrorString(e));
