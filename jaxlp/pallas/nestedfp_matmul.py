@@ -1,0 +1,257 @@
+"""NestedFP16 x FP16 matmul on Hopper (Pallas Mosaic GPU, WGMMA with the FP16 weight rebuilt in registers).
+
+Computes ``y[M, N] = x[M, K] @ merge(upper, lower).T`` with FP32 accumulation and the output in
+FP16, for a :class:`~jaxlp.formats.nestedfp.NestedFPArray` ``w`` of shape ``[N, K]`` (two uint8
+planes; :func:`jaxlp.formats.nestedfp.merge` rebuilds the FP16 weight exactly).
+
+Design (operands swapped, ``Y^T = W X^T``, as :mod:`jaxlp.pallas.nvfp4_matmul`): weight rows fill
+WGMMA's M (64 per instruction), tokens its N. Per K step, TMA brings both byte planes' tiles
+``[tile_n, tile_k]`` and the FP16 activations ``[tile_m, tile_k]`` into shared memory (a third
+warpgroup issues the copies, ``emit_pipeline_warp_specialized``); each of two consumer warpgroups
+loads its rows of both planes into registers, rebuilds the FP16 words there (:func:`merge_words`,
+integer ops on 16-bit lanes) and feeds them to WGMMA as the register A operand, the activations
+(K-major) as the shared-memory B operand. The FP16 weight never exists in memory.
+
+:func:`reference` is the pure-jnp definition (FP32 dot of the merged weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlp.formats.nestedfp import NestedFPArray, merge
+
+_WGMMA_ROWS = 64
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA can use
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tiling of :func:`nestedfp_matmul`.
+
+    tile_n: weight rows per consumer warpgroup (WGMMA M; 64, 128, 192 or 256).
+    tile_m: tokens per consumer warpgroup (WGMMA N; 8 to 256, a multiple of 8).
+    tile_k: K per pipeline step (64 or 128; the byte planes' rows are tile_k bytes).
+    stages: pipeline depth (shared-memory buffers per operand).
+    wg_split: ``"n"`` (the two consumer warpgroups take their own weight rows, the same tokens:
+        CTA tile ``tile_m x 2 tile_n``) or ``"m"`` (the same rows, their own tokens).
+    grid_minor, grid_tile_width: the persistent loop's order over output tiles (L2 reuse).
+    """
+
+    tile_n: int = 64
+    tile_m: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    wg_split: str = "n"
+    grid_minor: str = "m"
+    grid_tile_width: int = 8
+
+    def __post_init__(self):
+        if self.tile_n % _WGMMA_ROWS or not 64 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256, got {self.tile_n}")
+        if self.tile_m % 8 or not 8 <= self.tile_m <= 256:
+            raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
+        if self.tile_k not in (64, 128):
+            raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
+        if not 2 <= self.stages <= 8:
+            raise ValueError(f"stages must be in [2, 8], got {self.stages}")
+        if self.wg_split not in ("n", "m"):
+            raise ValueError(f"wg_split must be 'n' or 'm', got {self.wg_split!r}")
+        if self.grid_minor not in ("n", "m"):
+            raise ValueError(f"grid_minor must be 'n' or 'm', got {self.grid_minor!r}")
+        if self.grid_tile_width < 1:
+            raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
+
+    @property
+    def cta_tile_n(self) -> int:
+        return self.tile_n * (2 if self.wg_split == "n" else 1)
+
+    @property
+    def cta_tile_m(self) -> int:
+        return self.tile_m * (2 if self.wg_split == "m" else 1)
+
+    @property
+    def name(self) -> str:
+        return f"N{self.tile_n}M{self.tile_m}K{self.tile_k}S{self.stages}{self.wg_split}{self.grid_minor}{self.grid_tile_width}"
+
+    def smem_bytes(self) -> int:
+        """Shared memory: pipeline buffers (two byte planes, FP16 activations) plus the output tile."""
+        per_stage = 2 * self.cta_tile_n * self.tile_k + 2 * self.cta_tile_m * self.tile_k
+        return self.stages * per_stage + 2 * self.cta_tile_m * self.cta_tile_n
+
+
+def default_config(m: int) -> MatmulConfig:
+    """Tiles by M (not yet tuned on a GPU: the NVFP4 kernel's shapes)."""
+    if m <= 64:
+        return MatmulConfig(tile_n=64, tile_m=max(8, -(-m // 8) * 8), tile_k=128, stages=4)
+    if m <= 256:
+        return MatmulConfig(tile_n=64, tile_m=128, tile_k=64, stages=4)
+    return MatmulConfig(tile_n=64, tile_m=256, tile_k=64, stages=3)
+
+
+def merge_words(upper: jax.Array, lower: jax.Array) -> jax.Array:
+    """FP16 weights from the two byte planes with 16-bit integer ops only (the kernel's register
+    arithmetic; equal to :func:`jaxlp.formats.nestedfp.merge` on every byte pair):
+    ``e = ((u - (l >> 7)) >> 1) & 0x3F``, ``word = (((u & 0x80) | e) << 8) | l``.
+    ``u - (l >> 7)`` never borrows past bit 7 into the kept bits: the subtraction runs in 16 bits
+    and only bits 1-6 of it are kept."""
+    u = upper.astype(jnp.uint16)
+    low = lower.astype(jnp.uint16)
+    e = ((u - (low >> 7)) >> 1) & jnp.uint16(0x3F)
+    word = (((u & jnp.uint16(0x80)) | e) << 8) | low
+    return lax.bitcast_convert_type(word, jnp.float16)
+
+
+def reference(x: jax.Array, w: NestedFPArray) -> jax.Array:
+    """``x @ merge(w).T`` in FP32 arithmetic (HIGHEST precision), cast to FP16."""
+    wf = merge(w.upper, w.lower).astype(jnp.float32)
+    y = jnp.dot(x.astype(jnp.float32), wf.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(jnp.float16)
+
+
+def _check(x: jax.Array, w: NestedFPArray, cfg: MatmulConfig) -> None:
+    if not isinstance(w, NestedFPArray):
+        raise ValueError(f"nestedfp_matmul: w must be a NestedFPArray, got {type(w).__name__}")
+    if len(w.shape) != 2:
+        raise ValueError(f"nestedfp_matmul: w must be 2-D [N, K], got shape {w.shape}")
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError(f"nestedfp_matmul: x must be 2-D [M, K] with M >= 1, got shape {x.shape}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"nestedfp_matmul: K mismatch: x {x.shape} vs w {w.shape}")
+    if x.dtype != jnp.float16:
+        raise ValueError(f"nestedfp_matmul: x must be float16 (NestedFP's FP16 mode), got {x.dtype}")
+    if cfg.smem_bytes() > SMEM_LIMIT:
+        raise ValueError(f"nestedfp_matmul: config {cfg.name} needs {cfg.smem_bytes()} bytes of shared memory "
+                         f"(> {SMEM_LIMIT}): fewer stages or smaller tiles")
+
+
+def _round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+def padded_shape(config: MatmulConfig, m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(M', N', K'): the shape the kernel runs (multiples of the CTA tile and of tile_k)."""
+    return _round_up(m, config.cta_tile_m), _round_up(n, config.cta_tile_n), _round_up(k, config.tile_k)
+
+
+def _num_sms() -> int:
+    dev = jax.devices()[0]
+    return getattr(dev, "core_count", None) or 132
+
+
+def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int, interpret):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m, k = x.shape
+    n = upper.shape[0]
+    cfg = config
+    tn, tm, tk = cfg.tile_n, cfg.tile_m, cfg.tile_k
+    ctn, ctm = cfg.cta_tile_n, cfg.cta_tile_m
+    m_iters, n_iters, k_iters = m // ctm, n // ctn, k // tk
+
+    w_swizzle = plgpu.find_swizzle(tk * 8, "weight bytes")
+    x_swizzle = plgpu.find_swizzle(tk * 16, "activations")
+    out_swizzle = plgpu.find_swizzle(tn * 16, "output")
+    w_transforms = (plgpu.TilingTransform((8, w_swizzle)), plgpu.SwizzleTransform(w_swizzle))
+    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
+    split_n = cfg.wg_split == "n"
+    grid_minor = 1 if cfg.grid_minor == "n" else 0
+
+    def kernel(u_gmem, l_gmem, x_gmem, y_gmem, out_smem):
+        def get_pipeline(body, compute_context):
+            plane = plgpu.BlockSpec((ctn, tk), lambda kk: (0, kk), transforms=w_transforms,
+                                    memory_space=plgpu.SMEM)
+            return plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(k_iters,),
+                memory_registers=40,
+                in_specs=[plane, plane,
+                          plgpu.BlockSpec((ctm, tk), lambda kk: (0, kk), transforms=x_transforms,
+                                          memory_space=plgpu.SMEM)],
+                wg_axis="wg",
+                num_compute_wgs=2,
+                max_concurrent_steps=cfg.stages,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(pl.run_scoped, allocs=get_pipeline(ignore, ignore).get_allocations(u_gmem, l_gmem, x_gmem),
+                           collective_axes="wg")
+        def _scope(allocs):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            def _tiles(info):
+                (lin,) = info.index
+                mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), grid_minor, cfg.grid_tile_width)
+                cta_m = pl.ds(mi * ctm, ctm)
+                cta_n = pl.ds(ni * ctn, ctn)
+                wg_n = pl.ds(wg * tn, tn) if split_n else pl.ds(0, tn)
+                wg_m = pl.ds(0, tm) if split_n else pl.ds(wg * tm, tm)
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
+                    def _acc(acc_ref):
+                        eval_pipeline(acc_ref)
+                        y = acc_ref[...].astype(jnp.float16)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem.at[wg].T[...] = y
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg], y_gmem.at[cta_m, cta_n].at[wg_m, wg_n])
+
+                def mma_body(_, u_smem, l_smem, x_smem, acc_ref):
+                    w16 = merge_words(u_smem.at[wg_n][...], l_smem.at[wg_n][...])
+                    plgpu.wgmma(acc_ref, w16, x_smem.at[wg_m].T)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                get_pipeline(mma_body, compute_context)(
+                    u_gmem.at[cta_n, :], l_gmem.at[cta_n, :], x_gmem.at[cta_m, :], allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    f = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m, n), jnp.float16),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=dict(out_smem=plgpu.SMEM((2, tm, tn), jnp.float16, transforms=out_transforms)),
+        interpret=interpret,
+    )
+    return f(upper, lower, x)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_sms", "interpret"))
+def nestedfp_matmul(x: jax.Array, w: NestedFPArray, *, config: MatmulConfig | None = None,
+                    num_sms: int | None = None, interpret=None) -> jax.Array:
+    """``x [M, K] @ merge(w).T`` on Hopper tensor cores: FP16 in and out, FP32 sums, one rounding.
+
+    Any M, N, K: each is padded to the CTA tile (and K to tile_k) where it is not a multiple of it
+    (a copy of the weight planes per call where N or K is; pick tiles that divide the shape).
+    config: tiling (default :func:`default_config` of M); num_sms: persistent CTAs (default: the
+    device's SM count); interpret: Pallas' GPU interpret mode (``True`` or
+    ``plgpu.InterpretGPUParams``; on a CPU for tests)."""
+    cfg = config or default_config(x.shape[0] if x.ndim == 2 else 0)
+    _check(x, w, cfg)
+    m, k = x.shape
+    n = w.shape[0]
+    m_pad, n_pad, k_pad = padded_shape(cfg, m, n, k)
+    upper, lower = w.upper, w.lower
+    if (n_pad, k_pad) != (n, k):  # zero bytes merge to +0.0
+        upper = jnp.pad(upper, ((0, n_pad - n), (0, k_pad - k)))
+        lower = jnp.pad(lower, ((0, n_pad - n), (0, k_pad - k)))
+    xp = x if (m_pad, k_pad) == (m, k) else jnp.pad(x, ((0, m_pad - m), (0, k_pad - k)))
+    y = _kernel_call(upper, lower, xp, config=cfg, num_sms=num_sms or (1 if interpret else _num_sms()),
+                     interpret=interpret)
+    return y if y.shape == (m, n) else y[:m, :n]

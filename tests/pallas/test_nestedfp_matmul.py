@@ -1,0 +1,72 @@
+"""The Pallas NestedFP16 matmul: its register arithmetic (:func:`merge_words`) exhaustively against
+the format's merge, its checks on the CPU; on a GPU the kernel against float64 NumPy of the merged
+FP16 weights (skipped without a CUDA GPU: Pallas' GPU interpreter does not take a register WGMMA
+operand)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlp.formats import nestedfp
+from jaxlp.pallas import nestedfp_matmul as nm
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+def test_merge_words_rebuilds_every_byte_pair_as_the_format_does():
+    u, low = np.meshgrid(np.arange(256, dtype=np.uint8), np.arange(256, dtype=np.uint8), indexing="ij")
+    got = np.asarray(nm.merge_words(jnp.asarray(u), jnp.asarray(low))).view(np.uint16)
+    want = np.asarray(nestedfp.merge(jnp.asarray(u), jnp.asarray(low))).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_config_and_operands_are_checked():
+    with pytest.raises(ValueError, match="tile_n"):
+        nm.MatmulConfig(tile_n=96)
+    with pytest.raises(ValueError, match="tile_m"):
+        nm.MatmulConfig(tile_m=12)
+    with pytest.raises(ValueError, match="tile_k"):
+        nm.MatmulConfig(tile_k=32)
+    with pytest.raises(ValueError, match="shared memory"):
+        nm._check(jnp.zeros((8, 64), jnp.float16), nestedfp.quantize(jnp.zeros((64, 64))),
+                  nm.MatmulConfig(tile_n=256, tile_m=256, tile_k=128, stages=8))
+    w = nestedfp.quantize(jnp.zeros((64, 128)))
+    with pytest.raises(ValueError, match="float16"):
+        nm.nestedfp_matmul(jnp.zeros((8, 128), jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="K mismatch"):
+        nm.nestedfp_matmul(jnp.zeros((8, 64), jnp.float16), w)
+    with pytest.raises(ValueError, match="NestedFPArray"):
+        nm.nestedfp_matmul(jnp.zeros((8, 128), jnp.float16), jnp.zeros((64, 128), jnp.float16))
+    assert nm.padded_shape(nm.MatmulConfig(tile_n=64, tile_m=16, tile_k=128), 20, 200, 300) == (32, 256, 384)
+
+
+def weights(rng, n, k):
+    """FP16 weights over NestedFP's range: random, +-1.75, subnormals, zero rows."""
+    w = rng.uniform(-1.75, 1.75, (n, k)).astype(np.float16)
+    w[0, :] = 1.75
+    w[1, :] = -1.75
+    w[2, : k // 2] = np.float16(2.0**-20)  # FP16 subnormals
+    w[3, :] = 0
+    return w
+
+
+@pytest.mark.parametrize("m, n, k, config", [
+    (1, 256, 512, None), (8, 320, 640, None), (33, 4096, 1024, None), (256, 1024, 4096, None),
+    (300, 640, 4160, nm.MatmulConfig(tile_n=64, tile_m=64, tile_k=64, stages=3, wg_split="m")),
+    (2048, 4096, 4096, None)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_matches_float64_of_the_merged_weights(m, n, k, config):
+    rng = np.random.default_rng(m + n + k)
+    w16 = weights(rng, n, k)
+    w = nestedfp.quantize(jnp.asarray(w16))
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    if m > 1:
+        x[-1] = 0  # an all-zero row
+    y = np.asarray(nm.nestedfp_matmul(jnp.asarray(x), w, config=config), np.float64)
+    want = x.astype(np.float64) @ w16.astype(np.float64).T
+    assert y.shape == (m, n) and np.isfinite(y).all()
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) <= 1e-3
+    if m > 1:
+        np.testing.assert_array_equal(y[-1], 0.0)

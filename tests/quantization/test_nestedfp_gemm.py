@@ -1,0 +1,54 @@
+"""NestedFP's FP16 mode through the Pallas GEMM (``implementation="nestedfp_pallas"``): what it
+takes and refuses on the CPU; on a GPU the layer's product against float64 of the merged weights
+(the kernel itself: tests/pallas/test_nestedfp_matmul.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlp.formats import fp8, nestedfp
+from jaxlp.quantization import QuantizedLinear, nestedfp_gemm
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def layer(w, mode="fp16", implementation="nestedfp_pallas", **kw):
+    return QuantizedLinear(nestedfp.quantize(jnp.asarray(w, jnp.float16)), mode=mode, implementation=implementation,
+                           **kw)
+
+
+def test_why_not_names_what_it_does_not_compute():
+    rng = np.random.default_rng(0)
+    w = rng.uniform(-1, 1, (64, 128))
+    x = jnp.ones((4, 128), jnp.float16)
+    assert "mode 'fp8'" in nestedfp_gemm.why_not(layer(w, "fp8"), x)
+    assert "float16 activations" in nestedfp_gemm.why_not(layer(w), x.astype(jnp.bfloat16))
+    assert "no tokens" in nestedfp_gemm.why_not(layer(w), jnp.ones((0, 128), jnp.float16))
+    w8 = QuantizedLinear(fp8.quantize(jnp.asarray(w, jnp.float32)), implementation="nestedfp_pallas")
+    assert "format" in nestedfp_gemm.why_not(w8, x)
+    if not ON_GPU:
+        assert "needs a GPU" in nestedfp_gemm.why_not(layer(w), x)
+        with pytest.raises(ValueError, match="needs a GPU"):
+            layer(w)(x)
+
+
+def test_auto_never_reaches_it_before_xla_native():
+    from jaxlp.quantization.linear import KERNELS
+
+    names = list(KERNELS)
+    assert names.index("nestedfp_pallas") > names.index("xla_native")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lead", [(1,), (2, 40), (300,)])
+def test_gpu_layer_matches_float64(lead):
+    rng = np.random.default_rng(len(lead))
+    w = rng.uniform(-1.75, 1.75, (320, 512)).astype(np.float16)
+    lay = layer(w, out_scale=0.5)
+    x = rng.standard_normal(lead + (512,)).astype(np.float16)
+    y = np.asarray(lay(jnp.asarray(x)), np.float64)
+    want = 0.5 * (x.astype(np.float64) @ w.astype(np.float64).T)
+    assert y.shape == lead + (320,)
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) <= 1e-3
