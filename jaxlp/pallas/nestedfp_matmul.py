@@ -25,59 +25,22 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlp.formats.nestedfp import NestedFPArray, merge
-
-_WGMMA_ROWS = 64
-SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA can use
+from jaxlp.pallas import wgmma_tiles
+from jaxlp.pallas.wgmma_tiles import SMEM_LIMIT, Tiles, round_up
 
 
 @dataclasses.dataclass(frozen=True)
-class MatmulConfig:
-    """Tiling of :func:`nestedfp_matmul`.
-
-    tile_n: weight rows per consumer warpgroup (WGMMA M; 64, 128, 192 or 256).
-    tile_m: tokens per consumer warpgroup (WGMMA N; 8 to 256, a multiple of 8).
-    tile_k: K per pipeline step (64 or 128; the byte planes' rows are tile_k bytes).
-    stages: pipeline depth (shared-memory buffers per operand).
-    wg_split: ``"n"`` (the two consumer warpgroups take their own weight rows, the same tokens:
-        CTA tile ``tile_m x 2 tile_n``) or ``"m"`` (the same rows, their own tokens).
-    grid_minor, grid_tile_width: the persistent loop's order over output tiles (L2 reuse).
-    """
-
-    tile_n: int = 64
-    tile_m: int = 128
-    tile_k: int = 64
-    stages: int = 4
-    wg_split: str = "n"
-    grid_minor: str = "m"
-    grid_tile_width: int = 8
+class MatmulConfig(Tiles):
+    """Tiling of :func:`nestedfp_matmul` (:class:`~jaxlp.pallas.wgmma_tiles.Tiles`), here with
+    tile_m a multiple of 8 in [8, 256] and tile_k 64 or 128 (the byte planes' rows are tile_k
+    bytes)."""
 
     def __post_init__(self):
-        if self.tile_n % _WGMMA_ROWS or not 64 <= self.tile_n <= 256:
-            raise ValueError(f"tile_n must be 64, 128, 192 or 256, got {self.tile_n}")
+        super().__post_init__()
         if self.tile_m % 8 or not 8 <= self.tile_m <= 256:
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
         if self.tile_k not in (64, 128):
             raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
-        if not 2 <= self.stages <= 8:
-            raise ValueError(f"stages must be in [2, 8], got {self.stages}")
-        if self.wg_split not in ("n", "m"):
-            raise ValueError(f"wg_split must be 'n' or 'm', got {self.wg_split!r}")
-        if self.grid_minor not in ("n", "m"):
-            raise ValueError(f"grid_minor must be 'n' or 'm', got {self.grid_minor!r}")
-        if self.grid_tile_width < 1:
-            raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
-
-    @property
-    def cta_tile_n(self) -> int:
-        return self.tile_n * (2 if self.wg_split == "n" else 1)
-
-    @property
-    def cta_tile_m(self) -> int:
-        return self.tile_m * (2 if self.wg_split == "m" else 1)
-
-    @property
-    def name(self) -> str:
-        return f"N{self.tile_n}M{self.tile_m}K{self.tile_k}S{self.stages}{self.wg_split}{self.grid_minor}{self.grid_tile_width}"
 
     def smem_bytes(self) -> int:
         """Shared memory: pipeline buffers (two byte planes, FP16 activations) plus the output tile."""
@@ -130,21 +93,12 @@ def _check(x: jax.Array, w: NestedFPArray, cfg: MatmulConfig) -> None:
                          f"(> {SMEM_LIMIT}): fewer stages or smaller tiles")
 
 
-def _round_up(v: int, m: int) -> int:
-    return -(-v // m) * m
-
-
 def padded_shape(config: MatmulConfig, m: int, n: int, k: int) -> tuple[int, int, int]:
     """(M', N', K'): the shape the kernel runs (multiples of the CTA tile and of tile_k)."""
-    return _round_up(m, config.cta_tile_m), _round_up(n, config.cta_tile_n), _round_up(k, config.tile_k)
+    return round_up(m, config.cta_tile_m), round_up(n, config.cta_tile_n), round_up(k, config.tile_k)
 
 
-def _num_sms() -> int:
-    dev = jax.devices()[0]
-    return getattr(dev, "core_count", None) or 132
-
-
-def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int, interpret):
+def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -227,21 +181,19 @@ def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int, interpr
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((2, tm, tn), jnp.float16, transforms=out_transforms)),
-        interpret=interpret,
     )
     return f(upper, lower, x)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_sms", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "num_sms"))
 def nestedfp_matmul(x: jax.Array, w: NestedFPArray, *, config: MatmulConfig | None = None,
-                    num_sms: int | None = None, interpret=None) -> jax.Array:
+                    num_sms: int | None = None) -> jax.Array:
     """``x [M, K] @ merge(w).T`` on Hopper tensor cores: FP16 in and out, FP32 sums, one rounding.
 
     Any M, N, K: each is padded to the CTA tile (and K to tile_k) where it is not a multiple of it
     (a copy of the weight planes per call where N or K is; pick tiles that divide the shape).
     config: tiling (default :func:`default_config` of M); num_sms: persistent CTAs (default: the
-    device's SM count); interpret: Pallas' GPU interpret mode (``True`` or
-    ``plgpu.InterpretGPUParams``; on a CPU for tests)."""
+    device's SM count). GPU only: Pallas' GPU interpreter does not take a register WGMMA operand."""
     cfg = config or default_config(x.shape[0] if x.ndim == 2 else 0)
     _check(x, w, cfg)
     m, k = x.shape
@@ -252,6 +204,5 @@ def nestedfp_matmul(x: jax.Array, w: NestedFPArray, *, config: MatmulConfig | No
         upper = jnp.pad(upper, ((0, n_pad - n), (0, k_pad - k)))
         lower = jnp.pad(lower, ((0, n_pad - n), (0, k_pad - k)))
     xp = x if (m_pad, k_pad) == (m, k) else jnp.pad(x, ((0, m_pad - m), (0, k_pad - k)))
-    y = _kernel_call(upper, lower, xp, config=cfg, num_sms=num_sms or (1 if interpret else _num_sms()),
-                     interpret=interpret)
+    y = _kernel_call(upper, lower, xp, config=cfg, num_sms=num_sms or wgmma_tiles.num_sms())
     return y if y.shape == (m, n) else y[:m, :n]

@@ -44,72 +44,40 @@ import numpy as np
 from jax import lax
 
 from jaxlp.formats.nvfp4 import BLOCK_SIZE, NVFP4Array
+from jaxlp.pallas.wgmma_tiles import SMEM_LIMIT, Tiles, num_sms as _num_sms, round_up as _round_up
 
 DECODE_EXP_SHIFT = 126  # nibble bits read as BF16 are e2m1(n) * 2**-126
 SCALE_EXP_SHIFT = 119  # the block scale enters as e4m3(s) * 2**119
 OUTPUT_FACTOR = 2.0 ** (DECODE_EXP_SHIFT - SCALE_EXP_SHIFT)  # 2**7, restored in the epilogue
-_WGMMA_ROWS = 64
-SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA can use
 SMALL_TILE_M = (8, 16, 32)  # WGMMA N below 64: the small-M (GEMV) tiles
 
 
 @dataclasses.dataclass(frozen=True)
-class MatmulConfig:
-    """Tiling of :func:`nvfp4_matmul`.
+class MatmulConfig(Tiles):
+    """Tiling of :func:`nvfp4_matmul` (:class:`~jaxlp.pallas.wgmma_tiles.Tiles`: tile_n, stages,
+    wg_split, grid_minor, grid_tile_width), here with
 
-    tile_n: weight rows per consumer warpgroup (WGMMA M; a multiple of 64).
-    tile_m: tokens per consumer warpgroup (WGMMA N; 8, 16, 32 (small M: GEMV), 64, 128, 192 or 256).
-    tile_k: K per pipeline step (64, 128 or 256).
-    stages: pipeline depth (shared-memory buffers per operand).
-    wg_split: how the two consumer warpgroups share the CTA tile: ``"n"`` (each its own weight
-        rows, both the same tokens: CTA tile ``tile_m x 2*tile_n``) or ``"m"`` (the same weight
-        rows, each its own tokens: CTA tile ``2*tile_m x tile_n``).
-    grid_minor: ``"m"`` or ``"n"``: the tile dimension that varies fastest in the persistent
-        loop; grid_tile_width: width of the snake over the other dimension (L2 reuse).
+    tile_m: 8, 16, 32 (small M: GEMV), 64, 128, 192 or 256.
+    tile_k: 64, 128 or 256.
     split_k: K is split into this many equal parts, each a work item of the persistent loop (more
         items than output tiles at small M: 96 tiles of 128 rows leave SMs idle); each part writes
         FP32 partial sums ``[split_k, N, M]`` that one XLA reduction adds (then ``* 2**7 g``, BF16).
     """
 
-    tile_n: int = 64
-    tile_m: int = 128
-    tile_k: int = 64
-    stages: int = 4
-    wg_split: str = "n"
-    grid_minor: str = "m"
-    grid_tile_width: int = 8
     split_k: int = 1
 
     def __post_init__(self):
-        if self.tile_n % _WGMMA_ROWS or not 64 <= self.tile_n <= 256:
-            raise ValueError(f"tile_n must be 64, 128, 192 or 256, got {self.tile_n}")
+        super().__post_init__()
         if self.tile_m not in SMALL_TILE_M and (self.tile_m % 64 or not 64 <= self.tile_m <= 256):
             raise ValueError(f"tile_m must be 8, 16, 32, 64, 128, 192 or 256, got {self.tile_m}")
         if self.tile_k not in (64, 128, 256):
             raise ValueError(f"tile_k must be 64, 128 or 256, got {self.tile_k}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
-        if not 2 <= self.stages <= 8:
-            raise ValueError(f"stages must be in [2, 8], got {self.stages}")
-        if self.wg_split not in ("n", "m"):
-            raise ValueError(f"wg_split must be 'n' or 'm', got {self.wg_split!r}")
-        if self.grid_minor not in ("n", "m"):
-            raise ValueError(f"grid_minor must be 'n' or 'm', got {self.grid_minor!r}")
-        if self.grid_tile_width < 1:
-            raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
-
-    @property
-    def cta_tile_n(self) -> int:
-        return self.tile_n * (2 if self.wg_split == "n" else 1)
-
-    @property
-    def cta_tile_m(self) -> int:
-        return self.tile_m * (2 if self.wg_split == "m" else 1)
 
     @property
     def name(self) -> str:
-        return (f"N{self.tile_n}M{self.tile_m}K{self.tile_k}S{self.stages}{self.wg_split}"
-                f"{self.grid_minor}{self.grid_tile_width}" + (f"x{self.split_k}" if self.split_k > 1 else ""))
+        return super().name + (f"x{self.split_k}" if self.split_k > 1 else "")
 
     def smem_bytes(self) -> int:
         """Shared memory: pipeline buffers plus the output tile."""
@@ -190,10 +158,6 @@ def _check(x: jax.Array, w: NVFP4Array) -> None:
         raise ValueError(f"nvfp4_matmul: x must be bfloat16 (W4A16 on BF16 tensor cores), got {x.dtype}")
     if x.shape[0] == 0:
         raise ValueError("nvfp4_matmul: x has no rows (M = 0)")
-
-
-def _round_up(v: int, m: int) -> int:
-    return -(-v // m) * m
 
 
 def kernel_operands(w: NVFP4Array, n_pad: int, k_pad: int):
@@ -321,11 +285,6 @@ def _decode_registers(codes_4x, scale_ref):
             a, b, s2, result_types=i32)
         out[idx] = mu.bitcast(v, ir.VectorType.get((2,), bf16))
     return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
-
-
-def _num_sms() -> int:
-    dev = jax.devices()[0]
-    return getattr(dev, "core_count", None) or 132
 
 
 def _pallas_call(codes, scales_t, x, g, *, config: MatmulConfig, num_sms: int):

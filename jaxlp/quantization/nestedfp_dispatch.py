@@ -25,8 +25,9 @@ from jaxlp.quantization import activations
 IMPLEMENTATION = "nestedfp_cuda"
 
 
-def why_not(layer, x: jax.Array) -> str | None:
-    """``None`` if :func:`matmul` computes this layer on ``x`` here, else the reason it does not."""
+def layer_reason(layer, x: jax.Array) -> str | None:
+    """What every NestedFP kernel needs (``None`` if met, else the reason): NestedFP weights of 2
+    dimensions, no activation quantizer, FP16 activations in FP16 mode."""
     w = layer.weight.get_value()
     if getattr(w, "format", None) != nestedfp.NestedFPArray.format:
         return f"weight format {getattr(w, 'format', None)!r} (only 'nestedfp')"
@@ -34,14 +35,21 @@ def why_not(layer, x: jax.Array) -> str | None:
         return f"NestedFP with an activation quantizer {layer.activation!r}"
     if len(w.shape) != 2:
         return f"needs a 2-D weight, got shape {w.shape}"
-    n, k = w.shape
+    if layer.mode != "fp8" and jnp.dtype(x.dtype) != jnp.dtype(jnp.float16):
+        return f"NestedFP's FP16 mode needs float16 activations (an FP16 model), got {x.dtype}"
+    return None
+
+
+def why_not(layer, x: jax.Array) -> str | None:
+    """``None`` if :func:`matmul` computes this layer on ``x`` here, else the reason it does not."""
+    if (reason := layer_reason(layer, x)) is not None:
+        return reason
+    n, k = layer.weight.get_value().shape
     tokens = math.prod(x.shape[:-1])
     if not 1 <= tokens <= kernel.MAX_TOKENS:
         return f"{tokens} tokens (the kernel takes 1 to {kernel.MAX_TOKENS})"
     if n % kernel.ROWS or k % kernel.WINDOW:
         return f"weight {n} x {k}: N must be a multiple of {kernel.ROWS} and K of {kernel.WINDOW}"
-    if layer.mode != "fp8" and jnp.dtype(x.dtype) != jnp.dtype(jnp.float16):
-        return f"NestedFP's FP16 mode needs float16 activations (an FP16 model), got {x.dtype}"
     if not kernel.available():
         return f"the CUDA library is not available: {kernel.LIBRARY.unavailable_reason()}"
     return None

@@ -14,25 +14,18 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxlp.formats import nestedfp
 from jaxlp.pallas import nestedfp_matmul as kernel
+from jaxlp.quantization import nestedfp_dispatch
 
 IMPLEMENTATION = "nestedfp_pallas"
 
 
 def why_not(layer, x: jax.Array) -> str | None:
     """``None`` if :func:`matmul` computes this layer on ``x`` here, else the reason it does not."""
-    w = layer.weight.get_value()
-    if getattr(w, "format", None) != nestedfp.NestedFPArray.format:
-        return f"weight format {getattr(w, 'format', None)!r} (only 'nestedfp')"
-    if layer.activation is not None:
-        return f"NestedFP with an activation quantizer {layer.activation!r}"
+    if (reason := nestedfp_dispatch.layer_reason(layer, x)) is not None:
+        return reason
     if layer.mode != "fp16":
         return f"mode {layer.mode!r} (the kernel computes the FP16 mode)"
-    if len(w.shape) != 2:
-        return f"needs a 2-D weight, got shape {w.shape}"
-    if jnp.dtype(x.dtype) != jnp.dtype(jnp.float16):
-        return f"NestedFP's FP16 mode needs float16 activations (an FP16 model), got {x.dtype}"
     if math.prod(x.shape[:-1]) == 0:
         return "no tokens"
     if jax.default_backend() != "gpu":

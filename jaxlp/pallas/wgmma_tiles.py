@@ -1,0 +1,68 @@
+"""Tiling shared by the Pallas WGMMA GEMMs with swapped operands (``Y^T = W X^T``: weight rows
+on WGMMA's M, 64 per instruction, tokens on its N): :mod:`jaxlp.pallas.nvfp4_matmul` and
+:mod:`jaxlp.pallas.nestedfp_matmul`. Each kernel's config subclasses :class:`Tiles` and adds its
+own checks of ``tile_m`` / ``tile_k``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+WGMMA_ROWS = 64
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper CTA can use
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """tile_n: weight rows per consumer warpgroup (WGMMA M; 64, 128, 192 or 256).
+    tile_m: tokens per consumer warpgroup (WGMMA N). tile_k: K per pipeline step.
+    stages: pipeline depth (shared-memory buffers per operand).
+    wg_split: how the two consumer warpgroups share the CTA tile: ``"n"`` (each its own weight
+        rows, both the same tokens: CTA tile ``tile_m x 2*tile_n``) or ``"m"`` (the same weight
+        rows, each its own tokens: CTA tile ``2*tile_m x tile_n``).
+    grid_minor: ``"m"`` or ``"n"``: the tile dimension that varies fastest in the persistent
+        loop; grid_tile_width: width of the snake over the other dimension (L2 reuse)."""
+
+    tile_n: int = 64
+    tile_m: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    wg_split: str = "n"
+    grid_minor: str = "m"
+    grid_tile_width: int = 8
+
+    def __post_init__(self):
+        if self.tile_n % WGMMA_ROWS or not 64 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256, got {self.tile_n}")
+        if not 2 <= self.stages <= 8:
+            raise ValueError(f"stages must be in [2, 8], got {self.stages}")
+        if self.wg_split not in ("n", "m"):
+            raise ValueError(f"wg_split must be 'n' or 'm', got {self.wg_split!r}")
+        if self.grid_minor not in ("n", "m"):
+            raise ValueError(f"grid_minor must be 'n' or 'm', got {self.grid_minor!r}")
+        if self.grid_tile_width < 1:
+            raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
+
+    @property
+    def cta_tile_n(self) -> int:
+        return self.tile_n * (2 if self.wg_split == "n" else 1)
+
+    @property
+    def cta_tile_m(self) -> int:
+        return self.tile_m * (2 if self.wg_split == "m" else 1)
+
+    @property
+    def name(self) -> str:
+        return (f"N{self.tile_n}M{self.tile_m}K{self.tile_k}S{self.stages}{self.wg_split}"
+                f"{self.grid_minor}{self.grid_tile_width}")
+
+
+def round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+def num_sms() -> int:
+    """The default device's SM count (132 where it does not say)."""
+    dev = jax.devices()[0]
+    return getattr(dev, "core_count", None) or 132
