@@ -61,8 +61,8 @@ def merge_words(upper: jax.Array, lower: jax.Array) -> jax.Array:
     """FP16 weights from the two byte planes with 16-bit integer ops only (the kernel's register
     arithmetic; equal to :func:`jaxlp.formats.nestedfp.merge` on every byte pair):
     ``e = ((u - (l >> 7)) >> 1) & 0x3F``, ``word = (((u & 0x80) | e) << 8) | l``.
-    ``u - (l >> 7)`` never borrows past bit 7 into the kept bits: the subtraction runs in 16 bits
-    and only bits 1-6 of it are kept."""
+    A borrow of ``u - (l >> 7)`` (``u = 0``, ``l >= 128``) only sets bits above bit 7, which the mask
+    drops, as in the format's 32-bit merge."""
     u = upper.astype(jnp.uint16)
     low = lower.astype(jnp.uint16)
     e = ((u - (low >> 7)) >> 1) & jnp.uint16(0x3F)

@@ -21,6 +21,15 @@ def test_merge_words_rebuilds_every_byte_pair_as_the_format_does():
     np.testing.assert_array_equal(got, want)
 
 
+def test_reference_is_the_float64_product_of_the_merged_weights_rounded_once():
+    rng = np.random.default_rng(7)
+    w16 = weights(rng, 96, 192)
+    x = rng.standard_normal((5, 192)).astype(np.float16)
+    got = np.asarray(nm.reference(jnp.asarray(x), nestedfp.quantize(jnp.asarray(w16))), np.float64)
+    want = (x.astype(np.float64) @ w16.astype(np.float64).T).astype(np.float16).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=2.0**-10, atol=2.0**-24)
+
+
 def test_config_and_operands_are_checked():
     with pytest.raises(ValueError, match="tile_n"):
         nm.MatmulConfig(tile_n=96)
