@@ -1,9 +1,11 @@
 // Decode attention over the packed 2-bit units of Kitty and KIVI caches (XLA FFI custom call,
 // sm_90); Python side and layout: jaxlp/ffi/quantized_decode_attention.py.
 //
-// Two paths in one launch: the packed path (namespace `packed` below: Kitty pages, head_dim 128,
-// blocks holding only packed codes, fed to 8-bit integer MMAs from their packed words) and the
-// staged path, here:
+// Two paths in one launch: the packed path (namespace `packed` below: head_dim 128, <= 8 query
+// heads per KV head, Kitty pages with 16 or 32 boosted channels or KIVI-2 with value groups of 32
+// channels (units_kernel<128, 1, 1, true> and <128, 4, 4, true>); blocks holding only packed
+// codes, fed to 8-bit integer MMAs from their packed words) and the staged path (any layout),
+// here:
 // One CTA of 4 warps per (row b, KV head, split). It walks its share of the row's 128-token
 // blocks; per block:
 //   1. unpack: the 128 threads read the block's packed codes (16-byte loads, issued one block
@@ -507,7 +509,8 @@ __device__ __forceinline__ void staged_path(const Params& p, int b, int kh, cons
 }
 
 // ---------------------------------------------------------------------------------------------
-// The packed path (head_dim 128, G <= 8, Kitty pages with 16 or 32 boosted channels): the row's
+// The packed path (head_dim 128, G <= 8; Kitty pages with 16 or 32 boosted channels, or KIVI-2
+// with value groups of 32 channels: the template parameter KIVI, no branch in the loops): the row's
 // blocks whose keys and values are all packed, with no shared-memory FP16 tile. Each warp walks
 // its own blocks (a cp.async ring of kStages blocks per warp copies the packed bytes, rows
 // swizzled) and feeds the 2-bit codes to 8-bit integer MMAs (mma.sync m16n8k32, s32 sums) straight
@@ -529,6 +532,18 @@ __device__ __forceinline__ void staged_path(const Params& p, int b, int kh, cons
 // P V's k-step t with no exchange between lanes (FlashAttention-2's register reuse), and its B
 // fragment reads the same tokens' value rows.
 //
+// KIVI-2 (packed_path<true>): a block's key codes are Kitty's low plane (no high rows, no
+// boost_idx), with four FP16 scale / min sets [4][D], set t for tokens [32 t, 32 t + 32): exactly
+// plane t, so the n-tiles (bb, t) of S take Q'_t = Q * scale_t, each with its own fixed-point range
+// f_t and beta_t = sum_c Q_c min_t,c; plane 3 enters as code * 64 (no high bits to leave room for).
+// Its values are one 32-byte row per token (strided by the KV heads) with FP16 scale / min per 32
+// channels: group u is exactly plane u of the row, so the n-tiles (bb, u) of O take P'_u = P *
+// scale[., u] with its own range fp_u, and mb_u = sum_t P_t min_t,u adds to channels [32 u, + 32).
+// Each range needs its products' max first: a pass over them, then the fixed-point A fragments are
+// formed again inside the MMA loops (in registers; P from the stage's key codes, read by then).
+// The stage is 12 KB (Kitty: 10 KB); no frag / inv arrays: 107.8 KB of shared memory per CTA, two
+// per SM as for Kitty. About 2.5e-4 of float64 in a NumPy model of this arithmetic.
+//
 // Measured (H100, Kitty-Pro, docs/perf.md session 16): the FP16-MMA design before it (FP16 operands
 // 1024 + 4^t code, the offset taken off FP32 sums) was 1.07-1.30x slower and drifted to 1e-2
 // relative error over long walks; this one stays within 2e-4 of the float32 reference.
@@ -538,7 +553,8 @@ constexpr int kD = 128;
 constexpr int kStages = 2;
 constexpr int kMaxBoost = 32;
 
-// Byte offsets of one stage (one 128-token Kitty block) of a warp's ring.
+// Byte offsets of one stage (one 128-token block) of a warp's ring: Kitty (KIVI = false) or KIVI-2.
+template <bool KIVI>
 struct Stage {
   static constexpr int kLow = 0;                        // key codes [128 channels][32 B], swizzled rows
   static constexpr int kHigh = kLow + kD * 32;          // high codes [<= 32 ranks][32 B], swizzled rows
@@ -550,8 +566,20 @@ struct Stage {
   static constexpr int kBoost = kVm + kBlock * 2;       // boost_idx [128]
   static constexpr int kBytes = kBoost + kD;
 };
+template <>
+struct Stage<true> {
+  static constexpr int kGroups = 4;                     // key scale groups (32 tokens) = value channel groups (32)
+  static constexpr int kLow = 0;                        // key codes [128 channels][32 B], swizzled rows
+  static constexpr int kVal = kLow + kD * 32;           // value codes [128 tokens][32 B], swizzled rows
+  static constexpr int kKs = kVal + kBlock * 32;        // key scales [4 groups][128 channels] FP16
+  static constexpr int kKm = kKs + kGroups * kD * 2;    // key minimums
+  static constexpr int kVs = kKm + kGroups * kD * 2;    // value scales [128 tokens][4 groups] FP16
+  static constexpr int kVm = kVs + kBlock * kGroups * 2;  // value minimums
+  static constexpr int kBytes = kVm + kBlock * kGroups * 2;
+};
 
-constexpr size_t smem_bytes() { return static_cast<size_t>(4) * kStages * Stage::kBytes; }
+template <bool KIVI>
+constexpr size_t smem_bytes() { return static_cast<size_t>(4) * kStages * Stage<KIVI>::kBytes; }
 
 // Rows of a 32-byte-row tile are stored at row ^ ((row >> shift) & 3): the four lanes c that read
 // rows (c << shift) + i at the same time then hit four different bank groups.
@@ -574,34 +602,67 @@ struct CopyDst {
 };
 
 // Copies of block `blk` of row b, KV head kh into stage `st` (one warp; committed by the caller).
+template <bool KIVI>
 __device__ __forceinline__ void issue_block(const Params& p, int b, int kh, int blk, unsigned char* st, int lane,
                                             int hshift, const CopyDst& cd) {
+  using S = Stage<KIVI>;
   const uint32_t sa = smem_addr(st);
   const long kpage = (static_cast<long>(b) * p.k_units + blk) * p.kvh + kh;
   const uint8_t* low = p.k_low + kpage * (kD * 32) + lane * 16;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) cp_async16(sa + Stage::kLow + cd.low_dst[i >> 1] + 512 * i, low + 512 * i, 16u);
-  const uint8_t* high = p.k_high + kpage * p.nb * 32;  // the boosted channels' high rows, the ranks
+  for (int i = 0; i < 8; ++i) cp_async16(sa + S::kLow + cd.low_dst[i >> 1] + 512 * i, low + 512 * i, 16u);
+  if constexpr (KIVI) {
+    // Key scales and minimums [4][128] FP16 (1 KB each, 64 chunks); value token rows (one 32-byte
+    // code row, 4 FP16 scales and minimums per token) strided by the KV heads. The value store holds
+    // any number of tokens (the cache's: its length less the FP16 window): rows past it are zeros
+    // (masked tokens, P = 0: zero scales keep P' and P . min finite), none read.
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int x = lane + 32 * i;
-    if (x < 2 * p.nb) cp_async16(smem_addr(st + Stage::kHigh + swz(x >> 1, hshift) * 32 + (x & 1) * 16), high + x * 16, 16u);
-  }
-  if (lane < kD / 16) cp_async16(smem_addr(st + Stage::kBoost + lane * 16), p.k_boost + kpage * kD + lane * 16, 16u);
-  {  // key scales and minimums: 128 FP16 each, 16 chunks each
+    for (int i = 0; i < 2; ++i) {
+      const int x = lane + 32 * i;
+      cp_async16(sa + S::kKs + x * 16, p.k_scale + kpage * (S::kGroups * kD) + x * 8, 16u);
+      cp_async16(sa + S::kKm + x * 16, p.k_min + kpage * (S::kGroups * kD) + x * 8, 16u);
+    }
+    const int nval = min(p.v_units - blk * kBlock, kBlock);  // the block's tokens the value store holds
+    const long vrow = (static_cast<long>(b) * p.v_units + static_cast<long>(blk) * kBlock) * p.kvh + kh;  // token 0
+    const uint8_t* codes = p.v_codes + (vrow + static_cast<long>(lane >> 1) * p.kvh) * 32 + (lane & 1) * 16;
+    const long row16 = 16l * p.kvh * 32;  // 16 token rows
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const bool ok = (lane >> 1) + 16 * i < nval;
+      cp_async16(sa + S::kVal + cd.val_dst[i & 1] + 512 * i, ok ? codes + row16 * i : p.v_codes, ok ? 16u : 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tok = lane + 32 * i;
+      const bool ok = tok < nval;
+      const long at = ok ? (vrow + static_cast<long>(tok) * p.kvh) * S::kGroups : 0;
+      cp_async8(sa + S::kVs + tok * 8, p.v_scale + at, ok ? 8u : 0u);
+      cp_async8(sa + S::kVm + tok * 8, p.v_min + at, ok ? 8u : 0u);
+    }
+    return;
+  } else {
+    const uint8_t* high = p.k_high + kpage * p.nb * 32;  // the boosted channels' high rows, the ranks
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int x = lane + 32 * i;
+      if (x < 2 * p.nb) cp_async16(smem_addr(st + S::kHigh + swz(x >> 1, hshift) * 32 + (x & 1) * 16), high + x * 16, 16u);
+    }
+    if (lane < kD / 16) cp_async16(smem_addr(st + S::kBoost + lane * 16), p.k_boost + kpage * kD + lane * 16, 16u);
+    {  // key scales and minimums: 128 FP16 each, 16 chunks each
+      const bool mins = lane >= 16;
+      const int c = lane & 15;
+      cp_async16(smem_addr(st + (mins ? S::kKm : S::kKs) + c * 16), (mins ? p.k_min : p.k_scale) + kpage * kD + c * 8,
+                 16u);
+    }
+    const long vpage = (static_cast<long>(b) * p.v_units + blk) * p.kvh + kh;  // codes [128][32 B], scale and min per token
+    const uint8_t* codes = p.v_codes + vpage * (kBlock * 32) + lane * 16;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) cp_async16(sa + S::kVal + cd.val_dst[i & 1] + 512 * i, codes + 512 * i, 16u);
     const bool mins = lane >= 16;
     const int c = lane & 15;
-    cp_async16(smem_addr(st + (mins ? Stage::kKm : Stage::kKs) + c * 16), (mins ? p.k_min : p.k_scale) + kpage * kD + c * 8,
+    cp_async16(smem_addr(st + (mins ? S::kVm : S::kVs) + c * 16), (mins ? p.v_min : p.v_scale) + vpage * kBlock + c * 8,
                16u);
   }
-  const long vpage = (static_cast<long>(b) * p.v_units + blk) * p.kvh + kh;  // codes [128][32 B], scale and min per token
-  const uint8_t* codes = p.v_codes + vpage * (kBlock * 32) + lane * 16;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) cp_async16(sa + Stage::kVal + cd.val_dst[i & 1] + 512 * i, codes + 512 * i, 16u);
-  const bool mins = lane >= 16;
-  const int c = lane & 15;
-  cp_async16(smem_addr(st + (mins ? Stage::kVm : Stage::kVs) + c * 16), (mins ? p.v_min : p.v_scale) + vpage * kBlock + c * 8,
-             16u);
 }
 
 constexpr float kMagic = 8388608.f;  // 2^23: the low 16 bits of y = 2^23 + v (0 <= v < 2^16) hold round(v)
@@ -658,16 +719,59 @@ __device__ __forceinline__ uint32_t high_plane(uint32_t r, int t) {
   return t < 3 ? (r << 2) & (0x03030303u << (2 * t + 2)) : r & 0xc0c0c0c0u;
 }
 
+// KIVI: plane t of a transposed register as u8 code * 4^t, in place (t = 3: code * 64; no boosted
+// high bits to leave room for).
+__device__ __forceinline__ uint32_t plane_kivi(uint32_t r, int t) { return r & (0x03030303u << (2 * t)); }
+
+// A fixed-point scale of 16-bit range over a largest magnitude below this is 0 (x f would pass the
+// float range): a Q' that small adds nothing beside beta, a block of P' that small nothing beside l.
+constexpr float kTiny = 7.8886090522e-31f;  // 2^-100
+
+// KIVI: x[j] = q[j] * scale[j] of eight channels (FP16 scales in a uint4), the FP32 products that
+// both the max pass and the fixed-point pass form (the same instructions: the same bits).
+__device__ __forceinline__ void times_halves(const float (&q)[8], const uint4& sv, float (&x)[8]) {
+  const __half2* h = reinterpret_cast<const __half2*>(&sv);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 s2 = __half22float2(h[j]);
+    x[2 * j] = q[2 * j] * s2.x;
+    x[2 * j + 1] = q[2 * j + 1] * s2.y;
+  }
+}
+
+// A s8 A fragment (hi0 ^ 0x80, lo0 ^ 0x80, hi1 ^ 0x80, lo1 ^ 0x80) of eight Q' values in fixed point.
+__device__ __forceinline__ uint4 q_fragment(const float (&x)[8], float f) {
+  uint32_t y[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) y[j] = fixed(x[j], f, kMagic + kQOffset);
+  uint32_t hi0, lo0, hi1, lo1;
+  split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
+  split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
+  return make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, hi1 ^ 0x80808080u, lo1 ^ 0x80808080u);
+}
+
 // One warp's walk over blocks blk0, blk0 + 4, ... < blk1 of row b, KV head kh; leaves its partials
 // like staged_path (red_m / red_l, then osm after a __syncthreads). q4[g][c][j]: query g's channel
 // 32 c + j in FP32 (rows padded: conflict-free 16-byte reads); frag: per warp, a lane's A fragments
-// of one block ([k-step][lane]).
+// of one block ([k-step][lane]; Kitty only).
+//
+// KIVI (KIVI-2 key blocks and value tokens, value groups of 32 channels): key scale group t (tokens
+// [32 t, 32 t + 32)) is exactly the codes' plane t, so n-tile (bb, t) of S takes the A fragments of
+// Q'_t = Q * key scale_t, each with its own f_t over query g's channels and beta_t = Q . min_t; value
+// group u (channels [32 u, 32 u + 32)) is exactly plane u of a token's codes, so n-tile (bb, u) of
+// O takes P'_u = P * value scale[., u] with its own fp_u, and mb_u = P . min[., u] adds to its
+// channels. Each f_t (fp_u) needs a pass over the products first (their max); the fixed-point A
+// fragments are formed again inside the MMA loops (4 per k-step, kept in registers), Q from q4, P
+// from the stage's key codes (read by then; 4 KB per warp: the block's 32 FP32 P of each lane).
+template <bool KIVI>
 __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, const Bounds& rb, int blk0, int blk1,
                                           unsigned char* smem, const float (*q4)[4][36], uint8_t (*inv)[kMaxBoost],
                                           uint4 (*frag)[4][32], float (*red_m)[kRows], float (*red_l)[kRows]) {
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  using S = Stage<KIVI>;
+  constexpr int kGroups = KIVI ? 4 : 1;  // key scales per channel and value scales per token in a block
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
-  unsigned char* ring = smem + warp * kStages * Stage::kBytes;
+  unsigned char* ring = smem + warp * kStages * S::kBytes;
   const int hshift = p.nb == 16 ? 2 : 3;
   const bool two_high = p.nb == 32;
   // Byte offsets of this lane's words (word g of a row; rows swizzled as packed::CopyDst stores them):
@@ -689,39 +793,48 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
   for (int bb = 0; bb < 4; ++bb)
 #pragma unroll
     for (int t = 0; t < 4; ++t) o[bb][t][0] = o[bb][t][1] = 0.f;
-  float row_m = -INFINITY, lsum = 0.f, mb = 0.f;
+  float row_m = -INFINITY, lsum = 0.f, mb[kGroups];  // mb[u]: P . value min of group u's channels
+#pragma unroll
+  for (int u = 0; u < kGroups; ++u) mb[u] = 0.f;
 
   const CopyDst cd(lane);
   const int first_blk = blk0 + warp;
   const int n = first_blk < blk1 ? (blk1 - first_blk + 3) / 4 : 0;
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
-    if (i < n) issue_block(p, b, kh, first_blk + 4 * i, ring + i * Stage::kBytes, lane, hshift, cd);
+    if (i < n) issue_block<KIVI>(p, b, kh, first_blk + 4 * i, ring + i * S::kBytes, lane, hshift, cd);
     cp_async_commit();
   }
   for (int i = 0; i < n; ++i) {
     const int blk = first_blk + 4 * i;
     if (i + kStages - 1 < n)
-      issue_block(p, b, kh, blk + 4 * (kStages - 1), ring + ((i + kStages - 1) % kStages) * Stage::kBytes, lane,
+      issue_block<KIVI>(p, b, kh, blk + 4 * (kStages - 1), ring + ((i + kStages - 1) % kStages) * S::kBytes, lane,
                         hshift, cd);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    const unsigned char* st = ring + (i % kStages) * Stage::kBytes;
-    const __half* ks = reinterpret_cast<const __half*>(st + Stage::kKs);
-    const __half* km = reinterpret_cast<const __half*>(st + Stage::kKm);
-    {  // the channel of each boosted rank
-      const uint32_t ranks = *reinterpret_cast<const uint32_t*>(st + Stage::kBoost + 4 * lane);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = (ranks >> (8 * e)) & 0xff;
-        if (r < p.nb) inv[warp][r] = static_cast<uint8_t>(4 * lane + e);
-      }
-    }
+    unsigned char* st = ring + (i % kStages) * S::kBytes;
+    const __half* ks = reinterpret_cast<const __half*>(st + S::kKs);
+    const __half* km = reinterpret_cast<const __half*>(st + S::kKm);
 
-    // ---- Q' = Q * key scale of query g, channels 32 c + j; its fixed-point A fragments; the minimums' sum.
-    float f, invf, beta = 0.f;
-    {
+    // ---- Q' = Q * key scale of query g, channels 32 c + j: Kitty its fixed-point A fragments, KIVI
+    // the range of each group's; the minimums' sums.
+    float f[kGroups], invf[kGroups], beta[kGroups];
+    int sacc[4][4][4];
+#pragma unroll
+    for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) sacc[bb][t][0] = sacc[bb][t][1] = sacc[bb][t][2] = sacc[bb][t][3] = 0;
+    if constexpr (!KIVI) {
+      {  // the channel of each boosted rank
+        const uint32_t ranks = *reinterpret_cast<const uint32_t*>(st + S::kBoost + 4 * lane);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = (ranks >> (8 * e)) & 0xff;
+          if (r < p.nb) inv[warp][r] = static_cast<uint8_t>(4 * lane + e);
+        }
+      }
+      beta[0] = 0.f;
       float qs[32], amax = 0.f;
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -736,75 +849,128 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
         qs[4 * k + 1] = qv.y * s01.y;
         qs[4 * k + 2] = qv.z * s23.x;
         qs[4 * k + 3] = qv.w * s23.y;
-        beta = fmaf(qv.x, m01.x, fmaf(qv.y, m01.y, fmaf(qv.z, m23.x, fmaf(qv.w, m23.y, beta))));
+        beta[0] = fmaf(qv.x, m01.x, fmaf(qv.y, m01.y, fmaf(qv.z, m23.x, fmaf(qv.w, m23.y, beta[0]))));
 #pragma unroll
         for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(qs[4 * k + j]));
       }
 #pragma unroll
       for (int x = 1; x < 4; x <<= 1) {
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x));
-        beta += __shfl_xor_sync(0xffffffffu, beta, x);
+        beta[0] += __shfl_xor_sync(0xffffffffu, beta[0], x);
       }
-      f = amax > 0.f ? kQRange / amax : 0.f;
-      invf = amax * (1.f / kQRange);
+      f[0] = amax > kTiny ? kQRange / amax : 0.f;
+      invf[0] = amax * (1.f / kQRange);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {  // k-step k: channels 32 c + 8 k + i (a0, a1), + 4 (a2, a3)
         uint32_t y[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) y[j] = fixed(qs[8 * k + j], f, kMagic + kQOffset);
+        for (int j = 0; j < 8; ++j) y[j] = fixed(qs[8 * k + j], f[0], kMagic + kQOffset);
         uint32_t hi0, lo0, hi1, lo1;
         split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
         split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
         frag[warp][k][lane] = make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, hi1 ^ 0x80808080u, lo1 ^ 0x80808080u);
       }
-    }
 
-    // ---- S = Q' K^T in s32: n-tile (bb, t) column n is token 4 n + bb + 32 t.
-    int sacc[4][4][4];
-#pragma unroll
-    for (int bb = 0; bb < 4; ++bb)
-#pragma unroll
-      for (int t = 0; t < 4; ++t) sacc[bb][t][0] = sacc[bb][t][1] = sacc[bb][t][2] = sacc[bb][t][3] = 0;
+      // ---- S = Q' K^T in s32: n-tile (bb, t) column n is token 4 n + bb + 32 t.
 #pragma unroll 1
-    for (int k = 0; k < 4; ++k) {
-      const uint4 a = frag[warp][k][lane];
-      const unsigned char* lk = st + Stage::kLow + 256 * k;
-      uint32_t r0[4], r1[4];
-      load_transposed(r0, lk, koff[0], koff[1], koff[2], koff[3]);
-      lk += 128;
-      load_transposed(r1, lk, koff[0], koff[1], koff[2], koff[3]);
+      for (int k = 0; k < 4; ++k) {
+        const uint4 a = frag[warp][k][lane];
+        const unsigned char* lk = st + S::kLow + 256 * k;
+        uint32_t r0[4], r1[4];
+        load_transposed(r0, lk, koff[0], koff[1], koff[2], koff[3]);
+        lk += 128;
+        load_transposed(r1, lk, koff[0], koff[1], koff[2], koff[3]);
 #pragma unroll
-      for (int bb = 0; bb < 4; ++bb)
+        for (int bb = 0; bb < 4; ++bb)
 #pragma unroll
-        for (int t = 0; t < 4; ++t) imma_s8u8(sacc[bb][t], a, plane(r0[bb], t), plane(r1[bb], t));
-    }
-    {  // Kitty's boosted channels: rank (c << hshift) + i (a0, a1), + 4 + i (a2, a3; 32 ranks only)
-      __syncwarp();  // inv is written
-      uint32_t y[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int ch = inv[warp][(c << hshift) + j];
-        const float x = (j < 4 || two_high) ? q4[g][ch >> 5][ch & 31] * __half2float(ks[ch]) : 0.f;
-        y[j] = fixed(x, f, kMagic + kQOffset);
+          for (int t = 0; t < 4; ++t) imma_s8u8(sacc[bb][t], a, plane(r0[bb], t), plane(r1[bb], t));
       }
-      uint32_t hi0, lo0, hi1, lo1;
-      split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
-      split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
-      const uint4 a = two_high ? make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, hi1 ^ 0x80808080u, lo1 ^ 0x80808080u)
-                               : make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, 0u, 0u);
-      const unsigned char* hk = st + Stage::kHigh;
-      uint32_t r0[4], r1[4];
-      load_transposed(r0, hk, hoff[0], hoff[1], hoff[2], hoff[3]);
-      if (two_high) {
-        hk += 128;
-        load_transposed(r1, hk, hoff[0], hoff[1], hoff[2], hoff[3]);
-      } else {
-        r1[0] = r1[1] = r1[2] = r1[3] = 0u;
+      {  // Kitty's boosted channels: rank (c << hshift) + i (a0, a1), + 4 + i (a2, a3; 32 ranks only)
+        __syncwarp();  // inv is written
+        uint32_t y[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int ch = inv[warp][(c << hshift) + j];
+          const float x = (j < 4 || two_high) ? q4[g][ch >> 5][ch & 31] * __half2float(ks[ch]) : 0.f;
+          y[j] = fixed(x, f[0], kMagic + kQOffset);
+        }
+        uint32_t hi0, lo0, hi1, lo1;
+        split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
+        split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
+        const uint4 a = two_high ? make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, hi1 ^ 0x80808080u, lo1 ^ 0x80808080u)
+                                 : make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, 0u, 0u);
+        const unsigned char* hk = st + S::kHigh;
+        uint32_t r0[4], r1[4];
+        load_transposed(r0, hk, hoff[0], hoff[1], hoff[2], hoff[3]);
+        if (two_high) {
+          hk += 128;
+          load_transposed(r1, hk, hoff[0], hoff[1], hoff[2], hoff[3]);
+        } else {
+          r1[0] = r1[1] = r1[2] = r1[3] = 0u;
+        }
+#pragma unroll
+        for (int bb = 0; bb < 4; ++bb)
+#pragma unroll
+          for (int t = 0; t < 4; ++t) imma_s8u8(sacc[bb][t], a, high_plane(r0[bb], t), high_plane(r1[bb], t));
+      }
+    } else {
+      // KIVI, first pass: the largest |Q'_t| and Q . min_t of query g over the lane's channels 32 c + j.
+      float amax[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) beta[t] = 0.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {  // channels 32 c + 8 k + j
+        const float4 qa = *reinterpret_cast<const float4*>(&q4[g][c][8 * k]);
+        const float4 qb = *reinterpret_cast<const float4*>(&q4[g][c][8 * k + 4]);
+        const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          float x[8];
+          times_halves(qv, *reinterpret_cast<const uint4*>(ks + kD * t + 32 * c + 8 * k), x);
+          const uint4 mv = *reinterpret_cast<const uint4*>(km + kD * t + 32 * c + 8 * k);
+          const __half2* mh = reinterpret_cast<const __half2*>(&mv);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 m2 = __half22float2(mh[j]);
+            amax[t] = fmaxf(amax[t], fmaxf(fabsf(x[2 * j]), fabsf(x[2 * j + 1])));
+            beta[t] = fmaf(qv[2 * j], m2.x, fmaf(qv[2 * j + 1], m2.y, beta[t]));
+          }
+        }
       }
 #pragma unroll
-      for (int bb = 0; bb < 4; ++bb)
+      for (int x = 1; x < 4; x <<= 1)
 #pragma unroll
-        for (int t = 0; t < 4; ++t) imma_s8u8(sacc[bb][t], a, high_plane(r0[bb], t), high_plane(r1[bb], t));
+        for (int t = 0; t < 4; ++t) {
+          amax[t] = fmaxf(amax[t], __shfl_xor_sync(0xffffffffu, amax[t], x));
+          beta[t] += __shfl_xor_sync(0xffffffffu, beta[t], x);
+        }
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        f[t] = amax[t] > kTiny ? __fdividef(kQRange, amax[t]) : 0.f;  // 2 ulp: inside kQRange's margin
+        invf[t] = amax[t] * (1.f / kQRange);
+      }
+
+      // ---- S = Q'_t K^T in s32: n-tile (bb, t) column n is token 4 n + bb + 32 t (group t), its A
+      // fragments those of Q'_t, formed here from q4 and the stage's scales (no exchange between lanes).
+#pragma unroll 1
+      for (int k = 0; k < 4; ++k) {
+        const unsigned char* lk = st + S::kLow + 256 * k;
+        uint32_t r0[4], r1[4];
+        load_transposed(r0, lk, koff[0], koff[1], koff[2], koff[3]);
+        lk += 128;
+        load_transposed(r1, lk, koff[0], koff[1], koff[2], koff[3]);
+        const float4 qa = *reinterpret_cast<const float4*>(&q4[g][c][8 * k]);
+        const float4 qb = *reinterpret_cast<const float4*>(&q4[g][c][8 * k + 4]);
+        const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          float x[8];
+          times_halves(qv, *reinterpret_cast<const uint4*>(ks + kD * t + 32 * c + 8 * k), x);
+          const uint4 a = q_fragment(x, f[t]);
+#pragma unroll
+          for (int bb = 0; bb < 4; ++bb) imma_s8u8(sacc[bb][t], a, plane_kivi(r0[bb], t), plane_kivi(r1[bb], t));
+        }
+      }
     }
 
     // ---- Scores (base 2) of query g, tokens 8 c + 4 e + bb + 32 t; mask; online softmax.
@@ -813,11 +979,14 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
     const bool interior = base >= rb.lo && base + kBlock <= rb.hi;
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      const float unit = invf / static_cast<float>(t < 3 ? 1 << (2 * t) : 16);
+      const float unit = KIVI ? invf[KIVI ? t : 0] / static_cast<float>(1 << (2 * t))
+                              : invf[0] / static_cast<float>(t < 3 ? 1 << (2 * t) : 16);
+      const float bt = beta[KIVI ? t : 0];
 #pragma unroll
       for (int bb = 0; bb < 4; ++bb)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) s[bb][t][e] = fmaf(static_cast<float>(sacc[bb][t][e] * 256 + sacc[bb][t][2 + e]), unit, beta);
+        for (int e = 0; e < 2; ++e)
+          s[bb][t][e] = fmaf(static_cast<float>(sacc[bb][t][e] * 256 + sacc[bb][t][2 + e]), unit, bt);
     }
     if (p.softcap > 0.f) {
       const float inv_cap = 1.f / p.softcap;
@@ -868,7 +1037,8 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
           psum += s[bb][t][e];
         }
     lsum = lsum * alpha + psum;
-    mb *= alpha;
+#pragma unroll
+    for (int u = 0; u < kGroups; ++u) mb[u] *= alpha;
     if (__any_sync(0xffffffffu, alpha != 1.f)) {
 #pragma unroll
       for (int bb = 0; bb < 4; ++bb)
@@ -882,61 +1052,137 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
     // ---- P' = P * value scale in u16 fixed point (scale fp: the block's largest P'; P itself is
     // relative to the running max, often far below 1), as the A fragments of k-step t (tokens
     // 8 c + kTok + 32 t); the value minimums' sum.
-    const __half* vs = reinterpret_cast<const __half*>(st + Stage::kVs);
-    const __half* vm = reinterpret_cast<const __half*>(st + Stage::kVm);
-    float pmax = 0.f;
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const uint4 sw = *reinterpret_cast<const uint4*>(vs + 8 * c + 32 * t);
-      const uint4 mw = *reinterpret_cast<const uint4*>(vm + 8 * c + 32 * t);
-      const __half* sh = reinterpret_cast<const __half*>(&sw);
-      const __half* mh = reinterpret_cast<const __half*>(&mw);
-#pragma unroll
-      for (int d = 0; d < 8; ++d) {  // token 8 c + d + 32 t = 8 c + 4 e + bb + 32 t
-        const int bb = d & 3, e = d >> 2;
-        mb = fmaf(s[bb][t][e], __half2float(mh[d]), mb);
-        s[bb][t][e] *= __half2float(sh[d]);
-        pmax = fmaxf(pmax, s[bb][t][e]);
-      }
-    }
-    pmax = fmaxf(pmax, __shfl_xor_sync(0xffffffffu, pmax, 1));
-    pmax = fmaxf(pmax, __shfl_xor_sync(0xffffffffu, pmax, 2));
-    const float fp = pmax > 0.f ? kPRange / pmax : 0.f;
-    const float invfp = pmax * (1.f / kPRange);
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      uint32_t y[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) y[i] = fixed(s[kTok[i] & 3][t][kTok[i] >> 2], fp, kMagic);
-      uint32_t hi0, lo0, hi1, lo1;
-      split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
-      split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
-      frag[warp][t][lane] = make_uint4(hi0, lo0, hi1, lo1);
-    }
-
-    // ---- O = P' V in s32 per block: k-step t (tokens 8 c + kTok + 32 t), n-tile (bb, u) column n is
-    // channel 4 n + bb + 32 u; then into o.
+    const __half* vs = reinterpret_cast<const __half*>(st + S::kVs);
+    const __half* vm = reinterpret_cast<const __half*>(st + S::kVm);
+    float fp[kGroups], invfp[kGroups];
     int oacc[4][4][4];
 #pragma unroll
     for (int bb = 0; bb < 4; ++bb)
 #pragma unroll
       for (int u = 0; u < 4; ++u) oacc[bb][u][0] = oacc[bb][u][1] = oacc[bb][u][2] = oacc[bb][u][3] = 0;
+    if constexpr (!KIVI) {
+      float pmax = 0.f;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const uint4 sw = *reinterpret_cast<const uint4*>(vs + 8 * c + 32 * t);
+        const uint4 mw = *reinterpret_cast<const uint4*>(vm + 8 * c + 32 * t);
+        const __half* sh = reinterpret_cast<const __half*>(&sw);
+        const __half* mh = reinterpret_cast<const __half*>(&mw);
+#pragma unroll
+        for (int d = 0; d < 8; ++d) {  // token 8 c + d + 32 t = 8 c + 4 e + bb + 32 t
+          const int bb = d & 3, e = d >> 2;
+          mb[0] = fmaf(s[bb][t][e], __half2float(mh[d]), mb[0]);
+          s[bb][t][e] *= __half2float(sh[d]);
+          pmax = fmaxf(pmax, s[bb][t][e]);
+        }
+      }
+      pmax = fmaxf(pmax, __shfl_xor_sync(0xffffffffu, pmax, 1));
+      pmax = fmaxf(pmax, __shfl_xor_sync(0xffffffffu, pmax, 2));
+      fp[0] = pmax > kTiny ? kPRange / pmax : 0.f;
+      invfp[0] = pmax * (1.f / kPRange);
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        uint32_t y[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) y[i] = fixed(s[kTok[i] & 3][t][kTok[i] >> 2], fp[0], kMagic);
+        uint32_t hi0, lo0, hi1, lo1;
+        split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
+        split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
+        frag[warp][t][lane] = make_uint4(hi0, lo0, hi1, lo1);
+      }
+
+      // ---- O = P' V in s32 per block: k-step t (tokens 8 c + kTok + 32 t), n-tile (bb, u) column n is
+      // channel 4 n + bb + 32 u; then into o.
 #pragma unroll 1
-    for (int t = 0; t < 4; ++t) {
-      const uint4 a = frag[warp][t][lane];
-      const unsigned char* vt = st + Stage::kVal + 1024 * t;
-      uint32_t r0[4], r1[4];
-      load_transposed(r0, vt, voff[0], voff[4], voff[1], voff[5]);
-      load_transposed(r1, vt, voff[2], voff[6], voff[3], voff[7]);
+      for (int t = 0; t < 4; ++t) {
+        const uint4 a = frag[warp][t][lane];
+        const unsigned char* vt = st + S::kVal + 1024 * t;
+        uint32_t r0[4], r1[4];
+        load_transposed(r0, vt, voff[0], voff[4], voff[1], voff[5]);
+        load_transposed(r1, vt, voff[2], voff[6], voff[3], voff[7]);
 #pragma unroll
-      for (int bb = 0; bb < 4; ++bb)
+        for (int bb = 0; bb < 4; ++bb)
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          imma_u8u8(oacc[bb][u], a, r0[bb] & (0x03030303u << (2 * u)), r1[bb] & (0x03030303u << (2 * u)));
+          for (int u = 0; u < 4; ++u)
+            imma_u8u8(oacc[bb][u], a, r0[bb] & (0x03030303u << (2 * u)), r1[bb] & (0x03030303u << (2 * u)));
+      }
+    } else {
+      // KIVI, first pass: the largest P'_u = P * value scale[., u] over the block and P . min[., u];
+      // P to the stage's key codes (read by now) in k order: [t][half][lane] float4.
+      float4* pst = reinterpret_cast<float4*>(st + S::kLow);
+      __syncwarp();  // every lane's S loop is done with the key codes
+      float pmax[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        float pk[8];  // token 8 c + kTok[i] + 32 t
+#pragma unroll
+        for (int i = 0; i < 8; ++i) pk[i] = s[kTok[i] & 3][t][kTok[i] >> 2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // tokens 8 c + 32 t + 4 h .. + 3 (k positions 2 h ..)
+          uint4 sw[2], mw[2];  // two tokens each: [token][4 groups] FP16
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            sw[q] = *reinterpret_cast<const uint4*>(vs + 4 * (8 * c + 32 * t + 4 * h + 2 * q));
+            mw[q] = *reinterpret_cast<const uint4*>(vm + 4 * (8 * c + 32 * t + 4 * h + 2 * q));
+          }
+          const __half* sh = reinterpret_cast<const __half*>(sw);
+          const __half* mh = reinterpret_cast<const __half*>(mw);
+#pragma unroll
+          for (int d = 0; d < 4; ++d) {  // token 8 c + 32 t + 4 h + d = 8 c + 4 e + bb + 32 t
+            const float pe = s[d][t][h];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+              pmax[u] = fmaxf(pmax[u], pe * __half2float(sh[4 * d + u]));
+              mb[u] = fmaf(pe, __half2float(mh[4 * d + u]), mb[u]);
+            }
+          }
+        }
+        pst[(2 * t) * 32 + lane] = make_float4(pk[0], pk[1], pk[2], pk[3]);
+        pst[(2 * t + 1) * 32 + lane] = make_float4(pk[4], pk[5], pk[6], pk[7]);
+      }
+#pragma unroll
+      for (int x = 1; x < 4; x <<= 1)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) pmax[u] = fmaxf(pmax[u], __shfl_xor_sync(0xffffffffu, pmax[u], x));
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        fp[u] = pmax[u] > kTiny ? __fdividef(kPRange, pmax[u]) : 0.f;  // 2 ulp: inside kPRange's margin
+        invfp[u] = pmax[u] * (1.f / kPRange);
+      }
+      __syncwarp();  // P is written
+
+      // ---- O = P'_u V in s32 per block: k-step t (tokens 8 c + kTok + 32 t), n-tile (bb, u) column n
+      // is channel 4 n + bb + 32 u (group u), its A fragments those of P'_u.
+#pragma unroll 1
+      for (int t = 0; t < 4; ++t) {
+        const unsigned char* vt = st + S::kVal + 1024 * t;
+        uint32_t r0[4], r1[4];
+        load_transposed(r0, vt, voff[0], voff[4], voff[1], voff[5]);
+        load_transposed(r1, vt, voff[2], voff[6], voff[3], voff[7]);
+        const float4 pa = pst[(2 * t) * 32 + lane], pb = pst[(2 * t + 1) * 32 + lane];
+        const float pk[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+        uint4 sw[4];  // tokens 8 c + 32 t + 2 q, + 1: [token][4 groups] FP16
+#pragma unroll
+        for (int q = 0; q < 4; ++q) sw[q] = *reinterpret_cast<const uint4*>(vs + 4 * (8 * c + 32 * t + 2 * q));
+        const __half* sh = reinterpret_cast<const __half*>(sw);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          uint32_t y[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) y[i] = fixed(pk[i] * __half2float(sh[4 * kTok[i] + u]), fp[u], kMagic);
+          uint32_t hi0, lo0, hi1, lo1;
+          split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
+          split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
+          const uint4 a = make_uint4(hi0, lo0, hi1, lo1);
+#pragma unroll
+          for (int bb = 0; bb < 4; ++bb)
+            imma_u8u8(oacc[bb][u], a, r0[bb] & (0x03030303u << (2 * u)), r1[bb] & (0x03030303u << (2 * u)));
+        }
+      }
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const float unit = invfp / static_cast<float>(1 << (2 * u));
+      const float unit = invfp[KIVI ? u : 0] / static_cast<float>(1 << (2 * u));
 #pragma unroll
       for (int bb = 0; bb < 4; ++bb)
 #pragma unroll
@@ -951,7 +1197,8 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
 #pragma unroll
   for (int x = 1; x < 4; x <<= 1) {
     lsum += __shfl_xor_sync(0xffffffffu, lsum, x);
-    mb += __shfl_xor_sync(0xffffffffu, mb, x);
+#pragma unroll
+    for (int u = 0; u < kGroups; ++u) mb[u] += __shfl_xor_sync(0xffffffffu, mb[u], x);
   }
   if (c == 0) {
     red_m[warp][g] = row_m;
@@ -968,7 +1215,8 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
 #pragma unroll
     for (int bb = 0; bb < 4; ++bb)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) osm[(warp * kRows + g) * kD + 8 * c + 4 * e + bb + 32 * u] = (o[bb][u][e] + mb) * wscale;
+      for (int e = 0; e < 2; ++e)
+        osm[(warp * kRows + g) * kD + 8 * c + 4 * e + bb + 32 * u] = (o[bb][u][e] + mb[KIVI ? u : 0]) * wscale;
 }
 
 }  // namespace packed
@@ -1012,13 +1260,15 @@ __device__ __forceinline__ void write_split(const Params& p, int b, int kh, int 
   }
 }
 
-// PACKED (Kitty pages): splits [0, ns = splits - gsplits) run the packed path, the last gsplits
-// splits the staged path over the blocks the packed path leaves (those holding FP16 ring tokens,
-// the tail block). (Running those inside the last packed CTAs instead measured slower at every
-// point, H100: 8 x 8K 58.9 us vs 39.3, 1 x 8K 27.2 vs 16.2.)
+// PACKED (Kitty pages, KG = VPL = 1; KIVI-2, KG = VPL = 4): splits [0, ns = splits - gsplits) run the
+// packed path, the last gsplits splits the staged path over the blocks the packed path leaves
+// (those holding FP16 ring tokens, the tail block). (Running those inside the last packed CTAs
+// instead measured slower at every point, H100: 8 x 8K 58.9 us vs 39.3, 1 x 8K 27.2 vs 16.2.)
 template <int D, int KG, int VPL, bool PACKED>
 __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_kernel(Params p) {
-  static_assert(!PACKED || (D == packed::kD && KG == 1 && VPL == 1), "the packed path reads Kitty pages, head_dim 128");
+  static_assert(!PACKED || (D == packed::kD && KG == VPL && (KG == 1 || KG == 4)),
+                "the packed path reads Kitty pages and KIVI-2 (value groups of 32 channels), head_dim 128");
+  constexpr bool kKivi = KG == 4;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red_m[4][kRows], red_l[4][kRows];
   __shared__ __align__(16) __half qsm[kRows][D + kPad];   // the query rows, FP16 (rows >= G zero)
@@ -1036,13 +1286,23 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
   }
   const int first = max(rb.lo, 0) / kBlock, last = rb.hi > rb.lo ? (rb.hi + kBlock - 1) / kBlock : first;
   if constexpr (PACKED) {
-    __shared__ uint8_t inv[4][packed::kMaxBoost];     // per warp: the channel of each boosted rank
     __shared__ __align__(16) float q4[8][4][36];      // the query rows in FP32, 32-channel rows padded
-    __shared__ uint4 frag[4][4][32];                  // per warp: a block's A fragments [k-step][lane]
+    // Kitty only (KIVI forms its A fragments in registers; its shared memory is the larger stages):
+    // per warp the channel of each boosted rank, a block's A fragments [k-step][lane].
+    using KittySmem = struct {
+      uint8_t inv[4][packed::kMaxBoost];
+      uint4 frag[4][4][32];
+    };
+    __shared__ __align__(16) unsigned char kitty_smem[kKivi ? 16 : sizeof(KittySmem)];
+    auto* ks_ = reinterpret_cast<KittySmem*>(kitty_smem);
+    uint8_t (*inv)[packed::kMaxBoost] = kKivi ? nullptr : ks_->inv;
+    uint4 (*frag)[4][32] = kKivi ? nullptr : ks_->frag;
     const int fend = packed_end(p, rb, first, last);
     const int ns = p.splits - p.gsplits;  // packed splits first
     if (split < ns) {
-      if (tid < 4 * packed::kMaxBoost) inv[tid / packed::kMaxBoost][tid % packed::kMaxBoost] = 0;
+      if constexpr (!kKivi) {
+        if (tid < 4 * packed::kMaxBoost) inv[tid / packed::kMaxBoost][tid % packed::kMaxBoost] = 0;
+      }
       const float* qrow = p.q + (static_cast<long>(b) * p.kvh + kh) * p.g * D;
       for (int e = tid; e < 8 * D; e += kThreads) {
         const int row = e / D, col = e % D;
@@ -1051,7 +1311,7 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
       __syncthreads();  // q4, inv
       const int per = (fend - first + ns - 1) / ns;
       const int blk0 = first + split * per, blk1 = min(blk0 + per, fend);
-      packed::packed_path(p, b, kh, rb, blk0, blk1, smem, q4, inv, frag, red_m, red_l);
+      packed::packed_path<kKivi>(p, b, kh, rb, blk0, blk1, smem, q4, inv, frag, red_m, red_l);
     } else {
       staged_path<D, KG, VPL>(p, b, kh, rb, fend, split - ns, p.gsplits, smem, qsm, red_m, red_l);
     }
@@ -1076,15 +1336,18 @@ inline ffi::Error bad(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp quantized decode attention: " + msg);
 }
 
-// Whether the packed path reads this layout (see the packed namespace's head).
+// Whether the packed path reads this layout (see the packed namespace's head): Kitty pages with 16
+// or 32 boosted channels, or KIVI-2 (key groups of 32 tokens, value groups of 32 channels).
 inline bool packed_reads(const Params& p, int64_t d) {
-  return d == packed::kD && p.g <= 8 && p.kg == 1 && (p.nb == 16 || p.nb == 32) && p.vt == kBlock && p.v_group == d;
+  const bool kitty = p.kg == 1 && (p.nb == 16 || p.nb == 32) && p.vt == kBlock && p.v_group == d;
+  const bool kivi = p.kg == 4 && p.nb == 0 && p.vt == 1 && p.v_group == 32;
+  return d == packed::kD && p.g <= 8 && (kitty || kivi);
 }
 
 template <int D, int KG, int VPL, bool PACKED>
 cudaError_t launch_variant(cudaStream_t stream, const Params& p, int batch) {
   size_t smem = smem_bytes<D>();
-  if constexpr (PACKED) smem = std::max(smem, packed::smem_bytes());
+  if constexpr (PACKED) smem = std::max(smem, packed::smem_bytes<KG == 4>());
   static const cudaError_t attr = cudaFuncSetAttribute(
       units_kernel<D, KG, VPL, PACKED>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (attr != cudaSuccess) return attr;
@@ -1096,13 +1359,15 @@ cudaError_t launch_variant(cudaStream_t stream, const Params& p, int batch) {
 }
 
 // Kitty (one key scale per channel, one value scale per token) or KIVI-2 (key scales per 32-token
-// plane, value scales per channel group); the packed path where gsplits < splits (Kitty pages,
-// head_dim 128).
+// plane, value scales per channel group); the packed path where gsplits < splits (head_dim 128:
+// Kitty pages, or KIVI-2 with value groups of 32 channels, packed_reads).
 template <int D>
 cudaError_t launch(cudaStream_t stream, const Params& p, int batch) {
   const bool one_value_scale = p.v_group == D;
   if constexpr (D == packed::kD) {
-    if (p.gsplits < p.splits) return launch_variant<D, 1, 1, true>(stream, p, batch);
+    if (p.gsplits < p.splits)
+      return p.kg == 1 ? launch_variant<D, 1, 1, true>(stream, p, batch)    // Kitty
+                       : launch_variant<D, 4, 4, true>(stream, p, batch);   // KIVI-2
   }
   if (p.kg == 1 && one_value_scale) return launch_variant<D, 1, 1, false>(stream, p, batch);
   if (p.kg == 1) return launch_variant<D, 1, 4, false>(stream, p, batch);
@@ -1193,7 +1458,7 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   if (batch > 65535 || p.splits > 65535) return bad("at most 65535 rows and 65535 splits (the grid's y and z)");
   if (gsplits < p.splits && !packed_reads(p, d))
     return bad("the packed path takes head_dim 128, at most 8 query heads per KV head, Kitty pages with 16 or 32 "
-               "boosted channels");
+               "boosted channels or KIVI-2 with value groups of 32 channels");
   if (batch == 0 || kvh == 0) return ffi::Error::Success();
   cudaError_t e;
   switch (d) {

@@ -26,17 +26,23 @@ the FP16 sink and the new token.
 Design (``quantized_decode_attention.cu``), two paths in one launch, both flash-decoding with
 ``mma.sync`` (FP32 softmax):
 
-* packed (Kitty pages, head_dim 128, <= 8 query heads per KV head, :func:`packed_reads`; taken
-  wherever it reads unless ``packed=False``): each warp walks its own fully packed blocks, copied
-  by ``cp.async``, and feeds the 2-bit codes straight from the packed words to 8-bit integer MMAs
-  (m16n8k32, exact int32 sums): ``Q * key scale`` and ``P * value scale`` as 16-bit fixed point
-  split into high and low bytes (the MMA's rows ``g`` and ``g + 8``), the codes as bytes, one LOP3
-  per 4 codes; about ``2e-4`` relative of the float32 reference;
-* staged (KIVI, other head dims, and a whole-cache call's blocks holding FP16 ring tokens or the
-  sink): one CTA unpacks each block into shared memory as FP16 (``code * scale + min`` by HFMA2;
-  never to global memory), copies the ring tokens over it, and reads it with ``ldmatrix``, FP16
-  m16n8k16 MMAs with the query heads as the 16 rows; within about ``1e-3`` of the reference. Splits
-along the sequence are merged in float32 by XLA (:func:`jaxlp.attention.reference.merge_splits`).
+* packed (head_dim 128, <= 8 query heads per KV head: Kitty pages with 16 or 32 boosted channels
+  and KIVI-2 with value groups of 32 channels, :func:`packed_reads`; taken wherever it reads unless
+  ``packed=False``): each warp walks its own fully packed blocks, copied by ``cp.async``, and feeds
+  the 2-bit codes straight from the packed words to 8-bit integer MMAs (m16n8k32, exact int32
+  sums): ``Q * key scale`` and ``P * value scale`` as 16-bit fixed point split into high and low
+  bytes (the MMA's rows ``g`` and ``g + 8``), the codes as bytes, one LOP3 per 4 codes; about
+  ``2e-4`` relative of the float32 reference. KIVI-2's key scale group ``t`` (32 tokens) is plane
+  ``t`` of the key codes and its value channel group ``u`` (32 channels) plane ``u`` of the value
+  codes: a block takes four ``Q * key scale`` fixed-point sets (each with its own range and
+  ``q . min``), four ``P * value scale`` sets and four ``P . value min`` sums, one per plane;
+* staged (other layouts and head dims, more than 8 query heads per KV head, and a whole-cache
+  call's blocks holding FP16 ring tokens or the sink): one CTA unpacks each block into shared
+  memory as FP16 (``code * scale + min`` by HFMA2; never to global memory), copies the ring tokens
+  over it, and reads it with ``ldmatrix``, FP16 m16n8k16 MMAs with the query heads as the 16 rows;
+  within about ``1e-3`` of the reference.
+
+Splits along the sequence are merged in float32 by XLA (:func:`jaxlp.attention.reference.merge_splits`).
 
 The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
@@ -124,9 +130,15 @@ def default_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) -
 
 def packed_reads(lay: Layout, head_dim: int, group: int) -> bool:
     """Whether the packed path (no shared-memory FP16 tile, integer MMAs; the .cu file's ``packed``
-    namespace) reads this layout: head_dim 128, at most 8 query heads per KV head, Kitty pages with
-    16 or 32 boosted channels. ``packed=None`` takes it wherever it reads."""
-    return head_dim == 128 and group <= 8 and lay.key_groups == 1 and lay.n_boost in (16, 32)
+    namespace) reads this layout: head_dim 128, at most 8 query heads per KV head, and either Kitty
+    pages (keys with 16 or 32 boosted channels, value pages) or KIVI-2 (key blocks of four 32-token
+    scale groups, value tokens with groups of 32 channels: one scale group per 2-bit plane).
+    ``packed=None`` takes it wherever it reads."""
+    if head_dim != 128 or group > 8:
+        return False
+    kitty = lay.key_groups == 1 and lay.n_boost in (16, 32) and lay.value_tokens == BLOCK
+    kivi = lay.key_groups == 4 and lay.n_boost == 0 and lay.value_tokens == 1 and lay.value_group == 32
+    return kitty or kivi
 
 
 def packed_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) -> int:

@@ -12,6 +12,13 @@ loads its rows of both planes into registers, rebuilds the FP16 words there (:fu
 integer ops on 16-bit lanes) and feeds them to WGMMA as the register A operand, the activations
 (K-major) as the shared-memory B operand. The FP16 weight never exists in memory.
 
+The merge (``MatmulConfig.merge``): ``"ptx"`` loads 4 bytes of each plane per 32-bit register
+(layout WGMMA_UPCAST_2X), interleaves them into two words of 16-bit lanes ``u << 8 | l`` (one
+``prmt`` each) and rebuilds both FP16 lanes of a word with 32-bit integer ops
+(:func:`merge_packed_words`, 7 ops per 2 weights), then moves the words to the WGMMA layout (one
+shuffle per 4 weights); ``"jnp"`` is the same merge as array ops on 16-bit lanes
+(:func:`merge_words`), which Mosaic lowers to about twice the instructions.
+
 :func:`reference` is the pure-jnp definition (FP32 dot of the merged weights).
 """
 
@@ -22,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxlp.formats.nestedfp import NestedFPArray, merge
@@ -29,31 +37,52 @@ from jaxlp.pallas import wgmma_tiles
 from jaxlp.pallas.wgmma_tiles import SMEM_LIMIT, Tiles, round_up
 
 
+MERGES = ("ptx", "jnp")
+A_OPERANDS = ("smem", "registers")
+EPILOGUE_TOKENS = 128  # tokens per output store of the epilogue
+
+
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig(Tiles):
     """Tiling of :func:`nestedfp_matmul` (:class:`~jaxlp.pallas.wgmma_tiles.Tiles`), here with
     tile_m a multiple of 8 in [8, 256] and tile_k 64 or 128 (the byte planes' rows are tile_k
-    bytes)."""
+    bytes); merge: how the FP16 words are rebuilt in registers, ``"ptx"`` or ``"jnp"`` (module doc);
+    a_operand: where WGMMA reads the rebuilt weight tile (module doc): ``"registers"`` or ``"smem"``."""
+
+    merge: str = "ptx"
+    a_operand: str = "registers"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
+        if self.a_operand not in A_OPERANDS:
+            raise ValueError(f"a_operand must be one of {A_OPERANDS}, got {self.a_operand!r}")
         if self.tile_m % 8 or not 8 <= self.tile_m <= 256:
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
         if self.tile_k not in (64, 128):
             raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
 
+    @property
+    def name(self) -> str:
+        return (super().name + ("s" if self.a_operand == "smem" else "")
+                + ("" if self.merge == "ptx" else f"-{self.merge}"))
+
     def smem_bytes(self) -> int:
-        """Shared memory: pipeline buffers (two byte planes, FP16 activations) plus the output tile."""
+        """Shared memory: pipeline buffers (two byte planes, FP16 activations), the rebuilt weight
+        tiles (two per consumer warpgroup with ``a_operand="smem"``) and the epilogue's tile."""
         per_stage = 2 * self.cta_tile_n * self.tile_k + 2 * self.cta_tile_m * self.tile_k
-        return self.stages * per_stage + 2 * self.cta_tile_m * self.cta_tile_n
+        weights = 2 * 2 * 2 * self.tile_n * self.tile_k if self.a_operand == "smem" else 0
+        return self.stages * per_stage + weights + 2 * 2 * min(self.tile_m, EPILOGUE_TOKENS) * self.tile_n
 
 
 def default_config(m: int) -> MatmulConfig:
-    """Tiles by M (not yet tuned on a GPU: the NVFP4 kernel's shapes)."""
+    """Tiles by M, the fastest of the H100 sweep in docs/perf.md (session 18): the weight tile
+    through shared memory up to 256 tokens, the register operand past them."""
     if m <= 64:
         return MatmulConfig(tile_n=64, tile_m=max(8, -(-m // 8) * 8), tile_k=128, stages=4)
     if m <= 256:
-        return MatmulConfig(tile_n=64, tile_m=128, tile_k=64, stages=4)
+        return MatmulConfig(tile_n=64, tile_m=128, tile_k=64, stages=4, a_operand="smem")
     return MatmulConfig(tile_n=64, tile_m=256, tile_k=64, stages=3)
 
 
@@ -68,6 +97,65 @@ def merge_words(upper: jax.Array, lower: jax.Array) -> jax.Array:
     e = ((u - (low >> 7)) >> 1) & jnp.uint16(0x3F)
     word = (((u & jnp.uint16(0x80)) | e) << 8) | low
     return lax.bitcast_convert_type(word, jnp.float16)
+
+
+# The 32-bit merge of :func:`merge_packed_words` in PTX (ptxas fuses the and/or pairs into LOP3s):
+# $1 upper bytes, $2 lower bytes (4 weights each), $0 the FP16 pair of the weights SELECTOR picks
+# (0x5140: weights 0, 1; 0x7362: weights 2, 3).
+_MERGE_PTX = """{ .reg .b32 p, s, t;
+prmt.b32 p, $2, $1, SELECTOR;
+shr.u32 s, p, 1;
+and.b32 s, s, 0x7F807F80;
+or.b32 s, s, 0x00008000;
+and.b32 t, p, 0x00800080;
+sub.u32 s, s, t;
+and.b32 s, s, 0x3F003F00;
+and.b32 p, p, 0x80FF80FF;
+or.b32 $0, p, s; }"""
+MERGE_SELECTORS = (0x5140, 0x7362)
+
+
+def merge_packed_words(upper: jax.Array, lower: jax.Array) -> jax.Array:
+    """FP16 pairs from uint32 words of 4 upper and 4 lower bytes each, with the kernel's ``"ptx"``
+    merge (:data:`_MERGE_PTX`): ``[..., 2]`` uint32, weights (0, 1) then (2, 3), low half first.
+
+    ``p = prmt(l, u)`` puts weight i's bytes in a 16-bit lane ``u << 8 | l``. Per word of two lanes,
+    ``s = ((p >> 1) & 0x7F807F80 | 0x8000) - (p & 0x00800080)`` holds ``(u - (l >> 7)) << 7`` in
+    each lane (bit 15, a guard, takes the lower lane's borrow; the upper lane's leaves the word), and
+    ``word = (p & 0x80FF80FF) | (s & 0x3F003F00)``: sign, ``e = ((u - (l >> 7)) >> 1) & 0x3F`` and
+    the lower byte, as :func:`merge_words` per lane."""
+    u = upper.astype(jnp.uint32)
+    low = lower.astype(jnp.uint32)
+    byte = lambda w, i: (w >> (8 * i)) & 0xFF  # noqa: E731
+    words = []
+    for i, j in ((0, 1), (2, 3)):  # prmt selectors 0x5140, 0x7362
+        p = byte(low, i) | (byte(u, i) << 8) | (byte(low, j) << 16) | (byte(u, j) << 24)
+        s = (((p >> 1) & jnp.uint32(0x7F807F80)) | jnp.uint32(0x8000)) - (p & jnp.uint32(0x00800080))
+        words.append((p & jnp.uint32(0x80FF80FF)) | (s & jnp.uint32(0x3F003F00)))
+    return jnp.stack(words, axis=-1)
+
+
+def _merge_registers(upper_2x, lower_2x):
+    """Mosaic GPU code: both byte planes ``[R, C]`` in layout WGMMA_UPCAST_2X (4 consecutive
+    weights of a row per 32-bit register) -> the FP16 weights ``[R, C]`` in the WGMMA layout (the
+    register A operand), by :data:`_MERGE_PTX` per pair of weights."""
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    i32 = ir.IntegerType.get_signless(32)
+    f16 = ir.F16Type.get()
+    out = np.empty(upper_2x.registers.shape, dtype=object)
+    for idx, u_reg in np.ndenumerate(upper_2x.registers):
+        u_word = mu.bitcast(u_reg, i32)
+        l_word = mu.bitcast(lower_2x.registers[idx], i32)
+        pairs = [mu.bitcast(mu.inline_ptx(_MERGE_PTX.replace("SELECTOR", hex(sel)), u_word, l_word,
+                                          result_types=i32), ir.VectorType.get((2,), f16))
+                 for sel in MERGE_SELECTORS]
+        out[idx] = mu.vector_concat(pairs)
+    merged = mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_UPCAST_2X, _is_signed=None)
+    return merged.to_layout(fa.WGMMA_LAYOUT)
 
 
 def reference(x: jax.Array, w: NestedFPArray) -> jax.Array:
@@ -117,18 +205,35 @@ def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int):
     out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
     split_n = cfg.wg_split == "n"
     grid_minor = 1 if cfg.grid_minor == "n" else 0
+    merge_registers = plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_2X, plgpu.Layout.WGMMA_UPCAST_2X),
+        return_type=plgpu.ShapeDtypeStruct((tn, tk), jnp.float16, plgpu.Layout.WGMMA),
+    )(lambda ctx, u2x, l2x: _merge_registers(u2x, l2x))
 
-    def kernel(u_gmem, l_gmem, x_gmem, y_gmem, out_smem):
+    def weight_tile(u_ref, l_ref):
+        if cfg.merge == "jnp":
+            return merge_words(u_ref[...], l_ref[...])
+        upcast = plgpu.Layout.WGMMA_UPCAST_2X
+        return merge_registers(plgpu.layout_cast(u_ref[...], upcast), plgpu.layout_cast(l_ref[...], upcast))
+
+    in_smem = cfg.a_operand == "smem"
+    epi = min(tm, EPILOGUE_TOKENS)
+
+    def kernel(u_gmem, l_gmem, x_gmem, y_gmem, out_smem, w_smem=None):
         def get_pipeline(body, compute_context):
+            # With the weight tile in shared memory a step's WGMMA still reads its activations
+            # while the next step runs: the step's buffers are released one step late (the
+            # pipeline takes one delay for all inputs).
+            delay = 1 if in_smem else 0
             plane = plgpu.BlockSpec((ctn, tk), lambda kk: (0, kk), transforms=w_transforms,
-                                    memory_space=plgpu.SMEM)
+                                    memory_space=plgpu.SMEM, delay_release=delay)
+            acts = plgpu.BlockSpec((ctm, tk), lambda kk: (0, kk), transforms=x_transforms,
+                                   memory_space=plgpu.SMEM, delay_release=delay)
             return plgpu.emit_pipeline_warp_specialized(
                 body,
                 grid=(k_iters,),
                 memory_registers=40,
-                in_specs=[plane, plane,
-                          plgpu.BlockSpec((ctm, tk), lambda kk: (0, kk), transforms=x_transforms,
-                                          memory_space=plgpu.SMEM)],
+                in_specs=[plane, plane, acts],
                 wg_axis="wg",
                 num_compute_wgs=2,
                 max_concurrent_steps=cfg.stages,
@@ -155,16 +260,26 @@ def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
                     def _acc(acc_ref):
                         eval_pipeline(acc_ref)
+                        plgpu.wgmma_wait(0)
                         y = acc_ref[...].astype(jnp.float16)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem.at[wg].T[...] = y
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg], y_gmem.at[cta_m, cta_n].at[wg_m, wg_n])
+                        y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
+                        for e in range(tm // epi):  # [tn, epi] slices of y^T, stored transposed
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            out_smem.at[wg].T[...] = y[:, e * epi:(e + 1) * epi]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(out_smem.at[wg], y_dst.at[pl.ds(e * epi, epi)])
 
-                def mma_body(_, u_smem, l_smem, x_smem, acc_ref):
-                    w16 = merge_words(u_smem.at[wg_n][...], l_smem.at[wg_n][...])
-                    plgpu.wgmma(acc_ref, w16, x_smem.at[wg_m].T)
-                    plgpu.wgmma_wait(0)
+                def mma_body(idx, u_smem, l_smem, x_smem, acc_ref):
+                    w16 = weight_tile(u_smem.at[wg_n], l_smem.at[wg_n])
+                    if in_smem:  # two tiles per warpgroup: step i's WGMMA reads one while step i + 1 fills the other
+                        w_tile = w_smem.at[wg, idx[0] % 2]
+                        w_tile[...] = w16
+                        plgpu.commit_smem()
+                        plgpu.wgmma(acc_ref, w_tile, x_smem.at[wg_m].T)
+                        plgpu.wgmma_wait(1)
+                    else:
+                        plgpu.wgmma(acc_ref, w16, x_smem.at[wg_m].T)
+                        plgpu.wgmma_wait(0)
                     return acc_ref
 
                 get_pipeline(mma_body, compute_context)(
@@ -180,7 +295,9 @@ def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int):
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=dict(out_smem=plgpu.SMEM((2, tm, tn), jnp.float16, transforms=out_transforms)),
+        scratch_types=dict(
+            out_smem=plgpu.SMEM((2, epi, tn), jnp.float16, transforms=out_transforms),
+            **({"w_smem": plgpu.SMEM((2, 2, tn, tk), jnp.float16, transforms=x_transforms)} if in_smem else {})),
     )
     return f(upper, lower, x)
 

@@ -10,8 +10,8 @@ picks CUDA, Pallas or XLA per shape; ``"nestedfp_cuda"``:
 :mod:`jaxlp.quantization.nestedfp_dispatch`, NestedFP in either mode for 1..8 tokens on tensor
 cores, the FP16 weight rebuilt in registers; ``"xla_native"``: :mod:`jaxlp.quantization.native_dot`,
 XLA's FP8 and FP16 dots on the stored bytes for FP8, NestedFP and FireQ INT4 weights;
-``"nestedfp_pallas"``: :mod:`jaxlp.quantization.nestedfp_gemm`, NestedFP's FP16 mode through a
-Pallas WGMMA GEMM, which ``"auto"`` never reaches: XLA's dots take those layers first); ``"auto"``
+``"nestedfp_pallas"``: :mod:`jaxlp.quantization.nestedfp_gemm`, NestedFP's FP16 mode past 8
+tokens through a Pallas WGMMA GEMM that rebuilds the FP16 weight inside the GEMM); ``"auto"``
 takes the first that supports the layer and the input, else ``"xla"``.
 
 Tensor parallelism (:func:`jaxlp.models.shard_model` calls :meth:`QuantizedLinear.set_parallel`):
@@ -65,8 +65,8 @@ def _nvfp4_why_not(layer, x):
 KERNELS: Mapping[str, Kernel] = MappingProxyType({
     nvfp4_dispatch.IMPLEMENTATION: Kernel(_nvfp4_why_not, nvfp4_dispatch.nvfp4_matmul),
     nestedfp_dispatch.IMPLEMENTATION: Kernel(nestedfp_dispatch.why_not, nestedfp_dispatch.matmul),
+    nestedfp_gemm.IMPLEMENTATION: Kernel(nestedfp_gemm.why_not, nestedfp_gemm.matmul),  # FP16 mode past 8 tokens
     native_dot.IMPLEMENTATION: Kernel(native_dot.why_not, native_dot.matmul),
-    nestedfp_gemm.IMPLEMENTATION: Kernel(nestedfp_gemm.why_not, nestedfp_gemm.matmul),  # after xla_native: explicit
 })
 
 

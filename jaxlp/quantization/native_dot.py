@@ -63,34 +63,43 @@ def why_not(layer, x: jax.Array) -> str | None:
     return f"weight format {fmt!r} (only {fp8.FORMAT!r}, 'nestedfp' and {int4_fp8.Int4FP8Array.format!r})"
 
 
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a [..., K] @ b [N, K].T`` with FP32 accumulation, as one 2-D dot (rows = tokens)."""
+def _dot(a: jax.Array, b: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+    """``a [..., K] @ b [N, K].T`` with FP32 accumulation, as one 2-D dot (rows = tokens), written
+    as ``out_dtype``."""
     lead = a.shape[:-1]
     y = jax.lax.dot_general(a.reshape(-1, a.shape[-1]), b, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
+                            preferred_element_type=out_dtype)
     return y.reshape(*lead, b.shape[0])
+
+
+def _fp8_product_dtype(x: jax.Array):
+    """The dtype an FP8 x FP8 dot writes before its scales: BF16 for BF16 activations (the GEMM
+    writes half the bytes and the scale pass reads half: one more BF16 rounding, far below the FP8
+    error, and BF16's range holds any E4M3 product sum), else FP32."""
+    return jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
 
 
 def matmul(layer, x: jax.Array) -> jax.Array:
     """The layer's product before bias (``QuantizedLinear.reference``'s math), in x's dtype, for a
-    layer :func:`why_not` accepts (``QuantizedLinear`` asks it first)."""
+    layer :func:`why_not` accepts (``QuantizedLinear`` asks it first). Every scale is applied in one
+    expression after the dot (one elementwise pass)."""
     w = layer.weight.get_value()
+    f32 = jnp.float32
     if w.format == fp8.FORMAT:
         if layer.activation is None:
-            y = _dot(x, w.data.astype(x.dtype))
+            y = _dot(x, w.data.astype(x.dtype)) * w.scale  # [N] broadcasts over the last axis
         else:
             x8, x_scale = fp8.quantize_arrays(x, granularity="token")
-            y = _dot(x8, w.data) * x_scale[..., None]
-        y = y * w.scale  # [N] broadcasts over the last axis; a per-tensor scale is a scalar
+            y = _dot(x8, w.data, _fp8_product_dtype(x)).astype(f32) * (x_scale[..., None] * w.scale)
     elif w.format == int4_fp8.Int4FP8Array.format:
         if layer.activation is None:
             y = _dot(x, w.fp8_values().astype(x.dtype))
         else:
             x8, x_scale = int4_fp8.quantize_activation_fp8(x)
-            y = _dot(x8, w.fp8_values()) * x_scale.astype(jnp.float32)
+            y = _dot(x8, w.fp8_values(), _fp8_product_dtype(x)).astype(f32) * x_scale.astype(f32)
     elif layer.mode == "fp8":
-        x8, scale = activations.nestedfp_fp8(x.astype(jnp.float32))
-        y = _dot(x8, w.upper_as_fp8()) / scale * nestedfp.FP8_SCALE
+        x8, scale = activations.nestedfp_fp8(x.astype(f32))
+        y = _dot(x8, w.upper_as_fp8()) * (nestedfp.FP8_SCALE / scale)
     else:
         y = _dot(x, nestedfp.merge(w.upper, w.lower))
     if layer.out_scale != 1.0:

@@ -1,10 +1,11 @@
 """NestedFP FP16-mode ``QuantizedLinear`` products through the Pallas Mosaic GPU GEMM
 (``implementation="nestedfp_pallas"``; :mod:`jaxlp.pallas.nestedfp_matmul`): WGMMA with the FP16
-weight rebuilt from its two byte planes in registers, any number of tokens.
+weight rebuilt from its two byte planes inside the GEMM, any number of tokens.
 
-Explicit only for now: ``"auto"`` reaches XLA's dots (:mod:`jaxlp.quantization.native_dot`) first,
-because this kernel measured 0.57-0.78x of XLA's FP16 dot (H100, 12288 x 4096 and 4096 x 4096,
-M = 128..2048; docs/perf.md), faster than XLA's merge-then-dot only at M = 128.
+``"auto"`` takes it on a GPU for the FP16 mode past 8 tokens (``"nestedfp_cuda"`` takes 1..8),
+before XLA's merge-then-dot (:mod:`jaxlp.quantization.native_dot`): faster than that at every
+measured shape and M (H100, docs/perf.md "session 18"), though still behind XLA's FP16 dot on
+plain FP16 weights.
 """
 
 from __future__ import annotations

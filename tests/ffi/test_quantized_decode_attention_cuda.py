@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from packed_units import CODECS, exact, np_decode, random_kv, rel, stores
+from packed_units import CODECS, exact, np_decode, np_unpack, random_kv, rel, stores
 
 from jaxlp import kvcache
 from jaxlp.ffi import quantized_decode_attention as cuda
@@ -91,11 +91,17 @@ def lowering_inputs(name):
 def test_packed_path_reads_head_dim_128_and_splits_without_empty_ones():
     assert cuda.packed_reads(cuda.Layout(32, 1, 128, 128), 128, 4)
     assert cuda.packed_reads(cuda.Layout(16, 1, 128, 128), 128, 8)
-    assert not cuda.packed_reads(cuda.Layout(0, 4, 1, 32), 128, 4)  # KIVI-2: the staged path
+    kivi2 = cuda.layout(*CODECS["kivi-k2v2"], 128, 4)
+    assert kivi2 == cuda.Layout(0, 4, 1, 32)
+    for g in range(1, 9):  # KIVI-2: four key groups, value groups of 32 channels (one per plane)
+        assert cuda.packed_reads(kivi2, 128, g)
     for lay, d, g in [(cuda.Layout(32, 1, 128, 128), 256, 4), (cuda.Layout(32, 1, 128, 128), 128, 16),
                       (cuda.Layout(24, 1, 128, 128), 128, 4), (cuda.Layout(0, 4, 1, 16), 128, 4),
-                      (cuda.Layout(0, 4, 1, 128), 128, 4)]:
-        assert not cuda.packed_reads(lay, d, g)
+                      (cuda.Layout(0, 4, 1, 64), 128, 4), (cuda.Layout(0, 4, 1, 128), 128, 4),
+                      (cuda.Layout(0, 4, 1, 32), 64, 4), (cuda.Layout(0, 4, 1, 32), 256, 4),
+                      (cuda.Layout(0, 4, 1, 32), 128, 9), (cuda.Layout(0, 4, 1, 32), 128, 16),
+                      (cuda.Layout(16, 1, 1, 32), 128, 4), (cuda.Layout(0, 1, 128, 128), 128, 4)]:
+        assert not cuda.packed_reads(lay, d, g), (lay, d, g)
     assert cuda.packed_splits(8, 8, 256) == 4  # 264 CTAs / 64 (row, head) pairs
     assert cuda.packed_splits(1, 8, 64) == 16  # one block per warp
     for batch in (1, 3, 8, 32):
@@ -107,6 +113,24 @@ def test_packed_path_reads_head_dim_128_and_splits_without_empty_ones():
     rows = jnp.asarray([0, 128], jnp.int32)
     with pytest.raises(ValueError, match="packed path does not read"):
         cuda.attend_units(q, ks, vs, kc, vc, rows, rows, scale=1.0, packed=True)
+
+
+@pytest.mark.parametrize("g, packed", [(4, None), (8, True), (16, None)])
+def test_kivi2_at_head_dim_128_lowers_to_the_packed_path(g, packed):
+    """KIVI-2 at head_dim 128 takes the packed path (its splits: packed_splits, no staged ones in
+    attend_units) up to 8 query heads per KV head; 16 stay staged, and packed=True refuses them."""
+    kc, vc = CODECS["kivi-k2v2"]
+    b, kvh, d, n = 2, 2, 128, 512
+    ks, vs = stores((kc, vc), *random_kv(1, b, n, kvh, d))
+    q = jnp.zeros((b, kvh * g, d), jnp.bfloat16)
+    rows = jnp.asarray([0, 128], jnp.int32)
+    f = jax.jit(lambda q, ks, vs, lo, hi: cuda.attend_units(q, ks, vs, kc, vc, lo, hi, scale=0.125, packed=packed))
+    text = f.trace(q, ks, vs, rows, rows + 300).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(cuda.TARGET) == 1
+    splits = cuda.packed_splits(b, kvh, n // 128) if g <= 8 else cuda.default_splits(b, kvh, n // 128)
+    assert f"tensor<{b}x{kvh}x{splits}x{g}x{d}xf32>" in text
+    with pytest.raises(ValueError, match="packed path does not read"):
+        cuda.attend_units(jnp.zeros((b, kvh * 16, d)), ks, vs, kc, vc, rows, rows, scale=1.0, packed=True)
 
 
 @pytest.mark.parametrize("name", READ)
@@ -227,8 +251,7 @@ def test_gpu_qwen3_8b_shape_any_split(name):
     # Each path: float64 within TOL (check), its split counts alike: the staged path's FP16
     # probabilities are relative to each split's max, the packed path's 16-bit fixed-point P' to
     # each block's largest and its Q' to each page's.
-    paths = [(False, 1e-4)] + ([(True, 5e-4)] if name != "kivi-k2v2" else [])
-    for packed, agree in paths:
+    for packed, agree in [(False, 1e-4), (True, 5e-4)]:
         outs = [check(kc, vc, q, k, v, lo, hi, d**-0.5, splits=s, packed=packed) for s in (None, 1, 5, 32)]
         for o in outs[1:]:
             assert rel(o, outs[0]) <= agree
@@ -236,12 +259,15 @@ def test_gpu_qwen3_8b_shape_any_split(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ("kitty", "kitty-pro"))
+@pytest.mark.parametrize("name", ("kitty", "kitty-pro", "kivi-k2v2"))
 def test_gpu_packed_path_with_outlier_channels(name):
     """Keys with a few channels 30x the rest and queries peaked on them (the packed path's
-    fixed-point Q' spends its 16 bits on the largest |Q * scale| of a page), values with outlier
-    tokens (P' on the block's largest P * scale): float64 within TOL, the staged path alike."""
-    kc, vc = kitty.KeyCodec(16 if name == "kitty" else 32), kitty.ValueCodec()  # what the packed path reads
+    fixed-point Q' spends its 16 bits on the largest |Q * scale| of a page, KIVI's of each 32-token
+    group), values with outlier tokens (P' on the block's largest P * scale, KIVI's per 32-channel
+    group): float64 within TOL, the staged path alike."""
+    kc, vc = CODECS[name]
+    if isinstance(kc, kitty.KeyCodec):
+        kc = kitty.KeyCodec(16 if name == "kitty" else 32)  # what the packed path reads
     b, kvh, g, d, n = 2, 2, 4, 128, 768
     k, v = random_kv(11, b, n, kvh, d)
     rng = np.random.default_rng(12)
@@ -259,16 +285,60 @@ def test_gpu_packed_path_with_outlier_channels(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ("kitty-pro", "kivi-k2v2"))
 @pytest.mark.parametrize("packed", (True, False))
-def test_gpu_long_rows_in_one_split(packed):
+def test_gpu_long_rows_in_one_split(name, packed):
     """16K tokens in one split: each warp walks 32 blocks, most far below the running max (the
     packed path's P' scale is each block's own largest P'; the FP16-MMA design before it drifted
     to 1e-2 here)."""
-    kc, vc = CODECS["kitty-pro"]
+    kc, vc = CODECS[name]
     b, kvh, g, d, n = 2, 2, 4, 128, 16384
     k, v = random_kv(13, b, n, kvh, d)
     q = np.random.default_rng(14).normal(size=(b, kvh * g, d)).astype(np.float32)
     check(kc, vc, q, k, v, [0, 3000], [n, n - 5], d**-0.5, splits=1, packed=packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("g", range(1, 9))
+def test_gpu_kivi2_packed_path_at_block_edges(g):
+    """KIVI-2 on the packed path, 1 to 8 query heads per KV head: a block boundary to boundary,
+    129 tokens from mid-block, 255 across three blocks, an empty range, the whole cache with a
+    block of all-equal keys (scale floor), a block of zero keys and values, a row of one token;
+    against float64 and the reference, and the staged path within TOL of it."""
+    kc, vc = CODECS["kivi-k2v2"]
+    b, kvh, d, n = 7, 2, 128, 384
+    k, v = random_kv(100 + g, b, n, kvh, d)
+    k[4, 128:256] = 1.5
+    k[5, :128], v[5, :128] = 0.0, 0.0
+    q = np.random.default_rng(g).normal(size=(b, kvh * g, d)).astype(np.float32)
+    lo, hi = [128, 5, 100, 7, 0, 0, 383], [256, 134, 355, 7, 384, 128, 384]
+    packed = check(kc, vc, q, k, v, lo, hi, d**-0.5, packed=True)
+    staged = check(kc, vc, q, k, v, lo, hi, d**-0.5, packed=False)
+    assert rel(packed, staged) <= TOL
+    check(kc, vc, q, k, v, lo, hi, d**-0.5, softcap=5.0, splits=2, packed=True)
+    check(kc, vc, q * 3, k, v, lo, hi, d**-0.5, splits=1, packed=True)  # peaked softmax, one split
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_kivi2_packed_path_with_a_value_store_ending_inside_a_block():
+    """The cache's KIVI value store holds any number of tokens (its length less the FP16 window):
+    a packed block past the store's end copies zeros there (the tokens are past hi), reading no
+    byte beyond it. Keys of 384 tokens, values of 300 (the store cut after encoding)."""
+    kc, vc = CODECS["kivi-k2v2"]
+    b, kvh, g, d, n, t = 4, 2, 4, 128, 384, 300
+    k, v = random_kv(21, b, n, kvh, d)
+    ks, vs = stores((kc, vc), k, v)
+    vs = jax.tree.map(lambda a: a[:, :t], vs)
+    q = np.random.default_rng(22).normal(size=(b, kvh * g, d)).astype(np.float32)
+    lo, hi = jnp.asarray([0, 130, 256, 299], jnp.int32), jnp.asarray([300, 300, 290, 300], jnp.int32)
+    want = exact(q, np_decode(kc, ks)[:, :t], np_decode(vc, vs), lo, hi, d**-0.5)[0]
+    for packed in (True, False):
+        out, m, l = jax.jit(lambda q, ks, vs: cuda.attend_units(q, ks, vs, kc, vc, lo, hi, scale=d**-0.5,
+                                                                 packed=packed))(q, ks, vs)
+        assert np.isfinite(np.asarray(out)).all()
+        assert rel(out, want) <= TOL, (packed, rel(out, want))
 
 
 # --- The packed path's integer arithmetic, mirrored in NumPy (the .cu file's `packed` namespace) ---
@@ -326,7 +396,8 @@ def test_packed_fixed_point_p_is_unsigned_16_bit():
 
 def test_packed_operand_bytes_are_codes_of_four_rows():
     """transpose4 + plane / high_plane: byte i of the B register (b, t) is row i's code of token
-    4 g + b + 32 t, times 4^t (plane 3: times 16; high bits h: 4 h times the same)."""
+    4 g + b + 32 t, times 4^t (plane 3: times 16; high bits h: 4 h times the same); KIVI's
+    plane_kivi: times 4^t for every plane."""
     rng = np.random.default_rng(2)
     words = rng.integers(0, 2**32, size=(4, 1000), dtype=np.uint64).astype(np.uint32)  # 4 rows' word g
     t0, t1 = prmt(words[0], words[1], 0x5140), prmt(words[0], words[1], 0x7362)
@@ -338,6 +409,67 @@ def test_packed_operand_bytes_are_codes_of_four_rows():
             low = r[b] & np.uint32(0x03030303 << 2 * t) if t < 3 else (r[b] >> np.uint32(2)) & np.uint32(0x30303030)
             high = (r[b] << np.uint32(2)) & np.uint32(0x03030303 << (2 * t + 2)) if t < 3 else r[b] & np.uint32(0xC0C0C0C0)
             weight = 4**t if t < 3 else 16
+            kivi = r[b] & np.uint32(0x03030303 << 2 * t)  # plane_kivi: no high bits, plane 3 as code * 64
             for i in range(4):
                 np.testing.assert_array_equal((low >> np.uint32(8 * i)) & 0xFF, code[i] * weight)
                 np.testing.assert_array_equal((high >> np.uint32(8 * i)) & 0xFF, 4 * code[i] * weight)
+                np.testing.assert_array_equal((kivi >> np.uint32(8 * i)) & 0xFF, code[i] * 4**t)
+
+
+def kivi_packed_block(q, codes, ks, km, vcodes, vs, vm, tiny=np.float32(2.0**-100)):
+    """The KIVI-2 packed path's arithmetic on one 128-token block (packed_path<true>), rows = query
+    heads: q [G, D] FP32 (times the softmax scale), key codes [D, 128 tokens], FP16 ks / km [4, D];
+    value codes [128 tokens, D], FP16 vs / vm [128 tokens, 4]. Returns the block's scores s [G, 128]
+    and, for P = exp(s - max) (float32), its O [G, D] with the minimums' sums added."""
+    f32 = np.float32
+    s = np.zeros((q.shape[0], 128))
+    for t in range(4):  # key group t = plane t: Q'_t, its own range and beta_t
+        qs = (q * ks[t].astype(f32)).astype(f32)
+        amax = np.abs(qs).max(axis=1, keepdims=True)
+        f = np.where(amax > tiny, f32(Q_RANGE) / np.maximum(amax, tiny), 0).astype(f32)
+        v = (fixed_bits(qs, f, MAGIC + Q_OFFSET) & 0xFFFF).astype(np.int64)
+        hi, lo = (v >> 8) - 128, (v & 0xFF) - 128
+        c = codes[:, 32 * t : 32 * t + 32].astype(np.int64) * 4**t  # plane t in place: u8 code * 4^t
+        assert c.max() <= 255 and np.abs(256 * (hi @ c)).max() + np.abs(lo @ c).max() < 2**31
+        beta = q.astype(np.float64) @ km[t].astype(np.float64)[:, None]
+        s[:, 32 * t : 32 * t + 32] = (256 * (hi @ c) + lo @ c) * (amax * f32(1 / Q_RANGE)) / 4**t + beta
+    p = np.exp(s - s.max(axis=1, keepdims=True)).astype(f32)
+    o = np.zeros((q.shape[0], vcodes.shape[1]))
+    for u in range(4):  # value group u = plane u: P'_u, its own range; P . min_u
+        pv = (p * vs[:, u].astype(f32)).astype(f32)
+        pmax = pv.max(axis=1, keepdims=True)
+        fp = np.where(pmax > tiny, f32(P_RANGE) / np.maximum(pmax, tiny), 0).astype(f32)
+        v = (fixed_bits(pv, fp, MAGIC) & 0xFFFF).astype(np.int64)
+        assert v.max() <= P_RANGE
+        c = vcodes[:, 32 * u : 32 * u + 32].astype(np.int64) * 4**u
+        assert (256 * ((v >> 8) @ c) + (v & 0xFF) @ c).max() < 2**31
+        o[:, 32 * u : 32 * u + 32] = ((256 * ((v >> 8) @ c) + (v & 0xFF) @ c) * (pmax * f32(1 / P_RANGE)) / 4**u
+                                      + p.astype(np.float64) @ vm[:, u : u + 1].astype(np.float64))
+    return s, p, o
+
+
+@pytest.mark.parametrize("outliers", (False, True))
+def test_packed_kivi_fixed_point_arithmetic_is_within_5e_4_of_float64(outliers):
+    """kivi_packed_block (the .cu file's KIVI-2 arithmetic) on blocks encoded by the real codecs
+    against float64 over the decoded block: the scores and the block's output P V (about 2e-4)."""
+    kc, vc = CODECS["kivi-k2v2"]
+    rng = np.random.default_rng(outliers)
+    k, v = random_kv(30 + outliers, 1, 512, 1, 128)
+    q = rng.normal(size=(8, 128)).astype(np.float32) * np.float32(128**-0.5)
+    if outliers:
+        hot = rng.choice(128, 4, replace=False)
+        k[..., hot] *= 30.0
+        v[:, rng.choice(512, 20, replace=False)] *= 25.0
+        q[:, hot] *= 8.0
+    ks, vs = stores((kc, vc), k, v)
+    kd, vd = np_decode(kc, ks)[0, :, 0], np_decode(vc, vs)[0, :, 0]  # [512, 128] float64
+    codes = np_unpack(ks.codes, 2)[0, :, 0]  # [4 blocks, D, 128]
+    vcodes = np_unpack(vs.codes, 2)[0, :, 0, 0]  # [512, D]
+    kscale, kmin = np.asarray(ks.scale)[0, :, 0], np.asarray(ks.min)[0, :, 0]  # [4 blocks, 4, D]
+    vscale, vmin = np.asarray(vs.scale)[0, :, 0, 0], np.asarray(vs.min)[0, :, 0, 0]  # [512, 4]
+    for blk in range(4):
+        tok = slice(128 * blk, 128 * blk + 128)
+        s, p, o = kivi_packed_block(q, codes[blk], kscale[blk], kmin[blk], vcodes[tok], vscale[tok], vmin[tok])
+        want_s = q.astype(np.float64) @ kd[tok].T
+        assert np.abs(s - want_s).max() <= 5e-4 * np.abs(want_s).max()
+        assert rel(o, p.astype(np.float64) @ vd[tok]) <= 5e-4
