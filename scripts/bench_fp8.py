@@ -8,6 +8,8 @@ depends on the previous output, so nothing is hoisted; us per call):
 - ``nestedfp16`` / ``nestedfp8``: the NestedFP layer in FP16 / FP8 mode, FP16 activations;
 - ``w8a8`` / ``w8a16``: FP8 E4M3 per-channel weights with / without per-token FP8 activations;
 - ``w4a8_fireq``: FireQ INT4 weights (E4M3 group scales) with FireQ's per-token FP8 activations;
+- ``nestedfp16_pallas`` / ``nestedfp8_pallas`` / ``w8a8_pallas``: those layers forced onto the Pallas
+  GEMMs (``nestedfp_pallas``, ``fp8_pallas``) whatever ``--implementation`` says;
 
 each quantized layer with ``--implementation`` (``auto``: XLA's native FP8 / FP16 dots on a
 GPU, :mod:`jaxlp.quantization.native_dot`; ``xla``: the float32 reference). Floor: the larger of
@@ -36,7 +38,8 @@ from jaxlp.progress import Reporter  # noqa: E402
 from jaxlp.quantization.linear import QuantizedLinear  # noqa: E402
 
 SHAPES = "12288x4096,6144x4096,4096x4096,28672x4096,4096x14336"  # N x K: Llama-3.1-8B linears and the issue's
-VARIANTS = ("bf16", "fp16", "nestedfp16", "nestedfp8", "w8a8", "w8a16", "w4a8_fireq")
+VARIANTS = ("bf16", "fp16", "nestedfp16", "nestedfp8", "w8a8", "w8a16", "w4a8_fireq", "nestedfp16_pallas",
+            "nestedfp8_pallas", "w8a8_pallas")
 
 
 def per_call_us(fn, params, x, n1: int, n2: int, repeats: int) -> float:
@@ -74,8 +77,8 @@ def layers(w: np.ndarray, implementation: str) -> dict:
     def dot(weight, x):  # written in x's dtype by the GEMM itself (FP32 sums inside cuBLAS)
         return jnp.einsum("mk,nk->mn", x, weight)
 
-    def q(weight, **kw):
-        graphdef, state = nnx.split(QuantizedLinear(weight, implementation=implementation, **kw))
+    def q(weight, impl=implementation, **kw):
+        graphdef, state = nnx.split(QuantizedLinear(weight, implementation=impl, **kw))
         return (lambda state, x: nnx.merge(graphdef, state)(x)), state
 
     return {
@@ -87,6 +90,9 @@ def layers(w: np.ndarray, implementation: str) -> dict:
         "w8a16": (*q(w8), jnp.bfloat16, n * k, False),
         "w4a8_fireq": (*q(int4_fp8.quantize(jnp.asarray(w)), activation="fireq_fp8"), jnp.bfloat16,
                        n * k // 2 + n * k // int4_fp8.GROUP_SIZE, True),
+        "nestedfp16_pallas": (*q(nested, "nestedfp_pallas"), jnp.float16, 2 * n * k, False),
+        "nestedfp8_pallas": (*q(nested, "fp8_pallas", mode="fp8"), jnp.float16, n * k, True),
+        "w8a8_pallas": (*q(w8, "fp8_pallas", activation="fp8_token"), jnp.bfloat16, n * k, True),
     }
 
 

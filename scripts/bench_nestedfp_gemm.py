@@ -1,19 +1,31 @@
-"""The Pallas NestedFP16 GEMM against XLA's FP16 dot on the NestedFP paper's GEMM sweep.
+"""The Pallas NestedFP16 and FP8 GEMMs against XLA's dots on the NestedFP paper's GEMM sweep.
 
 The paper's 14 (N, K) linear shapes of Llama 3.1 8B, Mistral Nemo, Phi-4 and Mistral Small (qkv,
 o, gate_up, down; two of Mistral Small's repeat Nemo's) x M = 32..2048 step 32 (``--ms``), side by
-side in one run: XLA's FP16 dot on the FP16 weights and :func:`jaxlp.pallas.nestedfp_matmul` on the
-NestedFP byte planes of the same weights (each ``--configs`` entry, or the default tiling of M).
-Per GEMM: us of device time, the ratio ``FP16 dot / NestedFP16`` (> 1: the kernel is faster) and
-the floor (the larger of the FP16 bytes / copy bandwidth and 2MNK / the measured dense FP16 rate).
-Summary: the mean and worst gap per shape and over all GEMMs (the issue's goal: within 3% on
-average, never more than 10% behind).
+side in one run, by ``--mode``:
+
+- ``fp16``: XLA's FP16 dot on the FP16 weights (the baseline) against
+  :func:`jaxlp.pallas.nestedfp_matmul` on the NestedFP byte planes of the same weights;
+- ``fp8``: the FP16 dot against NestedFP's FP8 mode, activation quantization included (per-token
+  scales, :func:`jaxlp.quantization.activations.nestedfp_fp8`), through
+  :func:`jaxlp.pallas.fp8_matmul`;
+- ``w8a8``: XLA's BF16 dot against W8A8-FP8 (per-channel weights, per-token activations quantized
+  in the call) through :func:`jaxlp.pallas.fp8_matmul`.
+
+``--configs``: the Pallas kernel's tilings (``default``: the kernel's default of M, or
+``MatmulConfig`` names) and ``xla``: the same layer through XLA's own dots
+(:mod:`jaxlp.quantization.native_dot`: merge-then-dot in FP16 mode, the FP8 dot then a scale pass).
+Per GEMM: us of device time, the ratio ``baseline / best`` (> 1: faster than the baseline) and
+the floor (the larger of the baseline's bytes / copy bandwidth and 2MNK / the measured dense
+BF16 rate, FP8 modes twice that rate). Summary: the mean and worst gap per shape and over all
+GEMMs (FP16 mode's goal: within 3% on average, never more than 10% behind).
 
 Method: scripts/bench_nvfp4.py's (imported): each timed function calls the GEMM once per weight
 buffer inside one jit (buffers together > 4x the 50 MB L2, so weights stream from HBM, as the paper
 flushes caches), every call with its own activations; device time from a profiler trace.
 
     python scripts/bench_nestedfp_gemm.py --out docs/bench_nestedfp_gemm_h100.json --plot docs/bench_nestedfp_gemm_h100.png
+    python scripts/bench_nestedfp_gemm.py --mode fp8 --shapes 12288x4096 --ms 256,2048 --configs default,xla
     python scripts/bench_nestedfp_gemm.py --shapes 12288x4096 --ms 128,512,2048 \\
         --configs default,N64M128K64S4nm8s,N64M256K64S3nm8   # a tile sweep
 """
@@ -36,9 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_nvfp4 as bn  # noqa: E402
 
-from jaxlp.formats import nestedfp  # noqa: E402
+from jaxlp.formats import fp8, nestedfp  # noqa: E402
+from jaxlp.pallas import fp8_matmul as fm  # noqa: E402
 from jaxlp.pallas import nestedfp_matmul as nm  # noqa: E402
 from jaxlp.progress import Reporter  # noqa: E402
+from jaxlp.quantization import activations, native_dot  # noqa: E402
 
 # (model, layer, N, K): each model's qkv, o, gate_up, down.
 PAPER_SHAPES = (
@@ -53,18 +67,52 @@ PAPER_SHAPES = (
 TARGET_BYTES = 220 << 20  # weight buffers per shape: > 4x the 50 MB L2
 
 
-def parse_config(name: str) -> nm.MatmulConfig | None:
-    """``default`` (None: the kernel's default of M) or a :attr:`MatmulConfig.name`, e.g.
-    ``N64M256K64S3nm8`` (register operand), ``N64M128K64S4nm8s`` (weight tile through shared
-    memory) or ``N64M256K64S3nm8-jnp``."""
-    if name == "default":
+MODES = ("fp16", "fp8", "w8a8")
+
+
+def parse_config(name: str, mode: str = "fp16"):
+    """``default`` (None: the kernel's default of M), ``xla`` (XLA's dots) or a kernel config name:
+    :attr:`nestedfp_matmul.MatmulConfig.name` in FP16 mode (``N64M256K64S3nm8``, ``...s`` for the
+    weight tile through shared memory, ``...-jnp`` for the array-op merge), else
+    :attr:`fp8_matmul.MatmulConfig.name` (``N64M128K128S5nm8``)."""
+    if name in ("default", "xla"):
         return None
     m = re.fullmatch(r"N(\d+)M(\d+)K(\d+)S(\d+)([nm])([nm])(\d+)(s?)(?:-(\w+))?", name)
     if not m:
-        raise ValueError(f"config {name!r} is not 'default' or a MatmulConfig name like N64M128K64S4nm8")
+        raise ValueError(f"config {name!r} is not 'default', 'xla' or a MatmulConfig name like N64M128K64S4nm8")
     tn, tm, tk, st, split, minor, width, smem, merge = m.groups()
-    return nm.MatmulConfig(tile_n=int(tn), tile_m=int(tm), tile_k=int(tk), stages=int(st), wg_split=split,
-                           grid_minor=minor, grid_tile_width=int(width), a_operand="smem" if smem else "registers", merge=merge or "ptx")
+    tiles = dict(tile_n=int(tn), tile_m=int(tm), tile_k=int(tk), stages=int(st), wg_split=split, grid_minor=minor,
+                 grid_tile_width=int(width))
+    if mode != "fp16":
+        return fm.MatmulConfig(**tiles)
+    return nm.MatmulConfig(**tiles, a_operand="smem" if smem else "registers", merge=merge or "ptx")
+
+
+def layer_view(w, mode: str):
+    """The attributes of a ``QuantizedLinear`` the product functions read."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(weight=SimpleNamespace(get_value=lambda: w), mode="fp8" if mode == "fp8" else "fp16",
+                           activation="fp8_token" if mode == "w8a8" else None, out_scale=1.0, bias=None)
+
+
+def product(mode: str, name: str, cfg):
+    """``fn(x, w)`` of one variant."""
+    if name == "xla":
+        return lambda x, w: native_dot.matmul(layer_view(w, mode), x)
+    if mode == "fp16":
+        return lambda x, w: nm.nestedfp_matmul(x, w, config=cfg)
+    if mode == "fp8":
+        def nested_fp8(x, w):
+            x8, scale = activations.nestedfp_fp8(x.astype(jnp.float32))
+            return fm.fp8_matmul(x8, w.upper_as_fp8(), nestedfp.FP8_SCALE / scale[:, 0],
+                                 jnp.ones((w.shape[0],), jnp.float32), out_dtype=x.dtype, config=cfg)
+        return nested_fp8
+
+    def w8a8(x, w):
+        x8, x_scale = fp8.quantize_arrays(x, granularity="token")
+        return fm.fp8_matmul(x8, w.data, x_scale, w.scale, out_dtype=x.dtype, config=cfg)
+    return w8a8
 
 
 def parse_ms(spec: str) -> list[int]:
@@ -83,9 +131,11 @@ def shapes_from(spec: str):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", default="fp16", choices=MODES)
     ap.add_argument("--shapes", default="paper", help="'paper' (the 14 shapes) or NxK,NxK")
     ap.add_argument("--ms", default="32:2048:32", help="token counts: start:stop:step or a comma list")
-    ap.add_argument("--configs", default="default", help="comma-separated: 'default' and/or MatmulConfig names")
+    ap.add_argument("--configs", default="default",
+                    help="comma-separated: 'default', 'xla' and/or MatmulConfig names")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
     ap.add_argument("--out", default=None, help="JSON file")
@@ -94,10 +144,12 @@ def main(argv=None):
 
     start = time.time()
     ms = parse_ms(args.ms)
-    configs = [(name, parse_config(name)) for name in args.configs.split(",")]
+    mode = args.mode
+    configs = [(name, parse_config(name, mode)) for name in args.configs.split(",")]
+    base_dtype = jnp.bfloat16 if mode == "w8a8" else jnp.float16
     shapes = shapes_from(args.shapes)
     dev = jax.devices()[0]
-    result = dict(device=dev.device_kind, date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:] if argv is None else argv,
+    result = dict(mode=mode, device=dev.device_kind, date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:] if argv is None else argv,
                   method="device time = union of GPU kernel intervals per call from a profiler trace",
                   bandwidth=bn.copy_bandwidth(), rows=[])
     result["fp16_tflops"] = bn.bf16_peak()
@@ -116,28 +168,31 @@ def main(argv=None):
                 break
             count = max(2, min(16, -(-TARGET_BYTES // (2 * n * k))))
             key = jax.random.key(n * 7 + k)
-            make = jax.jit(lambda kk: (jax.random.normal(kk, (n, k), jnp.float32) * 0.02).astype(jnp.float16))
+            make = jax.jit(lambda kk: (jax.random.normal(kk, (n, k), jnp.float32) * 0.02).astype(base_dtype))
             w16 = [make(jax.random.fold_in(key, i)) for i in range(count)]
-            nested = [jax.jit(nestedfp.quantize)(w) for w in w16]
+            if mode == "w8a8":
+                ours = [jax.jit(lambda w: fp8.quantize(w.astype(jnp.float32), granularity="channel"))(w) for w in w16]
+            else:
+                ours = [jax.jit(nestedfp.quantize)(w) for w in w16]
             for m in ms:
                 jobs = bn.Jobs(args.reps)
-                jobs.add("fp16", lambda x, w: jnp.dot(x, w.T),  # FP16 out (FP32 sums inside cuBLAS)
-                         w16, m, k, jnp.float16)
+                jobs.add("base", lambda x, w: jnp.dot(x, w.T),  # 16-bit out (FP32 sums inside cuBLAS)
+                         w16, m, k, base_dtype)
                 for name, cfg in configs:
-                    jobs.add(name, lambda x, w, cfg=cfg: nm.nestedfp_matmul(x, w, config=cfg), nested, m, k, jnp.float16)
+                    jobs.add(name, product(mode, name, cfg), ours, m, k, base_dtype)
                 times = {kk: bn._pick(t) for kk, t in jobs.run().items()}
+                rate = result["fp16_tflops"] * (1 if mode == "fp16" else 2)
                 floor = max(2 * (n * k + m * k + m * n) / (result["bandwidth"]["copy_TBps"] * 1e12),
-                            2 * m * n * k / (result["fp16_tflops"] * 1e12))
+                            2 * m * n * k / (rate * 1e12))
                 row = dict(model=model, layer=layer, n=n, k=k, m=m, floor_us=floor * 1e6,
-                           fp16_us=bn._us(times.get("fp16")),
-                           nestedfp16_us={name: bn._us(times.get(name)) for name, _ in configs})
-                best = min((v, c) for c, v in row["nestedfp16_us"].items() if v is not None) if any(
-                    v is not None for v in row["nestedfp16_us"].values()) else (None, None)
-                row["best_us"], row["best_config"] = best
-                row["ratio"] = row["fp16_us"] / row["best_us"] if row["best_us"] and row["fp16_us"] else None
+                           base_us=bn._us(times.get("base")),
+                           ours_us={name: bn._us(times.get(name)) for name, _ in configs})
+                timed = [(v, c) for c, v in row["ours_us"].items() if v is not None and c != "xla"]
+                row["best_us"], row["best_config"] = min(timed) if timed else (None, None)
+                row["ratio"] = row["base_us"] / row["best_us"] if row["best_us"] and row["base_us"] else None
                 result["rows"].append(row)
                 advance(1)
-            del w16, nested
+            del w16, ours
             save()
     save()
     summary(result)
@@ -145,23 +200,31 @@ def main(argv=None):
         plot(result, args.plot)
 
 
+NAMES = {"fp16": ("XLA FP16 dot", "Pallas NestedFP16"), "fp8": ("XLA FP16 dot", "Pallas NestedFP8"),
+         "w8a8": ("XLA BF16 dot", "Pallas W8A8-FP8")}
+
+
 def summary(result):
     rows = [r for r in result["rows"] if r.get("ratio")]
-    print(f"\n## {result['device']} ({result['date']}): XLA FP16 dot vs Pallas NestedFP16, us of device time; "
-          f"gap = NestedFP16 / FP16 - 1")
-    print(f"{'shape':28s} {'GEMMs':>5s} {'mean gap':>8s} {'worst':>7s} {'at M':>5s}  {'M=32':>14s} {'M=2048':>14s}")
+    base, ours = NAMES[result.get("mode", "fp16")]
+    print(f"\n## {result['device']} ({result['date']}): {base} vs {ours}, us of device time; "
+          f"speedup = baseline / ours (best config), gap = ours / baseline - 1")
+    print(f"{'shape':28s} {'GEMMs':>5s} {'mean gap':>8s} {'worst':>7s} {'at M':>5s} {'speedup':>12s}  M: base/ours/xla")
     by_shape = {}
     for r in rows:
         by_shape.setdefault((r["model"], r["layer"], r["n"], r["k"]), []).append(r)
     for (model, layer, n, k), rs in by_shape.items():
         gaps = [1 / r["ratio"] - 1 for r in rs]
         worst = int(np.argmax(gaps))
-        ends = {r["m"]: f"{r['fp16_us']:6.1f}/{r['best_us']:6.1f}" for r in rs}
+        ratios = [r["ratio"] for r in rs]
+        ends = "  ".join(f"{r['m']}: {r['base_us']:.1f}/{r['best_us']:.1f}"
+                         + (f"/{r['ours_us']['xla']:.1f}" if r["ours_us"].get("xla") else "")
+                         for r in (rs[0], rs[-1]))
         print(f"{model + ' ' + layer + f' {n}x{k}':28s} {len(rs):5d} {np.mean(gaps):+8.1%} {gaps[worst]:+7.1%} "
-              f"{rs[worst]['m']:5d}  {ends.get(32, '-'):>14s} {ends.get(2048, '-'):>14s}")
+              f"{rs[worst]['m']:5d} {min(ratios):5.2f}-{max(ratios):4.2f}x  {ends}")
     if rows:
         gaps = [1 / r["ratio"] - 1 for r in rows]
-        print(f"{'all':28s} {len(rows):5d} {np.mean(gaps):+8.1%} {max(gaps):+7.1%}   (goal: mean <= +3%, worst <= +10%)")
+        print(f"{'all':28s} {len(rows):5d} {np.mean(gaps):+8.1%} {max(gaps):+7.1%}")
         configs = {}
         for r in rows:
             configs[r["best_config"]] = configs.get(r["best_config"], 0) + 1
@@ -182,10 +245,12 @@ def plot(result, path):
     for label, pts in by_shape.items():
         ax.plot(*zip(*pts), marker=".", lw=1, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.axhline(1 / 1.1, color="r", lw=0.8, ls="--", label="10% behind")
+    base, ours = NAMES[result.get("mode", "fp16")]
+    if result.get("mode", "fp16") == "fp16":
+        ax.axhline(1 / 1.1, color="r", lw=0.8, ls="--", label="10% behind")
     ax.set_xlabel("M (tokens)")
-    ax.set_ylabel("XLA FP16 dot time / NestedFP16 time")
-    ax.set_title(f"Pallas NestedFP16 GEMM vs XLA FP16 dot, {result['device']}")
+    ax.set_ylabel(f"{base} time / {ours} time")
+    ax.set_title(f"{ours} vs {base}, {result['device']}")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -11,7 +11,9 @@ picks CUDA, Pallas or XLA per shape; ``"nestedfp_cuda"``:
 cores, the FP16 weight rebuilt in registers; ``"xla_native"``: :mod:`jaxlp.quantization.native_dot`,
 XLA's FP8 and FP16 dots on the stored bytes for FP8, NestedFP and FireQ INT4 weights;
 ``"nestedfp_pallas"``: :mod:`jaxlp.quantization.nestedfp_gemm`, NestedFP's FP16 mode past 8
-tokens through a Pallas WGMMA GEMM that rebuilds the FP16 weight inside the GEMM); ``"auto"``
+tokens through a Pallas WGMMA GEMM that rebuilds the FP16 weight inside the GEMM; ``"fp8_pallas"``:
+:mod:`jaxlp.quantization.fp8_gemm`, NestedFP's FP8 mode and W8A8-FP8 through a Pallas FP8 GEMM with
+the scales in its epilogue); ``"auto"``
 takes the first that supports the layer and the input, else ``"xla"``.
 
 Tensor parallelism (:func:`jaxlp.models.shard_model` calls :meth:`QuantizedLinear.set_parallel`):
@@ -36,7 +38,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxlp.formats import QuantizedArray, concatenate_rows
 from jaxlp.models.sharding import AXIS, quantized_specs
-from jaxlp.quantization import activations, native_dot, nestedfp_dispatch, nestedfp_gemm, nvfp4_dispatch
+from jaxlp.quantization import activations, fp8_gemm, native_dot, nestedfp_dispatch, nestedfp_gemm, nvfp4_dispatch
 
 NESTEDFP_MODES = ("fp16", "fp8")
 PARALLEL_ROLES = ("column", "row")
@@ -66,6 +68,7 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({
     nvfp4_dispatch.IMPLEMENTATION: Kernel(_nvfp4_why_not, nvfp4_dispatch.nvfp4_matmul),
     nestedfp_dispatch.IMPLEMENTATION: Kernel(nestedfp_dispatch.why_not, nestedfp_dispatch.matmul),
     nestedfp_gemm.IMPLEMENTATION: Kernel(nestedfp_gemm.why_not, nestedfp_gemm.matmul),  # FP16 mode past 8 tokens
+    fp8_gemm.IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul),  # NestedFP8 past 8 tokens, W8A8
     native_dot.IMPLEMENTATION: Kernel(native_dot.why_not, native_dot.matmul),
 })
 

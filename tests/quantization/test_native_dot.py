@@ -191,27 +191,29 @@ def test_auto_keeps_the_reference_off_a_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 8, 33, 256])
-def test_auto_on_a_gpu_takes_the_native_dots_and_matches_float64(m):
-    """cuBLASLt's FP8 / FP16 GEMMs (N not a multiple of 64, K not of 128 for NestedFP) against float64."""
+def test_native_dots_on_a_gpu_match_float64(m):
+    """cuBLASLt's FP8 / FP16 GEMMs (N not a multiple of 64, K not of 128 for NestedFP) against float64
+    (``"auto"`` takes the Pallas GEMMs for NestedFP past 8 tokens: tests/quantization/test_fp8_gemm.py,
+    test_nestedfp_gemm.py)."""
     rng = np.random.default_rng(m)
     w = weights(rng, 1000, 1040, limit=1.75)
     w16 = w.astype(np.float16)
     x = activations(rng, (m, 1040), jnp.float16)
     xf = np.asarray(x, np.float32)
     nested = nestedfp.quantize(jnp.asarray(w16))
-    y16 = native(QuantizedLinear(nested, implementation="auto"), x)
+    y16 = native(QuantizedLinear(nested, implementation="xla_native"), x)
     assert rel(y16, xf.astype(np.float64) @ w16.astype(np.float64).T) <= 1e-3
     s = np.clip(np.float32(0.7 * 448.0) / np.maximum(np.abs(xf).max(-1, keepdims=True), np.float32(1e-5)),
                 np.float32(0.1), np.float32(50.0))
     x8 = np.clip(xf * s, -448, 448).astype(E4M3).astype(np.float64) / s
     upper = np.asarray(nested.upper).view(E4M3).astype(np.float64) * 2.0**-8
-    y8 = native(QuantizedLinear(nested, implementation="auto", mode="fp8"), x)
+    y8 = native(QuantizedLinear(nested, implementation="xla_native", mode="fp8"), x)
     assert rel(y8, x8 @ upper.T) <= 1e-3
-    hlo = jax.jit(lambda x: QuantizedLinear(nested, implementation="auto", mode="fp8")(x)).lower(x).as_text()
+    hlo = jax.jit(lambda x: QuantizedLinear(nested, implementation="xla_native", mode="fp8")(x)).lower(x).as_text()
     assert "f8E4M3FN" in "".join(line for line in hlo.splitlines() if "dot_general" in line)
     # W4A8: FP8 x FP8 with the per-token BF16 scale; FireQ's groups need K a multiple of 128 (9 groups)
     fireq = int4_fp8.quantize(jnp.asarray(weights(rng, 1000, 1152, limit=1.75)))
     xb = activations(rng, (m, 1152), jnp.bfloat16)
-    y4 = native(QuantizedLinear(fireq, activation="fireq_fp8", implementation="auto"), xb)
+    y4 = native(QuantizedLinear(fireq, activation="fireq_fp8", implementation="xla_native"), xb)
     want = native(QuantizedLinear(fireq, activation="fireq_fp8", implementation="xla"), xb)
     assert rel(y4, want) <= 8e-3  # BF16 outputs of two summation orders

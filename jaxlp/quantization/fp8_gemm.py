@@ -1,0 +1,67 @@
+"""FP8 x FP8 ``QuantizedLinear`` products through the Pallas Mosaic GPU GEMM with scales in its
+epilogue (``implementation="fp8_pallas"``; :mod:`jaxlp.pallas.fp8_matmul`):
+
+- NestedFP, FP8 mode: ``(e4m3(x * s) @ upper.T) * (2**-8 / s)`` with the per-token scale ``s`` of
+  the ``nestedfp_fp8`` activation quantizer, the upper-byte plane read as E4M3;
+- W8A8-FP8 (FP8 weights with ``fp8_token`` activations): ``(e4m3(x / s_x) @ W8.T) * s_x * s_w``.
+
+The math of :mod:`jaxlp.quantization.native_dot` (XLA's FP8 dot, then a separate scale pass over
+its output), to summation order, with the scales applied to the FP32 sums before the one rounding
+to x's dtype (BF16 or FP16). ``"auto"`` takes it on a GPU before XLA's dots (for NestedFP past the
+8 tokens of ``"nestedfp_cuda"``): faster than them at the measured shapes (H100, docs/perf.md
+"session 18").
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxlp.formats import fp8, nestedfp
+from jaxlp.pallas import fp8_matmul as kernel
+from jaxlp.quantization import activations
+
+IMPLEMENTATION = "fp8_pallas"
+
+
+def why_not(layer, x: jax.Array) -> str | None:
+    """``None`` if :func:`matmul` computes this layer on ``x`` here, else the reason it does not."""
+    w = layer.weight.get_value()
+    fmt = getattr(w, "format", None)
+    if fmt == nestedfp.NestedFPArray.format:
+        if layer.mode != "fp8" or layer.activation is not None:
+            return "NestedFP outside its FP8 mode (the kernel multiplies FP8 by FP8)"
+    elif fmt == fp8.FORMAT:
+        if layer.activation != "fp8_token":
+            return f"FP8 weights with activation {layer.activation!r} (only 'fp8_token': W8A8)"
+    else:
+        return f"weight format {fmt!r} (only 'nestedfp' in FP8 mode and {fp8.FORMAT!r} with FP8 activations)"
+    if len(w.shape) != 2:
+        return f"needs a 2-D weight, got shape {w.shape}"
+    if jnp.dtype(x.dtype) not in kernel.OUT_DTYPES:
+        return f"needs bfloat16 or float16 activations, got {x.dtype}"
+    if math.prod(x.shape[:-1]) == 0:
+        return "no tokens"
+    if jax.default_backend() != "gpu":
+        return f"the Mosaic GPU kernel needs a GPU (backend {jax.default_backend()!r})"
+    return None
+
+
+def matmul(layer, x: jax.Array) -> jax.Array:
+    """The layer's product before bias (``QuantizedLinear.reference``'s math), in x's dtype, for a
+    layer :func:`why_not` accepts."""
+    w = layer.weight.get_value()
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    n = w.shape[0]
+    if w.format == fp8.FORMAT:
+        x8, x_scale = fp8.quantize_arrays(x2, granularity="token")
+        channel = jnp.broadcast_to(w.scale.astype(jnp.float32), (n,))
+        y = kernel.fp8_matmul(x8, w.data, x_scale, channel * layer.out_scale, out_dtype=x.dtype)
+    else:
+        x8, scale = activations.nestedfp_fp8(x2.astype(jnp.float32))
+        token = nestedfp.FP8_SCALE * layer.out_scale / scale[:, 0]
+        y = kernel.fp8_matmul(x8, w.upper_as_fp8(), token, jnp.ones((n,), jnp.float32), out_dtype=x.dtype)
+    return y.reshape(*lead, n)

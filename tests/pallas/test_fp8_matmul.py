@@ -1,0 +1,85 @@
+"""The Pallas FP8 x FP8 matmul with scales in its epilogue: its reference against float64 NumPy and
+its checks on the CPU; on a GPU the kernel against float64 of the E4M3 values (skipped without a
+CUDA GPU: no Pallas GPU interpreter path for it)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxlp.pallas import fp8_matmul as fm
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+def operands(rng, m, n, k):
+    """E4M3 operands over the format's range: random, +-448 (saturation), subnormals, a zero row."""
+    x = (rng.standard_normal((m, k)) * 40).clip(-448, 448).astype(E4M3)
+    w = (rng.standard_normal((n, k)) * 40).clip(-448, 448).astype(E4M3)
+    w[0, :] = 448
+    w[1, : k // 2] = -448
+    w[2, :] = np.float32(2.0**-8)  # an E4M3 subnormal
+    if m > 1:
+        x[-1] = 0  # an all-zero token
+    ts = rng.uniform(0.5, 2.0, m).astype(np.float32) * 2.0**-10
+    cs = rng.uniform(0.5, 2.0, n).astype(np.float32) * 2.0**-8
+    return x, w, ts, cs
+
+
+def float64_product(x, w, ts, cs):
+    return (x.astype(np.float64) @ w.astype(np.float64).T) * ts[:, None].astype(np.float64) * cs[None, :]
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+def test_reference_is_the_float64_product_rounded_once(out_dtype):
+    rng = np.random.default_rng(3)
+    x, w, ts, cs = operands(rng, 6, 96, 160)  # the last token all zero
+    got = np.asarray(fm.reference(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ts), jnp.asarray(cs), out_dtype),
+                     np.float64)
+    want = float64_product(x, w, ts, cs).astype(out_dtype).astype(np.float64)
+    eps = float(jnp.finfo(out_dtype).eps)
+    np.testing.assert_allclose(got, want, rtol=eps, atol=1e-30)
+    np.testing.assert_array_equal(got[-1], 0.0)
+
+
+def test_config_and_operands_are_checked():
+    with pytest.raises(ValueError, match="tile_m"):
+        fm.MatmulConfig(tile_m=300)
+    with pytest.raises(ValueError, match="tile_k"):
+        fm.MatmulConfig(tile_k=256)
+    x8 = jnp.zeros((8, 128), jnp.float8_e4m3fn)
+    w8 = jnp.zeros((64, 128), jnp.float8_e4m3fn)
+    ts, cs = jnp.ones(8), jnp.ones(64)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fm.fp8_matmul(x8.astype(jnp.bfloat16), w8, ts, cs)
+    with pytest.raises(ValueError, match="K mismatch"):
+        fm.fp8_matmul(x8[:, :64], w8, ts, cs)
+    with pytest.raises(ValueError, match="token_scale"):
+        fm.fp8_matmul(x8, w8, ts[:4], cs)
+    with pytest.raises(ValueError, match="out_dtype"):
+        fm.fp8_matmul(x8, w8, ts, cs, out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="shared memory"):
+        fm._check(x8, w8, ts, cs, jnp.bfloat16, fm.MatmulConfig(tile_n=256, tile_m=256, stages=8))
+    assert fm.padded_shape(fm.MatmulConfig(tile_n=64, tile_m=16, tile_k=128), 20, 200, 300) == (32, 256, 384)
+
+
+@pytest.mark.parametrize("m, n, k, config", [
+    (1, 256, 512, None), (8, 320, 640, None), (33, 4096, 1024, None), (256, 1024, 4096, None),
+    (300, 640, 4160, fm.MatmulConfig(tile_n=64, tile_m=64, tile_k=64, stages=3, wg_split="m")),
+    (2048, 4096, 4096, None), (200, 576, 1024, fm.MatmulConfig(tile_n=128, tile_m=64, stages=3))])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_matches_float64_of_the_e4m3_values(m, n, k, config, out_dtype):
+    rng = np.random.default_rng(m + n + k)
+    x, w, ts, cs = operands(rng, m, n, k)
+    y = np.asarray(fm.fp8_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ts), jnp.asarray(cs),
+                                 out_dtype=out_dtype, config=config), np.float64)
+    want = float64_product(x, w, ts, cs)
+    assert y.shape == (m, n) and np.isfinite(y).all()
+    # the one rounding to the output (RMS relative error under its epsilon; FP16: <= 1e-3)
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) <= float(jnp.finfo(out_dtype).eps)
+    if m > 1:
+        np.testing.assert_array_equal(y[-1], 0.0)
