@@ -1,31 +1,45 @@
-// One-token store into a Kitty cache (XLA FFI custom call, sm_90); Python side, layout and contract:
-// jaxlp/ffi/quantized_cache_store.py. The reference is QuantizedLayerCache.store (XLA), which this
-// kernel replaces on one-token (decode) steps: one launch, no lax.cond, the cache updated in place
-// (every state buffer is an input aliased to an output).
+// One-token store into a Kitty or KIVI-2 cache (XLA FFI custom calls, sm_90); Python side, layout and
+// contract: jaxlp/ffi/quantized_cache_store.py. The reference is QuantizedLayerCache.store (XLA),
+// which this kernel replaces on one-token (decode) steps: one launch, no lax.cond, the cache updated
+// in place (every state buffer is an input aliased to an output). One kernel template, instantiated
+// per format (store_kernel<kKitty>, store_kernel<kKivi>; the format is no runtime branch), and one
+// FFI handler per format (their state buffers differ).
 //
 // Grid (KVH, B, 2): one CTA of 256 threads per (KV head h, row b, stream), stream 0 the keys, 1 the
 // values; the CTA writes head h's part of the token and of a completed unit. For the row's position
 // p (skipped outside [0, max_len)):
-//   * p < off: the new token goes to the sink, slot p.
-//   * else j = p - off: if the stream's quantized count grows at this step (quantized(m) = 128 *
-//     floor(max(m - lag, 0) / 128) from m = j to j + 1), unit u = quantized(j) / 128 is encoded
-//     from its 128 tokens j' = 128 u + t as the cache held them: the new token where j' = j, the
-//     FP16 ring where slot j' % R holds j', else the unit's old codes (a rewound row); then, if j
-//     stays in full precision (j >= quantized(j + 1)), the token goes to ring slot j % R. The ring
-//     is written after the encode has read it (the new token's slot held the unit's first token):
-//     each head's CTA writes its part after its own encode, and the slot's position, which every
-//     head's CTA reads, is written by the last of them to arrive (a counter per row and stream that
-//     wraps to 0 on its own; no CTA waits for another).
+//   * p < off: the new token goes to the sink, slot p (off may be 0: no sink).
+//   * else j = p - off: if the stream's quantized count grows at this step (quantized(m) = unit *
+//     floor(max(m - lag, 0) / unit) from m = j to j + 1), unit u = quantized(j) / unit is encoded
+//     from its tokens j' = unit * u + t as the cache held them: the new token where j' = j, the
+//     FP16 ring where slot j' % R holds j', else the unit's old codes decoded to FP16 (a rewound
+//     row); then, if j stays in full precision (j >= quantized(j + 1)), the token goes to ring slot
+//     j % R. The ring is written after the encode has read it (the new token's slot held the unit's
+//     first token, or for KIVI values the very token being quantized): each head's CTA writes its
+//     part after its own encode, and the slot's position, which every head's CTA reads, is written
+//     by the last of them to arrive (a counter per row and stream that wraps to 0 on its own; no CTA
+//     waits for another).
 //
-// Encoding (jaxlp.kvcache.kitty, asymmetric min-max of jaxlp.kvcache.quant, float32 math on the
-// FP16 tokens, its divisions as products with the float32 reciprocal):
+// Encoding (asymmetric min-max of jaxlp.kvcache.quant, float32 math on the FP16 tokens, its
+// divisions as products with the float32 reciprocal, products and sums rounded separately):
+//   Kitty (jaxlp.kvcache.kitty; unit 128 for both streams, keys lag 0, values lag 128):
 //   keys, per channel over the page: score = mean |k|; the n_boost channels of highest score
 //     (ties to the lower channel, NaN last) get 4-bit codes, the others 2-bit; low bits planar
 //     [D][32], the boosted channels' high bits [n_boost][32] in rank order, boost_idx[D] = rank or
 //     n_boost; FP16 scale = max((max - min) * (1 / levels), 1e-6) and min per channel.
 //   values, per token over the head: 2-bit codes planar [128][D/4], FP16 scale and min per token.
-// The page's score sums run in a different order than XLA's reduction: channels whose scores tie
-// to float32 rounding may rank differently (the same codes, another boosted set only at such a tie).
+//   KIVI-2 (jaxlp.kvcache.kivi, 2 bits, groups of 32; keys unit 128 lag 0, values unit 1 lag 128):
+//   keys, a block of 128 tokens per channel in 4 groups of 32 tokens: FP16 scale and min [4][D]
+//     (group g, channel c), codes planar [D][32] (byte k of channel c: token k + 32 g at bits 2 g,
+//     plane g = group g).
+//   values, one token per step (the one leaving the 128-token ring window, read from its ring slot
+//     before the new token overwrites that same slot), per group of 32 channels: FP16 scale and
+//     min [D/32], codes planar [D/4] (byte k: channels k + (D/4) q at bits 2 q).
+// The Kitty page's score sums run in a different order than XLA's reduction: channels whose scores
+// tie to float32 rounding may rank differently (the same codes, another boosted set only at such a
+// tie). KIVI has no such step: min, max and the per-element rule are order-free, its bytes are the
+// reference's wherever the reference rounds its products and sums separately (module doc of the
+// Python side: XLA:GPU may contract the rule's product and + 0.5 into one FMA).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -40,9 +54,12 @@ namespace ffi = xla::ffi;
 namespace jaxlp_cache_store {
 
 constexpr int kThreads = 256;
-constexpr int kPage = 128;  // tokens per unit (a Kitty page)
+constexpr int kPage = 128;  // tokens per unit (a Kitty page, a KIVI key block)
+constexpr int kGroup = 32;  // KIVI-2 scale groups: 32 tokens of a key block, 32 channels of a value token
 constexpr int kPad = 8;     // FP16 elements of row padding in the shared tile
 constexpr float kScaleFloor = 1e-6f;
+
+enum Format : int { kKitty = 0, kKivi = 1 };  // the kernel's template parameter
 
 struct Stream {
   __half* ring;       // [B, R, KVH, D] (R = 0: none)
@@ -52,16 +69,17 @@ struct Stream {
   int r, units, lag;
 };
 
+// Kitty / KIVI-2 shapes of the unit buffers (KIVI: no k_high, k_boost).
 struct Params {
   const int32_t* positions;  // [B]
   Stream s[2];               // keys, values
-  uint8_t* k_low;            // [B, Uk, KVH, D, 32]
+  uint8_t* k_low;            // [B, Uk, KVH, D, 32] (KIVI: the key codes, same shape)
   uint8_t* k_high;           // [B, Uk, KVH, NB, 32]
   uint8_t* k_boost;          // [B, Uk, KVH, D]
-  __half* k_scale;           // [B, Uk, KVH, D]
+  __half* k_scale;           // [B, Uk, KVH, D] (KIVI: [B, Uk, KVH, 4, D])
   __half* k_min;
-  uint8_t* v_codes;  // [B, Uv, KVH, 128, D/4]
-  __half* v_scale;   // [B, Uv, KVH, 128]
+  uint8_t* v_codes;  // [B, Uv, KVH, 128, D/4] (KIVI: [B, Uv, KVH, 1, D/4], Uv one-token units)
+  __half* v_scale;   // [B, Uv, KVH, 128] (KIVI: [B, Uv, KVH, 1, D/32])
   __half* v_min;
   int off, max_len, kvh, d, nb;
 };
@@ -70,7 +88,8 @@ struct Params {
 __device__ __forceinline__ float nan_min(float a, float b) { return (a != a || a < b) ? a : b; }
 __device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
 
-__device__ __forceinline__ int quantized(int m, int lag) { return kPage * (max(m - lag, 0) / kPage); }
+template <int kUnit>
+__device__ __forceinline__ int quantized(int m, int lag) { return kUnit * (max(m - lag, 0) / kUnit); }
 
 // clamp(floor((x - min) * rcp + 0.5), 0, levels) as uint8 (NaN: 0), rcp = 1 / scale rounded to
 // float32 (jaxlp.kvcache.quant's rule; products and sums rounded separately, no FMA).
@@ -87,9 +106,16 @@ __device__ __forceinline__ __half scale_of(float lo, float hi, float levels) {
 }
 
 // The old value of token t, channel c of unit u (a rewound row's overwritten ring slot), as FP16:
-// code * scale + min in float32 (one FMA).
+// code * scale + min in float32 (one FMA; code * scale is exact, so the FMA rounds as XLA's product
+// and sum do).
+template <int F>
 __device__ __half old_value(const Params& p, int which, size_t unit, int t, int c) {
   const int d = p.d;
+  if constexpr (F == kKivi) {  // key blocks only: KIVI values never go through the tile
+    const size_t g = unit * 4 * d + (t / kGroup) * d + c;
+    const uint32_t code = (p.k_low[unit * d * 32 + c * 32 + t % 32] >> (2 * (t / 32))) & 3;
+    return __float2half_rn(fmaf(static_cast<float>(code), __half2float(p.k_scale[g]), __half2float(p.k_min[g])));
+  }
   if (which == 0) {
     const uint32_t shift = 2 * (t / 32);
     uint32_t code = (p.k_low[unit * d * 32 + c * 32 + t % 32] >> shift) & 3;
@@ -105,6 +131,7 @@ __device__ __half old_value(const Params& p, int which, size_t unit, int t, int 
 }
 
 // tile[t][c] = token 128 u + t of head h, channel c, as the cache holds it (file head).
+template <int F>
 __device__ void load_unit(const Params& p, const Stream& s, int which, int b, int h, int u, int j, __half* tile) {
   const int d = p.d, stride = d + kPad, chunks = d / 8;
   const size_t unit = (static_cast<size_t>(b) * s.units + u) * p.kvh + h;
@@ -123,7 +150,7 @@ __device__ void load_unit(const Params& p, const Stream& s, int which, int b, in
         continue;
       }
     }
-    for (int e = 0; e < 8; ++e) tile[t * stride + c + e] = old_value(p, which, unit, t, c + e);
+    for (int e = 0; e < 8; ++e) tile[t * stride + c + e] = old_value<F>(p, which, unit, t, c + e);
   }
 }
 
@@ -218,6 +245,74 @@ __device__ void encode_values(const Params& p, size_t unit, const __half* tile) 
   }
 }
 
+// KIVI-2 key block of one head from the tile: per (group g of 32 tokens, channel c) min-max, FP16
+// scale and min at [g][c]; codes planar [D][32] (plane g of byte k: token k + 32 g). Shared
+// scratch: lo, rcp [4][D] floats (the FP16-rounded min and the FP16 scale's reciprocal).
+__device__ void encode_kivi_keys(const Params& p, size_t unit, const __half* tile, float* lo, float* rcp) {
+  const int d = p.d, stride = d + kPad;
+  for (int i = threadIdx.x; i < 4 * d; i += kThreads) {  // i = g * D + c
+    const int g = i / d, c = i % d;
+    float mn = INFINITY, mx = -INFINITY;
+    for (int t = 0; t < kGroup; ++t) {
+      const float x = __half2float(tile[(g * kGroup + t) * stride + c]);
+      mn = nan_min(mn, x);
+      mx = nan_max(mx, x);
+    }
+    const __half s16 = scale_of(mn, mx, 3.f), m16 = __float2half_rn(mn);
+    p.k_scale[unit * 4 * d + i] = s16;
+    p.k_min[unit * 4 * d + i] = m16;
+    lo[i] = __half2float(m16);
+    rcp[i] = __frcp_rn(__half2float(s16));
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < d * 32; i += kThreads) {  // byte k of channel c
+    const int c = i % d, k = i / d;
+    uint32_t byte = 0;
+    for (int g = 0; g < 4; ++g)
+      byte |= code_of(__half2float(tile[(k + kGroup * g) * stride + c]), lo[g * d + c], rcp[g * d + c], 3.f) << (2 * g);
+    p.k_low[unit * d * 32 + c * 32 + k] = static_cast<uint8_t>(byte);
+  }
+}
+
+// KIVI-2 value token jt (unit jt) of head h: the new token where jt = j, else ring slot jt % R where
+// it holds jt, else the unit's old codes (a rewound row). Thread c < D takes channel c, warp w the
+// scale group w (channels [32 w, 32 w + 32)); the codes meet in shared memory (D bytes) to be packed.
+// Ends with a __syncthreads after every read of the ring (the caller then overwrites the slot).
+__device__ void encode_kivi_value(const Params& p, const Stream& s, int b, int h, int j, int jt, const __half* x,
+                                  uint8_t* codes) {
+  const int d = p.d, c = threadIdx.x, m = d / 4, groups = d / kGroup;
+  const size_t unit = (static_cast<size_t>(b) * s.units + jt) * p.kvh + h;
+  if (c < d) {  // whole warps (D is a multiple of 32)
+    __half xh;
+    const int slot = s.r > 0 ? jt % s.r : 0;
+    if (jt == j) {
+      xh = x[c];
+    } else if (s.r > 0 && s.ring_pos[static_cast<size_t>(b) * s.r + slot] == jt) {
+      xh = s.ring[((static_cast<size_t>(b) * s.r + slot) * p.kvh + h) * d + c];
+    } else {
+      const uint32_t code = (p.v_codes[unit * m + c % m] >> (2 * (c / m))) & 3;
+      xh = __float2half_rn(fmaf(static_cast<float>(code), __half2float(p.v_scale[unit * groups + c / kGroup]),
+                                __half2float(p.v_min[unit * groups + c / kGroup])));
+    }
+    const float xf = __half2float(xh);
+    float mn = xf, mx = xf;
+    for (int o = 16; o; o >>= 1) {
+      mn = nan_min(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+      mx = nan_max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    }
+    const __half s16 = scale_of(mn, mx, 3.f), m16 = __float2half_rn(mn);
+    if (c % 32 == 0) {
+      p.v_scale[unit * groups + c / kGroup] = s16;
+      p.v_min[unit * groups + c / kGroup] = m16;
+    }
+    codes[c] = static_cast<uint8_t>(code_of(xf, __half2float(m16), __frcp_rn(__half2float(s16)), 3.f));
+  }
+  __syncthreads();  // every ring read of this head is done; the codes are in shared memory
+  if (c < m)
+    p.v_codes[unit * m + c] =
+        static_cast<uint8_t>(codes[c] | (codes[c + m] << 2) | (codes[c + 2 * m] << 4) | (codes[c + 3 * m] << 6));
+}
+
 // Arrivals of a page-completing step's head CTAs per (row, stream): atomicInc wraps each back to 0
 // after the KVH-th, so it is 0 between launches.
 __device__ unsigned int g_arrivals[2 * 65536];
@@ -228,6 +323,7 @@ __device__ __forceinline__ void copy_token(__half* dst, const __half* src, int n
     reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
 }
 
+template <int F>
 __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int h = blockIdx.x, b = blockIdx.y, which = blockIdx.z;
@@ -241,19 +337,30 @@ __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
     return;
   }
   const int j = pos - p.off;
-  const int q0 = quantized(j, s.lag), q1 = quantized(j + 1, s.lag), u = q0 / kPage;
-  const bool encode = q1 > q0 && u < s.units, to_ring = s.r > 0 && j >= q1;
-  if (encode) {
-    __half* tile = reinterpret_cast<__half*>(smem);
-    float* scratch = reinterpret_cast<float*>(tile + kPage * (d + kPad));
-    const size_t unit = (static_cast<size_t>(b) * s.units + u) * p.kvh + h;
-    load_unit(p, s, which, b, h, u, j, tile);
-    __syncthreads();  // every ring read of this head is done
-    if (which == 0)
-      encode_keys(p, unit, tile, scratch, scratch + d, scratch + 2 * d, reinterpret_cast<int*>(scratch + 3 * d),
-                  reinterpret_cast<int*>(scratch + 4 * d));
-    else
-      encode_values(p, unit, tile);
+  bool encode, to_ring;
+  if (F == kKivi && which == 1) {  // KIVI values: unit 1, a token every step past the lag
+    const int q0 = quantized<1>(j, s.lag), q1 = quantized<1>(j + 1, s.lag);
+    encode = q1 > q0 && q0 < s.units;
+    to_ring = s.r > 0 && j >= q1;
+    if (encode) encode_kivi_value(p, s, b, h, j, q0, x, smem);
+  } else {  // 128-token units
+    const int q0 = quantized<kPage>(j, s.lag), q1 = quantized<kPage>(j + 1, s.lag), u = q0 / kPage;
+    encode = q1 > q0 && u < s.units;
+    to_ring = s.r > 0 && j >= q1;
+    if (encode) {
+      __half* tile = reinterpret_cast<__half*>(smem);
+      float* scratch = reinterpret_cast<float*>(tile + kPage * (d + kPad));
+      const size_t unit = (static_cast<size_t>(b) * s.units + u) * p.kvh + h;
+      load_unit<F>(p, s, which, b, h, u, j, tile);
+      __syncthreads();  // every ring read of this head is done
+      if constexpr (F == kKivi)
+        encode_kivi_keys(p, unit, tile, scratch, scratch + 4 * d);
+      else if (which == 0)
+        encode_keys(p, unit, tile, scratch, scratch + d, scratch + 2 * d, reinterpret_cast<int*>(scratch + 3 * d),
+                    reinterpret_cast<int*>(scratch + 4 * d));
+      else
+        encode_values(p, unit, tile);
+    }
   }
   if (to_ring) {
     const int slot = j % s.r;
@@ -270,8 +377,12 @@ __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
   }
 }
 
-// The FP16 tile [128][D + pad] and the key scratch (score, lo, hi, ranks, order: 5 x D words).
-size_t smem_bytes(int d) { return static_cast<size_t>(kPage) * (d + kPad) * sizeof(__half) + 5 * d * sizeof(float); }
+// The FP16 tile [128][D + pad] and the key scratch: Kitty's score, lo, hi, ranks, order (5 x D
+// words), KIVI's lo and rcp [4][D] (8 x D words; its value token's D code bytes fit the tile).
+template <int F>
+size_t smem_bytes(int d) {
+  return static_cast<size_t>(kPage) * (d + kPad) * sizeof(__half) + (F == kKivi ? 8 : 5) * d * sizeof(float);
+}
 
 ffi::Error bad(const std::string& what) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp quantized cache store: " + what);
@@ -287,37 +398,80 @@ bool shape_is(const T& buffer, std::initializer_list<int64_t> shape) {
   return true;
 }
 
-ffi::Error StoreImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F16> new_k,
-                     ffi::Buffer<ffi::F16> new_v, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                     ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                     ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                     ffi::Result<ffi::Buffer<ffi::F16>> sink_k, ffi::Result<ffi::Buffer<ffi::F16>> sink_v,
-                     ffi::Result<ffi::Buffer<ffi::F16>> k_ring, ffi::Result<ffi::Buffer<ffi::S32>> k_ring_pos,
-                     ffi::Result<ffi::Buffer<ffi::F16>> v_ring, ffi::Result<ffi::Buffer<ffi::S32>> v_ring_pos,
-                     ffi::Result<ffi::Buffer<ffi::U8>> k_low, ffi::Result<ffi::Buffer<ffi::U8>> k_high,
-                     ffi::Result<ffi::Buffer<ffi::U8>> k_boost, ffi::Result<ffi::Buffer<ffi::F16>> k_scale,
-                     ffi::Result<ffi::Buffer<ffi::F16>> k_min, ffi::Result<ffi::Buffer<ffi::U8>> v_codes,
-                     ffi::Result<ffi::Buffer<ffi::F16>> v_scale, ffi::Result<ffi::Buffer<ffi::F16>> v_min,
-                     int64_t max_len, int64_t k_lag, int64_t v_lag) {
+template <typename T>
+int64_t dim(const T& buffer, size_t rank, size_t i) {
+  return buffer.dimensions().size() == rank ? buffer.dimensions()[i] : -1;
+}
+
+using F16Out = ffi::Result<ffi::Buffer<ffi::F16>>;
+using S32Out = ffi::Result<ffi::Buffer<ffi::S32>>;
+using U8Out = ffi::Result<ffi::Buffer<ffi::U8>>;
+
+__half* f16(F16Out& x) { return reinterpret_cast<__half*>(x->typed_data()); }
+
+// The checks and parameters both formats share (tokens, positions, sinks, rings, lags); p.s[i].units
+// and the unit buffers are the caller's. batch, kvh, d: from the new keys.
+ffi::Error common(Params& p, ffi::Buffer<ffi::S32>& positions, ffi::Buffer<ffi::F16>& new_k,
+                  ffi::Buffer<ffi::F16>& new_v, F16Out& sink_k, F16Out& sink_v, F16Out& k_ring, S32Out& k_ring_pos,
+                  F16Out& v_ring, S32Out& v_ring_pos, int64_t max_len, int64_t k_lag, int64_t v_lag, int64_t& batch,
+                  int64_t& kvh, int64_t& d) {
   auto nd = new_k.dimensions();
   if (nd.size() != 3) return bad("new keys must be FP16 [B, KVH, D]");
-  const int64_t batch = nd[0], kvh = nd[1], d = nd[2];
+  batch = nd[0], kvh = nd[1], d = nd[2];
   if (d != 64 && d != 128 && d != 256) return bad("head_dim must be 64, 128 or 256, got " + std::to_string(d));
   if (!shape_is(new_v, {batch, kvh, d})) return bad("new values must be FP16 [B, KVH, D] as the keys");
   if (!shape_is(positions, {batch})) return bad("positions must be int32 [B]");
-  auto sd = sink_k->dimensions();
-  const int64_t off = sd.size() == 4 ? sd[1] : -1;
+  if (batch > 65535) return bad("at most 65535 rows (the grid's y), got " + std::to_string(batch));
+  const int64_t off = dim(*sink_k, 4, 1);
   if (!shape_is(*sink_k, {batch, off, kvh, d}) || !shape_is(*sink_v, {batch, off, kvh, d}))
     return bad("sinks must be FP16 [B, OFF, KVH, D], keys as values");
-  const int64_t rk = k_ring->dimensions().size() == 4 ? k_ring->dimensions()[1] : -1;
-  const int64_t rv = v_ring->dimensions().size() == 4 ? v_ring->dimensions()[1] : -1;
+  const int64_t rk = dim(*k_ring, 4, 1), rv = dim(*v_ring, 4, 1);
   if (!shape_is(*k_ring, {batch, rk, kvh, d}) || !shape_is(*v_ring, {batch, rv, kvh, d}))
     return bad("rings must be FP16 [B, R, KVH, D]");
   if (!shape_is(*k_ring_pos, {batch, rk}) || !shape_is(*v_ring_pos, {batch, rv}))
     return bad("ring positions must be int32 [B, R] beside their rings");
-  const int64_t uk = k_low->dimensions().size() == 5 ? k_low->dimensions()[1] : -1;
-  const int64_t uv = v_codes->dimensions().size() == 5 ? v_codes->dimensions()[1] : -1;
-  const int64_t nb = k_high->dimensions().size() == 5 ? k_high->dimensions()[3] : -1;
+  if (k_lag < 0 || v_lag < 0 || max_len < 1) return bad("lags must be >= 0 and max_len >= 1");
+  p.positions = positions.typed_data();
+  p.s[0] = {f16(k_ring), k_ring_pos->typed_data(), f16(sink_k), reinterpret_cast<const __half*>(new_k.typed_data()),
+            static_cast<int>(rk), 0, static_cast<int>(k_lag)};
+  p.s[1] = {f16(v_ring), v_ring_pos->typed_data(), f16(sink_v), reinterpret_cast<const __half*>(new_v.typed_data()),
+            static_cast<int>(rv), 0, static_cast<int>(v_lag)};
+  p.off = static_cast<int>(off);
+  p.max_len = static_cast<int>(max_len);
+  p.kvh = static_cast<int>(kvh);
+  p.d = static_cast<int>(d);
+  p.nb = 0;
+  return ffi::Error::Success();
+}
+
+template <int F>
+ffi::Error launch(cudaStream_t stream, const Params& p, int64_t batch, int64_t kvh) {
+  if (batch == 0 || kvh == 0) return ffi::Error::Success();
+  static const cudaError_t attr = cudaFuncSetAttribute(store_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(smem_bytes<F>(256)));
+  if (attr != cudaSuccess) return bad(std::string("shared memory attribute: ") + cudaGetErrorString(attr));
+  store_kernel<F><<<dim3(static_cast<unsigned>(kvh), static_cast<unsigned>(batch), 2), kThreads, smem_bytes<F>(p.d),
+                    stream>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp quantized cache store launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+ffi::Error StoreImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F16> new_k,
+                     ffi::Buffer<ffi::F16> new_v, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                     ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                     ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, F16Out sink_k, F16Out sink_v,
+                     F16Out k_ring, S32Out k_ring_pos, F16Out v_ring, S32Out v_ring_pos, U8Out k_low, U8Out k_high,
+                     U8Out k_boost, F16Out k_scale, F16Out k_min, U8Out v_codes, F16Out v_scale, F16Out v_min,
+                     int64_t max_len, int64_t k_lag, int64_t v_lag) {
+  Params p;
+  int64_t batch, kvh, d;
+  if (auto e = common(p, positions, new_k, new_v, sink_k, sink_v, k_ring, k_ring_pos, v_ring, v_ring_pos, max_len,
+                      k_lag, v_lag, batch, kvh, d);
+      e.failure())
+    return e;
+  const int64_t uk = dim(*k_low, 5, 1), uv = dim(*v_codes, 5, 1), nb = dim(*k_high, 5, 3);
   if (!shape_is(*k_low, {batch, uk, kvh, d, 32}) || !shape_is(*k_high, {batch, uk, kvh, nb, 32}) ||
       !shape_is(*k_boost, {batch, uk, kvh, d}) || !shape_is(*k_scale, {batch, uk, kvh, d}) ||
       !shape_is(*k_min, {batch, uk, kvh, d}))
@@ -327,14 +481,8 @@ ffi::Error StoreImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, ffi::
   if (!shape_is(*v_codes, {batch, uv, kvh, kPage, d / 4}) || !shape_is(*v_scale, {batch, uv, kvh, kPage}) ||
       !shape_is(*v_min, {batch, uv, kvh, kPage}))
     return bad("value pages must be codes [B, U, KVH, 128, D/4], scale and min [B, U, KVH, 128]");
-  if (k_lag < 0 || v_lag < 0 || max_len < 1) return bad("lags must be >= 0 and max_len >= 1");
-  Params p;
-  p.positions = positions.typed_data();
-  auto f16 = [](auto& x) { return reinterpret_cast<__half*>(x->typed_data()); };
-  p.s[0] = {f16(k_ring), k_ring_pos->typed_data(), f16(sink_k), reinterpret_cast<const __half*>(new_k.typed_data()),
-            static_cast<int>(rk), static_cast<int>(uk), static_cast<int>(k_lag)};
-  p.s[1] = {f16(v_ring), v_ring_pos->typed_data(), f16(sink_v), reinterpret_cast<const __half*>(new_v.typed_data()),
-            static_cast<int>(rv), static_cast<int>(uv), static_cast<int>(v_lag)};
+  p.s[0].units = static_cast<int>(uk);
+  p.s[1].units = static_cast<int>(uv);
   p.k_low = k_low->typed_data();
   p.k_high = k_high->typed_data();
   p.k_boost = k_boost->typed_data();
@@ -343,22 +491,39 @@ ffi::Error StoreImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, ffi::
   p.v_codes = v_codes->typed_data();
   p.v_scale = f16(v_scale);
   p.v_min = f16(v_min);
-  p.off = static_cast<int>(off);
-  p.max_len = static_cast<int>(max_len);
-  p.kvh = static_cast<int>(kvh);
-  p.d = static_cast<int>(d);
   p.nb = static_cast<int>(nb);
-  if (batch > 65535) return bad("at most 65535 rows (the grid's y), got " + std::to_string(batch));
-  if (batch == 0 || kvh == 0) return ffi::Error::Success();
-  const size_t smem = smem_bytes(p.d);
-  static const cudaError_t attr = cudaFuncSetAttribute(store_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       static_cast<int>(smem_bytes(256)));
-  if (attr != cudaSuccess) return bad(std::string("shared memory attribute: ") + cudaGetErrorString(attr));
-  store_kernel<<<dim3(static_cast<unsigned>(kvh), static_cast<unsigned>(batch), 2), kThreads, smem, stream>>>(p);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp quantized cache store launch: ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return launch<kKitty>(stream, p, batch, kvh);
+}
+
+ffi::Error StoreKiviImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F16> new_k,
+                         ffi::Buffer<ffi::F16> new_v, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                         ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                         ffi::AnyBuffer, ffi::AnyBuffer, F16Out sink_k, F16Out sink_v, F16Out k_ring, S32Out k_ring_pos,
+                         F16Out v_ring, S32Out v_ring_pos, U8Out k_codes, F16Out k_scale, F16Out k_min, U8Out v_codes,
+                         F16Out v_scale, F16Out v_min, int64_t max_len, int64_t k_lag, int64_t v_lag) {
+  Params p;
+  int64_t batch, kvh, d;
+  if (auto e = common(p, positions, new_k, new_v, sink_k, sink_v, k_ring, k_ring_pos, v_ring, v_ring_pos, max_len,
+                      k_lag, v_lag, batch, kvh, d);
+      e.failure())
+    return e;
+  const int64_t uk = dim(*k_codes, 5, 1), uv = dim(*v_codes, 5, 1);
+  if (!shape_is(*k_codes, {batch, uk, kvh, d, 32}) || !shape_is(*k_scale, {batch, uk, kvh, 4, d}) ||
+      !shape_is(*k_min, {batch, uk, kvh, 4, d}))
+    return bad("KIVI key blocks must be codes [B, U, KVH, D, 32], scale and min [B, U, KVH, 4, D]");
+  if (!shape_is(*v_codes, {batch, uv, kvh, 1, d / 4}) || !shape_is(*v_scale, {batch, uv, kvh, 1, d / kGroup}) ||
+      !shape_is(*v_min, {batch, uv, kvh, 1, d / kGroup}))
+    return bad("KIVI value tokens must be codes [B, T, KVH, 1, D/4], scale and min [B, T, KVH, 1, D/32]");
+  p.s[0].units = static_cast<int>(uk);
+  p.s[1].units = static_cast<int>(uv);
+  p.k_low = k_codes->typed_data();
+  p.k_high = p.k_boost = nullptr;
+  p.k_scale = f16(k_scale);
+  p.k_min = f16(k_min);
+  p.v_codes = v_codes->typed_data();
+  p.v_scale = f16(v_scale);
+  p.v_min = f16(v_min);
+  return launch<kKivi>(stream, p, batch, kvh);
 }
 
 }  // namespace jaxlp_cache_store
@@ -398,6 +563,42 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedCacheStore, jaxlp_cache_store::Store
                                   .Ret<ffi::Buffer<ffi::F16>>()  // key min
                                   .Ret<ffi::Buffer<ffi::U8>>()   // value codes [B, Uv, KVH, 128, D/4]
                                   .Ret<ffi::Buffer<ffi::F16>>()  // value scale [B, Uv, KVH, 128]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // value min
+                                  .Attr<int64_t>("max_len")
+                                  .Attr<int64_t>("k_lag")
+                                  .Attr<int64_t>("v_lag"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// KIVI-2: positions, new keys, new values, then the 12 state buffers (aliased likewise).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedCacheStoreKivi, jaxlp_cache_store::StoreKiviImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions [B]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // new keys [B, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // new values
+                                  .Arg<ffi::AnyBuffer>()         // sink keys (aliased to result 0)
+                                  .Arg<ffi::AnyBuffer>()         // sink values
+                                  .Arg<ffi::AnyBuffer>()         // key ring
+                                  .Arg<ffi::AnyBuffer>()         // key ring positions
+                                  .Arg<ffi::AnyBuffer>()         // value ring
+                                  .Arg<ffi::AnyBuffer>()         // value ring positions
+                                  .Arg<ffi::AnyBuffer>()         // key codes
+                                  .Arg<ffi::AnyBuffer>()         // key scale
+                                  .Arg<ffi::AnyBuffer>()         // key min
+                                  .Arg<ffi::AnyBuffer>()         // value codes
+                                  .Arg<ffi::AnyBuffer>()         // value scale
+                                  .Arg<ffi::AnyBuffer>()         // value min
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // sink keys [B, OFF, KVH, D]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // sink values
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // key ring [B, RK, KVH, D]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // key ring positions [B, RK]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // value ring [B, RV, KVH, D]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // value ring positions [B, RV]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // key codes [B, Uk, KVH, D, 32]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // key scale [B, Uk, KVH, 4, D]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // key min
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // value codes [B, Uv, KVH, 1, D/4]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // value scale [B, Uv, KVH, 1, D/32]
                                   .Ret<ffi::Buffer<ffi::F16>>()  // value min
                                   .Attr<int64_t>("max_len")
                                   .Attr<int64_t>("k_lag")

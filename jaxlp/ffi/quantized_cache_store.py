@@ -1,4 +1,4 @@
-"""A decode step's store into a Kitty cache, as one CUDA kernel (sm_90), in place.
+"""A decode step's store into a Kitty or KIVI-2 cache, as one CUDA kernel (sm_90), in place.
 
     state = store_token(positions, k, v, state, k_lag=..., v_lag=..., max_len=...)
 
@@ -7,16 +7,31 @@ slot positions and the packed key and value pages, as :class:`jaxlp.kvcache.quan
 holds them); ``positions [B]`` the one new position per row, ``k, v [B, KVH, D]`` its key and value.
 The result is the state :meth:`QuantizedLayerCache.store <jaxlp.kvcache.quantized.QuantizedLayerCache.store>`
 (the reference, XLA) returns for a one-token call: the token goes to the sink or the ring, and a row
-whose stream completes a 128-token unit at this step gets the unit encoded (Kitty pages,
-:mod:`jaxlp.kvcache.kitty`). Every state buffer is aliased to the kernel's output of the same name,
-so under ``jit`` with the cache donated (as a decode loop carries it) the store writes the changed
-bytes only: no ``lax.cond`` (whose predicate XLA reads back on the host, stalling the step) and no
-whole-cache copies.
+whose stream completes a unit at this step gets the unit encoded. Two formats (:func:`supports`),
+told apart by the state's key store (one kernel template and one FFI target each):
 
-Exactness: the same bytes as the reference, except where two key channels' mean ``|k|`` over a page
-tie to float32 summation order (the kernel sums in another order than XLA's reduction): then they may
-rank differently, which reorders the boosted channels' rows or, at the ``n_boost`` boundary, boosts
-the other channel.
+* Kitty (:mod:`jaxlp.kvcache.kitty`): key and value pages of 128 tokens (keys lag 0, values lag
+  128), a page encoded every 128 steps per stream.
+* KIVI-2 (:mod:`jaxlp.kvcache.kivi` with 2-bit keys and values and groups of 32, ``kivi-k2v2``,
+  ``kivi-k2v2*``): key blocks of 128 tokens (lag 0; scale and min per group of 32 tokens and
+  channel), encoded every 128 steps; value tokens (unit 1, lag 128; scale and min per token and
+  group of 32 channels): from the 129th stream token on, every step quantizes the token leaving the
+  128-token value window, read from its ring slot before the new token overwrites that slot (the
+  reference's order: units encoded, then the rings written).
+
+Every state buffer is aliased to the kernel's output of the same name, so under ``jit`` with the
+cache donated (as a decode loop carries it) the store writes the changed bytes only: no ``lax.cond``
+(whose predicate XLA reads back on the host, stalling the step) and no whole-cache copies.
+
+Exactness: the same bytes as the reference (float32 math on the FP16 tokens, the quantization rule's
+divisions as products with the float32 reciprocal, products and sums rounded separately, as
+:mod:`jaxlp.kvcache.quant` writes them and XLA:CPU computes them), except where two Kitty key
+channels' mean ``|k|`` over a page tie to float32 summation order (the kernel sums in another order
+than XLA's reduction): then they may rank differently, which reorders the boosted channels' rows or,
+at the ``n_boost`` boundary, boosts the other channel. KIVI-2 has no ranking: its min, max and
+per-element rule do not depend on an order, so it has no such exception. Against the reference run on
+a GPU, a code may differ where ``(x - min) * (1 / scale)`` sits on a rounding tie that XLA:GPU
+contracts into an FMA with the ``+ 0.5`` (both formats).
 
 The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
@@ -31,24 +46,44 @@ import numpy as np
 
 from jaxlp.ffi import build
 
-TARGET = "jaxlp_quantized_cache_store"
-LIBRARY = build.Library("quantized_cache_store", {TARGET: "JaxlpQuantizedCacheStore"})
-UNIT = 128  # tokens per unit the kernel encodes (a Kitty page)
+TARGET = "jaxlp_quantized_cache_store"  # Kitty
+KIVI_TARGET = "jaxlp_quantized_cache_store_kivi"  # KIVI-2
+LIBRARY = build.Library("quantized_cache_store",
+                        {TARGET: "JaxlpQuantizedCacheStore", KIVI_TARGET: "JaxlpQuantizedCacheStoreKivi"})
+UNIT = 128  # tokens per key unit the kernel encodes (a Kitty page, a KIVI key block); Kitty value pages too
+KIVI_BITS = 2
+KIVI_GROUP = 32  # KIVI's scale groups: 32 tokens of a key block, 32 channels of a value token
 HEAD_DIMS = (64, 128, 256)
 
 
 STATE_FIELDS = ("sink_k", "sink_v", "k_ring", "k_ring_pos", "v_ring", "v_ring_pos", "k_store", "v_store")
 """The layer's arrays the kernel updates (as :class:`jaxlp.kvcache.quantized.QuantizedLayerCache`
 names them, ``[B, ...]`` each): FP16 sinks ``[B, OFF, KVH, D]``, FP16 rings ``[B, R, KVH, D]`` with
-int32 slot positions ``[B, R]``, the key pages (:class:`jaxlp.kvcache.kitty.KeyPage`, leading
-``[B, U, KVH]``) and the value pages (:class:`jaxlp.kvcache.kitty.ValuePage`)."""
+int32 slot positions ``[B, R]``, the key units and the value units, leading ``[B, U, KVH]``: Kitty's
+:class:`jaxlp.kvcache.kitty.KeyPage` and :class:`jaxlp.kvcache.kitty.ValuePage`, or KIVI-2's
+:class:`jaxlp.kvcache.kivi.KeyBlock` (codes ``[.., D, 32]``, scale and min ``[.., 4, D]``) and
+:class:`jaxlp.kvcache.kivi.ValueTokens` (codes ``[.., 1, D/4]``, scale and min ``[.., 1, D/32]``)."""
+
+
+def _kitty(k_codec, v_codec) -> bool:
+    """Kitty key and value pages of 128 tokens."""
+    return (getattr(k_codec, "layout", "") == "kitty_keys" and getattr(v_codec, "layout", "") == "kitty_values"
+            and k_codec.unit == UNIT and v_codec.unit == UNIT)
+
+
+def _kivi2(k_codec, v_codec) -> bool:
+    """KIVI-2: 2-bit key blocks of 128 tokens in groups of 32 tokens, 2-bit value tokens in groups of 32
+    channels (the KIVI defaults)."""
+    return (getattr(k_codec, "layout", "") == "kivi_keys" and getattr(v_codec, "layout", "") == "kivi_values"
+            and k_codec.unit == UNIT and k_codec.bits == KIVI_BITS and k_codec.group == KIVI_GROUP
+            and v_codec.unit == 1 and v_codec.bits == KIVI_BITS and v_codec.group == KIVI_GROUP)
 
 
 def supports(k_codec, v_codec, head_dim: int) -> bool:
-    """Whether :func:`store_token` encodes these codecs: Kitty key and value pages of 128 tokens at
-    head_dim 64, 128 or 256."""
-    return (getattr(k_codec, "layout", "") == "kitty_keys" and getattr(v_codec, "layout", "") == "kitty_values"
-            and k_codec.unit == UNIT and v_codec.unit == UNIT and head_dim in HEAD_DIMS)
+    """Whether :func:`store_token` encodes these codecs: Kitty key and value pages of 128 tokens, or
+    KIVI-2 (2-bit key blocks of 128 tokens and value tokens, groups of 32: ``kivi-k2v2``,
+    ``kivi-k2v2*``), at head_dim 64, 128 or 256."""
+    return (_kitty(k_codec, v_codec) or _kivi2(k_codec, v_codec)) and head_dim in HEAD_DIMS
 
 
 def available() -> bool:
@@ -68,10 +103,12 @@ def store_token(positions, k, v, state: dict, *, k_lag: int, v_lag: int, max_len
     if d not in HEAD_DIMS:
         raise ValueError(f"store_token: head_dim must be one of {HEAD_DIMS}, got {d}")
     ks, vs = state["k_store"], state["v_store"]
-    leaves = [state[name] for name in STATE_FIELDS[:6]] + [ks.low, ks.high, ks.boost_idx, ks.scale, ks.min,
-                                                            vs.codes, vs.scale, vs.min]
+    is_kitty = hasattr(ks, "boost_idx")  # Kitty's KeyPage; else KIVI's KeyBlock
+    key_leaves = [ks.low, ks.high, ks.boost_idx, ks.scale, ks.min] if is_kitty else [ks.codes, ks.scale, ks.min]
+    leaves = [state[name] for name in STATE_FIELDS[:6]] + key_leaves + [vs.codes, vs.scale, vs.min]
+    key_dtypes = [jnp.uint8, jnp.uint8] if is_kitty else []
     dtypes = [jnp.float16, jnp.float16, jnp.float16, jnp.int32, jnp.float16, jnp.int32,
-              jnp.uint8, jnp.uint8, jnp.uint8, jnp.float16, jnp.float16, jnp.uint8, jnp.float16, jnp.float16]
+              *key_dtypes, jnp.uint8, jnp.float16, jnp.float16, jnp.uint8, jnp.float16, jnp.float16]
     for x, dtype in zip(leaves, dtypes):
         if x.dtype != dtype:
             raise ValueError(f"store_token: state arrays must be {[jnp.dtype(t).name for t in dtypes]}, got "
@@ -79,10 +116,14 @@ def store_token(positions, k, v, state: dict, *, k_lag: int, v_lag: int, max_len
     if build.on_gpu():
         LIBRARY.load()
     first = 3  # positions, k, v come first; then the state, each aliased to its output
-    call = jax.ffi.ffi_call(TARGET, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
+    call = jax.ffi.ffi_call(TARGET if is_kitty else KIVI_TARGET,
+                            [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
                             input_output_aliases={first + i: i for i in range(len(leaves))})
     out = call(positions.astype(jnp.int32), k.astype(jnp.float16), v.astype(jnp.float16), *leaves,
                max_len=np.int64(max_len), k_lag=np.int64(k_lag), v_lag=np.int64(v_lag))
-    k_store = dataclasses.replace(ks, low=out[6], high=out[7], boost_idx=out[8], scale=out[9], min=out[10])
-    v_store = dataclasses.replace(vs, codes=out[11], scale=out[12], min=out[13])
+    if is_kitty:
+        k_store = dataclasses.replace(ks, low=out[6], high=out[7], boost_idx=out[8], scale=out[9], min=out[10])
+    else:
+        k_store = dataclasses.replace(ks, codes=out[6], scale=out[7], min=out[8])
+    v_store = dataclasses.replace(vs, codes=out[-3], scale=out[-2], min=out[-1])
     return dict(zip(STATE_FIELDS, [*out[:6], k_store, v_store]))

@@ -41,10 +41,12 @@ reference) never build them. CUDA (:func:`jaxlp.ffi.quantized_decode_attention.a
 they hold a token, the sink and the new token. Pallas
 (:func:`jaxlp.pallas.quantized_decode_attention.attend_units`, every format) reads the packed units
 that hold both keys and values, XLA attends the sink, the at most ``max(ring)`` newer stream tokens
-and the new token, and the two softmax partials are merged. With the CUDA attention on Kitty pages,
-the step's store is one in-place kernel too (:func:`jaxlp.ffi.quantized_cache_store.store_token`)
-instead of :meth:`~QuantizedLayerCache.store`'s ``lax.cond`` (XLA:GPU reads a conditional's
-predicate back on the host, which stalls every layer of every step).
+and the new token, and the two softmax partials are merged. With the CUDA attention on Kitty pages or
+KIVI-2 (2-bit keys and values, groups of 32), the step's store is one in-place kernel too
+(:func:`jaxlp.ffi.quantized_cache_store.store_token`) instead of :meth:`~QuantizedLayerCache.store`
+(Kitty: its ``lax.cond``, whose predicate XLA:GPU reads back on the host, stalling every layer of
+every step; KIVI-2, whose values encode a token at every step without a conditional: its gathers,
+decode and scatters).
 """
 
 from __future__ import annotations
@@ -392,8 +394,9 @@ class QuantizedLayerCache(LayerCache):
 
     def _store_one(self, k, v, p, implementation: str) -> "QuantizedLayerCache":
         """:meth:`store` of one token per row (``k, v [B, KVH, D]`` at ``p [B]``): with the CUDA
-        attention on Kitty pages, one in-place kernel (:func:`jaxlp.ffi.quantized_cache_store.store_token`:
-        no ``lax.cond``, whose predicate XLA reads back on the host every step); else :meth:`store`."""
+        attention on Kitty pages or KIVI-2 (:func:`jaxlp.ffi.quantized_cache_store.supports`), one
+        in-place kernel (:func:`jaxlp.ffi.quantized_cache_store.store_token`: no ``lax.cond``, whose
+        predicate XLA reads back on the host every step, and no whole-unit scatters); else :meth:`store`."""
         kc, vc = self.k_spec.codec, self.v_spec.codec
         fused = implementation == "cuda" and self.sink_k.dtype == jnp.float16 and cuda_store.supports(kc, vc, k.shape[-1])
         if not (fused and cuda_store.available()):

@@ -1,8 +1,11 @@
-"""The one-token CUDA store into Kitty caches: what it takes and refuses, its lowering (one custom
-call, every state buffer aliased; on any machine), and on a GPU the kernel's state against the
-reference (``QuantizedLayerCache.store``, XLA, run on the CPU) byte for byte: rows that complete a
-key page, a value page or both at this step, rows in the sink, padding rows, and rewound rows whose
-ring slots were overwritten (their units' old codes re-read), at head_dim 64, 128 and 256.
+"""The one-token CUDA store into Kitty and KIVI-2 caches: what it takes and refuses, its lowering (one
+custom call, every state buffer aliased; on any machine), a NumPy transliteration of the KIVI-2 kernel
+(:func:`kivi_kernel_model`, its indexing, order of reads and writes and float32 rounding) against the
+reference over decode steps (on any machine), and on a GPU the kernel's state against the reference
+(``QuantizedLayerCache.store``, XLA, run on the CPU) byte for byte: rows that complete a key page or
+block, a value page or token or both at this step, rows in the sink, padding rows, and rewound rows
+whose ring slots were overwritten (their units' old codes re-read), at head_dim 64, 128 and 256, and
+over 150 decode steps of the cache's CUDA step.
 
 The reference runs on the CPU, where XLA rounds ``(x - min) * (1 / scale)`` and the ``+ 0.5`` of the
 quantization rule (:mod:`jaxlp.kvcache.quant`) separately, as the kernel does; XLA:GPU may contract
@@ -27,10 +30,14 @@ def on_cpu(tree):
     return jax.device_put(tree, jax.devices("cpu")[0])
 
 
+@jax.jit
+def _reference_store(layer, k, v, p):
+    return state_of(layer.store(k[:, None], v[:, None], p[:, None]))
+
+
 def reference_store(layer, k, v, p):
     """The XLA store of one token per row, on the CPU (module doc), as the kernel's state dict."""
-    return jax.jit(lambda lay, k, v, p: state_of(lay.store(k[:, None], v[:, None], p[:, None])))(
-        on_cpu(layer), on_cpu(k), on_cpu(v), on_cpu(p))
+    return _reference_store(on_cpu(layer), on_cpu(k), on_cpu(v), on_cpu(p))
 
 
 def config(kvh, d):
@@ -42,29 +49,56 @@ def state_of(layer):
     return {name: getattr(layer, name) for name in cuda_store.STATE_FIELDS}
 
 
-def test_takes_kitty_pages_only():
+def test_takes_kitty_pages_and_kivi2_only():
     assert cuda_store.supports(kitty.KeyCodec(16), kitty.ValueCodec(), 128)
     assert cuda_store.supports(kitty.KeyCodec(8), kitty.ValueCodec(), 64)
     assert cuda_store.supports(kitty.KeyCodec(64), kitty.ValueCodec(), 256)
     assert not cuda_store.supports(kitty.KeyCodec(16), kitty.ValueCodec(), 96)
     assert not cuda_store.supports(kitty.KeyCodec(16, unit=64), kitty.ValueCodec(), 128)
-    assert not cuda_store.supports(kivi.KeyCodec(2), kivi.ValueCodec(2), 128)
+    for d in (64, 128, 256):
+        assert cuda_store.supports(kivi.KeyCodec(2), kivi.ValueCodec(2), d)
+    assert not cuda_store.supports(kivi.KeyCodec(2), kivi.ValueCodec(2), 96)
+    assert not cuda_store.supports(kivi.KeyCodec(4), kivi.ValueCodec(4), 128)
+    assert not cuda_store.supports(kivi.KeyCodec(2), kivi.ValueCodec(4), 128)
+    assert not cuda_store.supports(kivi.KeyCodec(4), kivi.ValueCodec(2), 128)
+    assert not cuda_store.supports(kivi.KeyCodec(2, group=64), kivi.ValueCodec(2), 128)
+    assert not cuda_store.supports(kivi.KeyCodec(2), kivi.ValueCodec(2, group=64), 128)
+    assert not cuda_store.supports(kivi.KeyCodec(2, unit=64), kivi.ValueCodec(2), 128)
+    assert not cuda_store.supports(kitty.KeyCodec(16), kivi.ValueCodec(2), 128)
+    assert not cuda_store.supports(kivi.KeyCodec(2), kitty.ValueCodec(), 128)
     assert not cuda_store.supports(fireq.TokenCodec(), fireq.TokenCodec(), 128)
+
+
+@pytest.mark.parametrize("name,d", [("kivi-k2v2", 64), ("kivi-k2v2*", 128), ("kivi-k2v2*", 256)])
+def test_kivi2_formats_take_the_store(name, d):
+    """The registry's KIVI-2 formats have the codecs the store encodes (the dispatch in
+    QuantizedLayerCache._store_one asks supports()); the variants with 4-bit keys or values keep the XLA store."""
+    layer = small_layer(name, d=d)
+    assert cuda_store.supports(layer.k_spec.codec, layer.v_spec.codec, d)
+    for other in ("kivi-k4v4", "kivi-k2v4*", "kivi-k4v2*"):
+        lay = small_layer(other, d=d)
+        assert not cuda_store.supports(lay.k_spec.codec, lay.v_spec.codec, d)
 
 
 def small_layer(name="kitty", b=2, kvh=2, d=64, max_len=300):
     return kvcache.get(name).init(config(kvh, d), b, max_len).layers[0]
 
 
-def test_lowers_to_one_custom_call_with_every_state_buffer_aliased():
-    layer = small_layer()
+@pytest.mark.parametrize("name,target,leaves", [("kitty", cuda_store.TARGET, 14),
+                                                 ("kivi-k2v2*", cuda_store.KIVI_TARGET, 12),
+                                                 ("kivi-k2v2", cuda_store.KIVI_TARGET, 12)])
+def test_lowers_to_one_custom_call_with_every_state_buffer_aliased(name, target, leaves):
+    layer = small_layer(name)
     b, kvh, d = 2, 2, 64
     new = jnp.zeros((b, kvh, d), jnp.bfloat16)
     f = jax.jit(lambda s, p, k, v: cuda_store.store_token(p, k, v, s, k_lag=0, v_lag=128, max_len=300),
                 donate_argnums=0)
     text = f.trace(state_of(layer), jnp.zeros((b,), jnp.int32), new, new).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count(cuda_store.TARGET) == 1
-    assert text.count("#stablehlo.output_operand_alias<") == len(jax.tree.leaves(state_of(layer)))
+    assert text.count(f"@{target}(") == 1
+    other = cuda_store.KIVI_TARGET if target == cuda_store.TARGET else cuda_store.TARGET
+    assert f"@{other}(" not in text
+    assert len(jax.tree.leaves(state_of(layer))) == leaves
+    assert text.count("#stablehlo.output_operand_alias<") == leaves
 
 
 def test_refuses_wrong_shapes_and_dtypes():
@@ -79,6 +113,10 @@ def test_refuses_wrong_shapes_and_dtypes():
     bf16 = st | {"k_ring": st["k_ring"].astype(jnp.bfloat16)}
     with pytest.raises(ValueError, match="state arrays must be"):
         cuda_store.store_token(p, new, new, bf16, k_lag=0, v_lag=128, max_len=300)
+    st = state_of(small_layer("kivi-k2v2*"))
+    f32 = st | {"k_store": dataclasses.replace(st["k_store"], scale=st["k_store"].scale.astype(jnp.float32))}
+    with pytest.raises(ValueError, match="state arrays must be"):
+        cuda_store.store_token(p, new, new, f32, k_lag=0, v_lag=128, max_len=300)
 
 
 # --- on the GPU: the kernel's state against the reference's -------------------------------------
@@ -179,3 +217,230 @@ def test_gpu_decode_steps_through_page_boundaries_keep_the_reference_state():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"step {i}")
     text = step.lower(layer, q, k, v, p).as_text()
     assert text.count(cuda_store.TARGET) == 1 and "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+# --- KIVI-2 ---------------------------------------------------------------------------------------
+
+F32 = np.float32
+
+
+def _kivi_key_value(st, b, u, t):
+    """The kernel's old_value<kKivi>: token t of key block u, all heads, FP16 (code * scale exact)."""
+    code = (st["k_codes"][b, u, :, :, t % 32] >> (2 * (t // 32))) & 3  # [KVH, D]
+    return (code.astype(F32) * st["k_scale"][b, u, :, t // 32].astype(F32)
+            + st["k_min"][b, u, :, t // 32].astype(F32)).astype(np.float16)
+
+
+def _kivi_value_token(st, b, jt):
+    """The kernel's old value of value token jt: all heads and channels, FP16."""
+    codes, d = st["v_codes"][b, jt, :, 0], st["v_codes"].shape[-1] * 4  # [KVH, D/4]
+    m = d // 4
+    c = np.arange(d)
+    code = (codes[:, c % m] >> (2 * (c // m))) & 3  # [KVH, D]
+    g = c // 32
+    return (code.astype(F32) * st["v_scale"][b, jt, :, 0][:, g].astype(F32)
+            + st["v_min"][b, jt, :, 0][:, g].astype(F32)).astype(np.float16)
+
+
+def _minmax_codes(x, axis):
+    """The kernel's scale_of / code_of over ``axis`` of FP16 ``x``: float32 ops rounded one by one,
+    the divisions as products with float32 reciprocals. (codes, FP16 scale, FP16 min), keepdims."""
+    x = x.astype(F32)
+    lo, hi = x.min(axis=axis, keepdims=True), x.max(axis=axis, keepdims=True)
+    scale = np.maximum((hi - lo) * (F32(1) / F32(3)), F32(1e-6)).astype(np.float16)
+    mn = lo.astype(np.float16)
+    rcp = F32(1) / scale.astype(F32)
+    codes = np.floor((x - mn.astype(F32)) * rcp + F32(0.5))
+    return np.clip(codes, 0, 3).astype(np.uint8), scale, mn
+
+
+def kivi_kernel_model(state, positions, k, v, *, k_lag, v_lag, max_len):
+    """NumPy transliteration of store_kernel<kKivi> (jaxlp/ffi/quantized_cache_store.cu): per row,
+    the key stream (128-token blocks: the block's tokens from the new token, the ring where its slot
+    holds the token, else the block's old codes) and the value stream (one token per step: the token
+    leaving the window, read from its ring slot or its old codes before the slot takes the new
+    token), all heads at once (each head's CTA only reads its own head; every head's CTA reads the
+    slot positions before the last one writes them)."""
+    ks, vs = state["k_store"], state["v_store"]
+    st = {name: np.array(state[name]) for name in cuda_store.STATE_FIELDS[:6]}
+    st |= {"k_codes": np.array(ks.codes), "k_scale": np.array(ks.scale), "k_min": np.array(ks.min),
+           "v_codes": np.array(vs.codes), "v_scale": np.array(vs.scale), "v_min": np.array(vs.min)}
+    k, v, positions = np.asarray(k, np.float16), np.asarray(v, np.float16), np.asarray(positions)
+    off, kvh, d = st["sink_k"].shape[1], k.shape[1], k.shape[2]
+    rk, rv = st["k_ring"].shape[1], st["v_ring"].shape[1]
+    uk, uv = st["k_codes"].shape[1], st["v_codes"].shape[1]
+    for b, pos in enumerate(positions):
+        if not 0 <= pos < max_len:
+            continue
+        if pos < off:
+            st["sink_k"][b, pos], st["sink_v"][b, pos] = k[b], v[b]
+            continue
+        j = int(pos) - off
+        # keys: unit 128
+        q0, q1 = 128 * (max(j - k_lag, 0) // 128), 128 * (max(j + 1 - k_lag, 0) // 128)
+        u = q0 // 128
+        if q1 > q0 and u < uk:
+            tile = np.empty((128, kvh, d), np.float16)
+            for t in range(128):
+                jt = 128 * u + t
+                if jt == j:
+                    tile[t] = k[b]
+                elif rk > 0 and st["k_ring_pos"][b, jt % rk] == jt:
+                    tile[t] = st["k_ring"][b, jt % rk]
+                else:
+                    tile[t] = _kivi_key_value(st, b, u, t)
+            codes, scale, mn = _minmax_codes(tile.reshape(4, 32, kvh, d), axis=1)  # [4, 32, KVH, D]
+            st["k_scale"][b, u], st["k_min"][b, u] = np.moveaxis(scale[:, 0], 0, 1), np.moveaxis(mn[:, 0], 0, 1)
+            packed = sum(codes[g].astype(np.uint32) << (2 * g) for g in range(4))  # [32 (byte k), KVH, D]
+            st["k_codes"][b, u] = np.moveaxis(packed, 0, -1).astype(np.uint8)
+        if rk > 0 and j >= q1:
+            st["k_ring"][b, j % rk], st["k_ring_pos"][b, j % rk] = k[b], j
+        # values: unit 1
+        q0, q1 = max(j - v_lag, 0), max(j + 1 - v_lag, 0)
+        if q1 > q0 and q0 < uv:
+            jt = q0
+            if jt == j:
+                x = v[b]
+            elif rv > 0 and st["v_ring_pos"][b, jt % rv] == jt:
+                x = st["v_ring"][b, jt % rv].copy()
+            else:
+                x = _kivi_value_token(st, b, jt)
+            codes, scale, mn = _minmax_codes(x.reshape(kvh, d // 32, 32), axis=2)
+            st["v_scale"][b, jt, :, 0], st["v_min"][b, jt, :, 0] = scale[..., 0], mn[..., 0]
+            codes = codes.reshape(kvh, 4, d // 4).astype(np.uint32)  # plane q: channels [q D/4, (q + 1) D/4)
+            st["v_codes"][b, jt, :, 0] = sum(codes[:, q] << (2 * q) for q in range(4)).astype(np.uint8)
+        if rv > 0 and j >= q1:
+            st["v_ring"][b, j % rv], st["v_ring_pos"][b, j % rv] = v[b], j
+    out = {name: st[name] for name in cuda_store.STATE_FIELDS[:6]}
+    out["k_store"] = kivi.KeyBlock(st["k_codes"], st["k_scale"], st["k_min"])
+    out["v_store"] = kivi.ValueTokens(st["v_codes"], st["v_scale"], st["v_min"])
+    return out
+
+
+def kivi_rows(off):
+    """(stored, positions) per row for a KIVI-2 cache with a sink of ``off`` (max_len 520): with
+    j = p - off, key block u completes at j = 128 u + 127 and every j >= 128 quantizes value token
+    j - 128. Rows: the first key block with no value yet (j 127), the first value token (j 128), a
+    key block and a value token (j 255, 383), mid-block (j 168), positions 5 and 31 (the sink where
+    there is one), a padding row (position max_len), and rows that rewind after a 480-token bucket:
+    a key block and a value token from stale rings (j 255, the block's tokens and token 127 from
+    their old codes), and a value token mid-block (j 200)."""
+    j = [127, 128, 255, 383, 168]
+    stored = [off + x for x in j] + [5, 31, 100, 480, 480]
+    positions = [off + x for x in j] + [5, 31, 520, off + 255, off + 200]
+    return stored, positions
+
+
+def assert_same_state(got, want, msg=""):
+    for path, a, b in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{msg} {jax.tree_util.keystr(path[0])}")
+
+
+@pytest.mark.parametrize("name,d,kvh", [("kivi-k2v2*", 64, 2), ("kivi-k2v2", 128, 1)])
+def test_kivi_kernel_model_matches_the_reference(name, d, kvh):
+    """The kernel's transliteration gives the reference's bytes on every row kind of kivi_rows."""
+    off = 32 if name.endswith("*") else 0
+    stored, positions = kivi_rows(off)
+    layer = on_cpu(prompt_layer(name, stored, 520, kvh, d, seed=d + kvh))
+    rng = np.random.default_rng(d)
+    k = jnp.asarray(rng.standard_normal((len(stored), kvh, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((len(stored), kvh, d)), jnp.bfloat16)
+    p = jnp.asarray(positions, jnp.int32)
+    want = reference_store(layer, k, v, p)
+    got = kivi_kernel_model(state_of(layer), p, k, v, k_lag=layer.k_spec.lag, v_lag=layer.v_spec.lag,
+                            max_len=layer.max_len)
+    assert_same_state(got, want)
+
+
+def kivi_decode_rows(off):
+    """(stored, starts) of the decode-step tests: rows at different positions, one whose prompt is
+    shorter than the sink (where there is one), and one that rewinds from a 300-token prompt to 150."""
+    return [250, 120, min(10, off) if off else 3, 300], [250, 120, min(10, off) if off else 3, 150]
+
+
+def test_kivi_kernel_model_through_decode_steps():
+    """The transliteration over 150 decode steps from kivi_decode_rows (key blocks, a value token
+    every step, the sink, a rewound row) keeps the reference's state after every step."""
+    kvh, d, off = 2, 64, 32
+    stored, starts = kivi_decode_rows(off)
+    layer = on_cpu(prompt_layer("kivi-k2v2*", stored, 460, kvh, d, seed=5))
+    state = want = state_of(layer)
+    rng = np.random.default_rng(6)
+    for i in range(150):
+        k = jnp.asarray(rng.standard_normal((len(stored), kvh, d)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((len(stored), kvh, d)), jnp.float32)
+        p = jnp.asarray(np.asarray(starts) + i, jnp.int32)
+        want = reference_store(dataclasses.replace(layer, **want), k, v, p)
+        state = kivi_kernel_model(state, p, k, v, k_lag=0, v_lag=128, max_len=460)
+        assert_same_state(state, want, f"step {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,d,kvh", [("kivi-k2v2*", 64, 2), ("kivi-k2v2", 128, 8), ("kivi-k2v2*", 256, 1),
+                                        ("kivi-k2v2*", 128, 8)])
+def test_gpu_kivi_store_matches_the_reference_byte_for_byte(name, d, kvh):
+    off = 32 if name.endswith("*") else 0
+    stored, positions = kivi_rows(off)
+    layer = prompt_layer(name, stored, 520, kvh, d, seed=d + kvh)
+    rng = np.random.default_rng(d)
+    k = jnp.asarray(rng.standard_normal((len(stored), kvh, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((len(stored), kvh, d)), jnp.bfloat16)
+    p = jnp.asarray(positions, jnp.int32)
+    want = reference_store(layer, k, v, p)
+    got = jax.jit(lambda s: cuda_store.store_token(p, k, v, s, k_lag=layer.k_spec.lag, v_lag=layer.v_spec.lag,
+                                                   max_len=layer.max_len))(state_of(layer))
+    assert_same_state(got, want)
+    # The encodes ran: the rows completing a key block changed it, the rows past j 128 a value token.
+    changed = np.asarray(got["k_store"].scale != layer.k_store.scale).any(axis=(1, 2, 3, 4))
+    assert changed[[0, 2, 3, 8]].all() and not changed[[1, 4, 5, 6, 7, 9]].any()
+    changed = np.asarray(got["v_store"].scale != layer.v_store.scale).any(axis=(1, 2, 3, 4))
+    assert changed[[1, 2, 3, 4]].all() and not changed[[0, 5, 6, 7]].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_kivi_store_of_constant_and_zero_blocks():
+    """All-equal keys (every group's scale at the floor) and all-zero values (value scales at the
+    floor): the same bytes as the reference, finite."""
+    kvh, d = 2, 128
+    layer = kvcache.get("kivi-k2v2*", attention="cuda").init(config(kvh, d), 2, 300).layers[0]
+    k = jnp.full((2, 287, kvh, d), 0.75, jnp.float32)
+    v = jnp.zeros((2, 287, kvh, d), jnp.float32)
+    layer = jax.jit(lambda lay: lay.store(k, v, jnp.tile(jnp.arange(287, dtype=jnp.int32), (2, 1))))(layer)
+    p = jnp.asarray([159, 287], jnp.int32)
+    k1, v1 = jnp.full((2, kvh, d), 0.75, jnp.bfloat16), jnp.zeros((2, kvh, d), jnp.bfloat16)
+    want = reference_store(layer, k1, v1, p)
+    got = jax.jit(lambda s: cuda_store.store_token(p, k1, v1, s, k_lag=0, v_lag=128, max_len=300))(state_of(layer))
+    assert_same_state(got, want)
+    assert np.isfinite(np.asarray(got["k_store"].scale, np.float32)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,d,kvh", [("kivi-k2v2*", 128, 2), ("kivi-k2v2", 64, 8), ("kivi-k2v2*", 256, 1)])
+def test_gpu_kivi_decode_steps_keep_the_reference_state(name, d, kvh):
+    """The cache's CUDA step (attend, then this store) over 150 steps from kivi_decode_rows (rows at
+    different positions crossing key blocks, a value token every step past the window, a prompt
+    shorter than the sink, a rewound row): the state after every step equals the reference's (the
+    XLA store on the CPU), and the program holds the KIVI store's custom call and no conditional."""
+    off = 32 if name.endswith("*") else 0
+    stored, starts = kivi_decode_rows(off)
+    h = 2 * kvh
+    layer = prompt_layer(name, stored, 460, kvh, d, seed=3)
+    assert layer._decode_implementation(h) == "cuda"
+    state = on_cpu(state_of(layer))
+    rng = np.random.default_rng(4)
+    step = jax.jit(lambda lay, q, k, v, p: lay.attend(q, k, v, p, scale=d**-0.5, window=None, softcap=None))
+    b = len(stored)
+    for i in range(150):
+        q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((b, 1, kvh, d)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((b, 1, kvh, d)), jnp.float32)
+        p = jnp.asarray(np.asarray(starts) + i, jnp.int32)[:, None]
+        state = reference_store(dataclasses.replace(layer, **state), k[:, 0], v[:, 0], p[:, 0])
+        _, layer = step(layer, q, k, v, p)
+        assert_same_state(state_of(layer), state, f"step {i}")
+    text = step.lower(layer, q, k, v, p).as_text()
+    assert text.count(f"@{cuda_store.KIVI_TARGET}(") == 1
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
