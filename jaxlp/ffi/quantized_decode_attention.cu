@@ -538,11 +538,18 @@ __device__ __forceinline__ void staged_path(const Params& p, int b, int kh, cons
 // f_t and beta_t = sum_c Q_c min_t,c; plane 3 enters as code * 64 (no high bits to leave room for).
 // Its values are one 32-byte row per token (strided by the KV heads) with FP16 scale / min per 32
 // channels: group u is exactly plane u of the row, so the n-tiles (bb, u) of O take P'_u = P *
-// scale[., u] with its own range fp_u, and mb_u = sum_t P_t min_t,u adds to channels [32 u, + 32).
-// Each range needs its products' max first: a pass over them, then the fixed-point A fragments are
-// formed again inside the MMA loops (in registers; P from the stage's key codes, read by then).
-// The stage is 12 KB (Kitty: 10 KB); no frag / inv arrays: 107.8 KB of shared memory per CTA, two
-// per SM as for Kitty. About 2.5e-4 of float64 in a NumPy model of this arithmetic.
+// scale[., u] (one range fp over the groups, as Kitty's per block), and mb_u = sum_t P_t min_t,u
+// adds to channels [32 u, + 32). Few FP32 instructions per element (the loop is issue-bound):
+// beta_t and mb_u are FP16 MMAs (m16n8k16, FP32 sums) on the stage's FP16 minimums (beta: Q / qpow
+// in FP16 high and low halves, A rows g and g + 8, prebuilt once per CTA in shared memory; mb: P in
+// FP16); the largest |Q'_t| are FP16 products (packed halves) of |Q / qpow| and the FP16 scales,
+// the largest P' are P times each token's largest scale; each warp converts a block's scales to
+// FP32 once (over the stage's key scale area, read by then: key scales for S, value scales for O),
+// so the fixed-point A fragments, formed inside the MMA loops (in registers; P * fp from the
+// stage's key codes, read by then), take one FMUL and one FFMA (keys) or one FFMA (values) each.
+// The stage is 12 KB (Kitty: 10 KB); no inv array, 4 KB of Q fragments: 111.9 KB of shared memory
+// per CTA, two per SM as for Kitty. About 3.7e-4 of float64 in a NumPy model of this arithmetic
+// (alt/kivi_packed_model.py).
 //
 // Measured (H100, Kitty-Pro, docs/perf.md session 16): the FP16-MMA design before it (FP16 operands
 // 1024 + 4^t code, the offset taken off FP32 sums) was 1.07-1.30x slower and drifted to 1e-2
@@ -573,7 +580,9 @@ struct Stage<true> {
   static constexpr int kVal = kLow + kD * 32;           // value codes [128 tokens][32 B], swizzled rows
   static constexpr int kKs = kVal + kBlock * 32;        // key scales [4 groups][128 channels] FP16
   static constexpr int kKm = kKs + kGroups * kD * 2;    // key minimums
-  static constexpr int kVs = kKm + kGroups * kD * 2;    // value scales [128 tokens][4 groups] FP16
+  // (kKs .. kVs, 2 KB, once read: the key scales in FP32, then the value scales in FP32; see packed_path)
+  static constexpr int kVs = kKm + kGroups * kD * 2;    // value scales [128 tokens][4 groups] FP16 (then
+                                                        // each token's largest, FP32 [128])
   static constexpr int kVm = kVs + kBlock * kGroups * 2;  // value minimums
   static constexpr int kBytes = kVm + kBlock * kGroups * 2;
 };
@@ -727,42 +736,62 @@ __device__ __forceinline__ uint32_t plane_kivi(uint32_t r, int t) { return r & (
 // float range): a Q' that small adds nothing beside beta, a block of P' that small nothing beside l.
 constexpr float kTiny = 7.8886090522e-31f;  // 2^-100
 
-// KIVI: x[j] = q[j] * scale[j] of eight channels (FP16 scales in a uint4), the FP32 products that
-// both the max pass and the fixed-point pass form (the same instructions: the same bits).
-__device__ __forceinline__ void times_halves(const float (&q)[8], const uint4& sv, float (&x)[8]) {
-  const __half2* h = reinterpret_cast<const __half2*>(&sv);
+// KIVI: the FP16 products that bound |Q'_t| start from the smallest normal FP16 number (their
+// rounding then stays within 2^-11 relative, inside kQRange's margin).
+constexpr float kHalfFloor = 6.103515625e-05f;  // 2^-14
+// KIVI's FFMA magic less 2^23: 2^23 + 65664 + x (|x| <= 32512) keeps x + 128 in the low 16 bits as
+// two's complement: the high byte is hi (s8), the low byte lo + 128 (lo ^ 0x80), x = 256 hi + lo.
+constexpr float kQMagicLow = 65664.f;
+
+__device__ __forceinline__ __half2 as_half2(uint32_t x) { return *reinterpret_cast<__half2*>(&x); }
+
+// KIVI: qpow = 2^e > max_c |q_gc| of query g (q4 rows; 2^-126 for a zero row): Q / qpow in FP16 is at
+// most 1, so its products with FP16 scales stay finite.
+__device__ __forceinline__ float q_pow2(const float (*q4)[4][36], int g) {
+  float m = 0.f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 s2 = __half22float2(h[j]);
-    x[2 * j] = q[2 * j] * s2.x;
-    x[2 * j + 1] = q[2 * j + 1] * s2.y;
-  }
+  for (int c = 0; c < 4; ++c)
+#pragma unroll
+    for (int j = 0; j < 32; j += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(&q4[g][c][j]);
+      m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+  return __uint_as_float((__float_as_uint(m) & 0x7f800000u) + 0x00800000u);
 }
 
-// A s8 A fragment (hi0 ^ 0x80, lo0 ^ 0x80, hi1 ^ 0x80, lo1 ^ 0x80) of eight Q' values in fixed point.
-__device__ __forceinline__ uint4 q_fragment(const float (&x)[8], float f) {
-  uint32_t y[8];
+// KIVI: the m16n8k16 A fragments of Q / qpow for the minimums' sums, qfrag[ks][lane] (thread tid
+// writes k-steps 2 (tid >> 5) + {0, 1}; all 128 threads): row g the FP16 high halves, row g + 8 the low
+// halves (Q / qpow - high), k position 2 c + {0, 1, 8, 9} channel 32 c + 4 ks + {0, 1, 2, 3}.
+__device__ __forceinline__ void kivi_qfrag(const float (*q4)[4][36], uint4* qfrag, int tid) {
+  const int lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const float inv = 1.f / q_pow2(q4, g);  // a power of two: exact
 #pragma unroll
-  for (int j = 0; j < 8; ++j) y[j] = fixed(x[j], f, kMagic + kQOffset);
-  uint32_t hi0, lo0, hi1, lo1;
-  split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
-  split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
-  return make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, hi1 ^ 0x80808080u, lo1 ^ 0x80808080u);
+  for (int i = 0; i < 2; ++i) {
+    const int ks = 2 * (tid >> 5) + i;
+    const float4 v = *reinterpret_cast<const float4*>(&q4[g][c][4 * ks]);
+    const float x[4] = {v.x * inv, v.y * inv, v.z * inv, v.w * inv};
+    const __half2 h01 = __floats2half2_rn(x[0], x[1]), h23 = __floats2half2_rn(x[2], x[3]);
+    const float2 f01 = __half22float2(h01), f23 = __half22float2(h23);
+    qfrag[ks * 32 + lane] = make_uint4(pack_half2(x[0], x[1]), pack_half2(x[0] - f01.x, x[1] - f01.y),
+                                       pack_half2(x[2], x[3]), pack_half2(x[2] - f23.x, x[3] - f23.y));
+  }
 }
 
 // One warp's walk over blocks blk0, blk0 + 4, ... < blk1 of row b, KV head kh; leaves its partials
 // like staged_path (red_m / red_l, then osm after a __syncthreads). q4[g][c][j]: query g's channel
-// 32 c + j in FP32 (rows padded: conflict-free 16-byte reads); frag: per warp, a lane's A fragments
-// of one block ([k-step][lane]; Kitty only).
+// 32 c + j in FP32 (rows padded: conflict-free 16-byte reads); frag: Kitty, per warp, a lane's A
+// fragments of one block ([k-step][lane]); KIVI, the CTA's FP16 Q fragments of Q . min ([8 k-steps]
+// [lane] uint4, kivi_qfrag).
 //
 // KIVI (KIVI-2 key blocks and value tokens, value groups of 32 channels): key scale group t (tokens
 // [32 t, 32 t + 32)) is exactly the codes' plane t, so n-tile (bb, t) of S takes the A fragments of
 // Q'_t = Q * key scale_t, each with its own f_t over query g's channels and beta_t = Q . min_t; value
 // group u (channels [32 u, 32 u + 32)) is exactly plane u of a token's codes, so n-tile (bb, u) of
-// O takes P'_u = P * value scale[., u] with its own fp_u, and mb_u = P . min[., u] adds to its
-// channels. Each f_t (fp_u) needs a pass over the products first (their max); the fixed-point A
-// fragments are formed again inside the MMA loops (4 per k-step, kept in registers), Q from q4, P
-// from the stage's key codes (read by then; 4 KB per warp: the block's 32 FP32 P of each lane).
+// O takes P'_u = P * value scale[., u] (one fp over the groups), and mb_u = P . min[., u] adds to
+// its channels. f_t (fp) needs the products' max first: a first pass (FP16 products for f_t, P times
+// each token's largest scale for fp); the fixed-point A fragments are formed again inside the MMA
+// loops (4 per k-step, kept in registers) from the FP32 scales each warp writes over the stage's key
+// scale area, Q from q4, P * fp from the stage's key codes (read by then; 4 KB per warp).
 template <bool KIVI>
 __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, const Bounds& rb, int blk0, int blk1,
                                           unsigned char* smem, const float (*q4)[4][36], uint8_t (*inv)[kMaxBoost],
@@ -796,6 +825,10 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
   float row_m = -INFINITY, lsum = 0.f, mb[kGroups];  // mb[u]: P . value min of group u's channels
 #pragma unroll
   for (int u = 0; u < kGroups; ++u) mb[u] = 0.f;
+
+  float qpow = 1.f;  // KIVI: the scale of the FP16 Q halves (q_pow2), the A fragments of Q . min
+  if constexpr (KIVI) qpow = q_pow2(q4, g);
+  const uint4* qfrag = reinterpret_cast<const uint4*>(frag);  // KIVI: [8 k-steps][lane]
 
   const CopyDst cd(lane);
   const int first_blk = blk0 + warp;
@@ -914,44 +947,75 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
           for (int t = 0; t < 4; ++t) imma_s8u8(sacc[bb][t], a, high_plane(r0[bb], t), high_plane(r1[bb], t));
       }
     } else {
-      // KIVI, first pass: the largest |Q'_t| and Q . min_t of query g over the lane's channels 32 c + j.
-      float amax[4] = {0.f, 0.f, 0.f, 0.f};
+      // KIVI, first pass (no FP32 per element): beta_t = Q . min_t by FP16 MMAs (A: Q / qpow split in
+      // FP16 high / low halves, rows g / g + 8; B: the stage's FP16 minimums, column n = group n & 3),
+      // the largest |Q'_t| by FP16 products of |Q_hi| and the stage's FP16 scales (packed halves).
+      // k position 2 c + {0, 1, 8, 9} of k-step ks is channel 32 c + 4 ks + {0, 1, 2, 3}; lane c takes
+      // its 16-byte chunks in the order jj = j ^ (c >> 1) (conflict-free scale reads).
+      const uint4 cv0 = *reinterpret_cast<const uint4*>(ks + 16 * lane);  // this lane's share of the
+      const uint4 cv1 = *reinterpret_cast<const uint4*>(ks + 16 * lane + 8);  // FP32 conversion below
+      float bacc[4] = {0.f, 0.f, 0.f, 0.f};
+      __half2 hm[4];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) beta[t] = 0.f;
+      for (int t = 0; t < 4; ++t) hm[t] = __float2half2_rn(kHalfFloor);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {  // channels 32 c + 8 k + j
-        const float4 qa = *reinterpret_cast<const float4*>(&q4[g][c][8 * k]);
-        const float4 qb = *reinterpret_cast<const float4*>(&q4[g][c][8 * k + 4]);
-        const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+      for (int j = 0; j < 4; ++j) {
+        const int jj = j ^ (c >> 1);
+        const uint4 a0 = qfrag[(2 * jj) * 32 + lane], a1 = qfrag[(2 * jj + 1) * 32 + lane];
+        const uint4 bm = *reinterpret_cast<const uint4*>(km + kD * (g & 3) + 32 * c + 8 * jj);
+        mma16816(bacc, reinterpret_cast<const uint32_t(&)[4]>(a0), bm.x, bm.y);
+        mma16816(bacc, reinterpret_cast<const uint32_t(&)[4]>(a1), bm.z, bm.w);
+        const __half2 qa[4] = {__habs2(as_half2(a0.x)), __habs2(as_half2(a0.z)), __habs2(as_half2(a1.x)),
+                               __habs2(as_half2(a1.z))};
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-          float x[8];
-          times_halves(qv, *reinterpret_cast<const uint4*>(ks + kD * t + 32 * c + 8 * k), x);
-          const uint4 mv = *reinterpret_cast<const uint4*>(km + kD * t + 32 * c + 8 * k);
-          const __half2* mh = reinterpret_cast<const __half2*>(&mv);
+          const uint4 sv = *reinterpret_cast<const uint4*>(ks + kD * t + 32 * c + 8 * jj);
+          const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 m2 = __half22float2(mh[j]);
-            amax[t] = fmaxf(amax[t], fmaxf(fabsf(x[2 * j]), fabsf(x[2 * j + 1])));
-            beta[t] = fmaf(qv[2 * j], m2.x, fmaf(qv[2 * j + 1], m2.y, beta[t]));
-          }
+          for (int i = 0; i < 4; ++i) hm[t] = __hmax2(hm[t], __hmul2(qa[i], as_half2(sw[i])));
         }
       }
+      {  // lane c holds beta of groups 2 (c & 1) + {0, 1} (rows g + 8: the low halves' share)
+        const float b0 = (bacc[0] + bacc[2]) * qpow, b1 = (bacc[1] + bacc[3]) * qpow;
+        const float o0 = __shfl_xor_sync(0xffffffffu, b0, 1), o1 = __shfl_xor_sync(0xffffffffu, b1, 1);
+        const bool up = c & 1;
+        beta[0] = up ? o0 : b0;
+        beta[1] = up ? o1 : b1;
+        beta[2] = up ? b0 : o0;
+        beta[3] = up ? b1 : o1;
+      }
+      __half2 m01 = __hmax2(__lows2half2(hm[0], hm[1]), __highs2half2(hm[0], hm[1]));
+      __half2 m23 = __hmax2(__lows2half2(hm[2], hm[3]), __highs2half2(hm[2], hm[3]));
 #pragma unroll
-      for (int x = 1; x < 4; x <<= 1)
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          amax[t] = fmaxf(amax[t], __shfl_xor_sync(0xffffffffu, amax[t], x));
-          beta[t] += __shfl_xor_sync(0xffffffffu, beta[t], x);
-        }
+      for (int x = 1; x < 4; x <<= 1) {
+        m01 = __hmax2(m01, __shfl_xor_sync(0xffffffffu, m01, x));
+        m23 = __hmax2(m23, __shfl_xor_sync(0xffffffffu, m23, x));
+      }
+      const float amax[4] = {__low2float(m01) * qpow, __high2float(m01) * qpow, __low2float(m23) * qpow,
+                             __high2float(m23) * qpow};
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         f[t] = amax[t] > kTiny ? __fdividef(kQRange, amax[t]) : 0.f;  // 2 ulp: inside kQRange's margin
         invf[t] = amax[t] * (1.f / kQRange);
       }
+      {  // the key scales to FP32 over the scale / minimum area: [t][32 chunks of 4], chunk q at q ^ (q >> 3 & 3)
+        __syncwarp();  // every lane has read the FP16 scales and minimums
+        float4* k32 = reinterpret_cast<float4*>(st + S::kKs);
+        const __half2* h = reinterpret_cast<const __half2*>(&cv0);
+        const __half2* h2 = reinterpret_cast<const __half2*>(&cv1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int q = 4 * (lane & 7) + i;
+          const __half2 x0 = i < 2 ? h[2 * i] : h2[2 * i - 4], x1 = i < 2 ? h[2 * i + 1] : h2[2 * i - 3];
+          const float2 f0 = __half22float2(x0), f1 = __half22float2(x1);
+          k32[(lane >> 3) * 32 + (q ^ ((q >> 3) & 3))] = make_float4(f0.x, f0.y, f1.x, f1.y);
+        }
+        __syncwarp();
+      }
+      const float4* k32 = reinterpret_cast<const float4*>(st + S::kKs);
 
       // ---- S = Q'_t K^T in s32: n-tile (bb, t) column n is token 4 n + bb + 32 t (group t), its A
-      // fragments those of Q'_t, formed here from q4 and the stage's scales (no exchange between lanes).
+      // fragments x = round(Q f_t * scale_t) (FP32 scales from the stage).
 #pragma unroll 1
       for (int k = 0; k < 4; ++k) {
         const unsigned char* lk = st + S::kLow + 256 * k;
@@ -964,9 +1028,15 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
         const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-          float x[8];
-          times_halves(qv, *reinterpret_cast<const uint4*>(ks + kD * t + 32 * c + 8 * k), x);
-          const uint4 a = q_fragment(x, f[t]);
+          const float4 s0 = k32[t * 32 + ((8 * c + 2 * k) ^ c)], s1 = k32[t * 32 + ((8 * c + 2 * k + 1) ^ c)];
+          const float sc[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+          uint32_t y[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) y[j] = fixed(qv[j] * f[t], sc[j], kMagic + kQMagicLow);
+          uint32_t hi0, lo0, hi1, lo1;
+          split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
+          split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
+          const uint4 a = make_uint4(hi0, lo0 ^ 0x80808080u, hi1, lo1 ^ 0x80808080u);
 #pragma unroll
           for (int bb = 0; bb < 4; ++bb) imma_s8u8(sacc[bb][t], a, plane_kivi(r0[bb], t), plane_kivi(r1[bb], t));
         }
@@ -1054,7 +1124,7 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
     // 8 c + kTok + 32 t); the value minimums' sum.
     const __half* vs = reinterpret_cast<const __half*>(st + S::kVs);
     const __half* vm = reinterpret_cast<const __half*>(st + S::kVm);
-    float fp[kGroups], invfp[kGroups];
+    float fp[1], invfp[1];
     int oacc[4][4][4];
 #pragma unroll
     for (int bb = 0; bb < 4; ++bb)
@@ -1107,52 +1177,78 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
             imma_u8u8(oacc[bb][u], a, r0[bb] & (0x03030303u << (2 * u)), r1[bb] & (0x03030303u << (2 * u)));
       }
     } else {
-      // KIVI, first pass: the largest P'_u = P * value scale[., u] over the block and P . min[., u];
-      // P to the stage's key codes (read by now) in k order: [t][half][lane] float4.
+      // KIVI: the value scales to FP32 over the key scale area (rows [token][4 groups], token row r at
+      // r ^ (r >> 3 & 3): conflict-free reads), each token's largest scale over the FP16 scales (FP32
+      // [128]); one fixed-point range fp over the groups: the largest P' = P * scale is P times that.
+      __syncwarp();  // every lane's S loop is done with the key codes and FP32 key scales
+      {
+        const uint4 h0 = *reinterpret_cast<const uint4*>(vs + 16 * lane);  // tokens 4 lane .. + 3
+        const uint4 h1 = *reinterpret_cast<const uint4*>(vs + 16 * lane + 8);
+        const uint32_t hw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+        float4 v32[4];
+        float vmax[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 a = __half22float2(as_half2(hw[2 * i])), b = __half22float2(as_half2(hw[2 * i + 1]));
+          v32[i] = make_float4(a.x, a.y, b.x, b.y);
+          vmax[i] = fmaxf(fmaxf(a.x, a.y), fmaxf(b.x, b.y));
+        }
+        __syncwarp();  // every lane has read the FP16 scales
+        float4* v32s = reinterpret_cast<float4*>(st + S::kKs);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int tok = 4 * lane + i;
+          v32s[tok ^ ((tok >> 3) & 3)] = v32[i];
+        }
+        reinterpret_cast<float4*>(st + S::kVs)[lane] = make_float4(vmax[0], vmax[1], vmax[2], vmax[3]);
+      }
+      // P . min[., u] by FP16 MMAs into mb (A: P in FP16, rows g; B: the stage's FP16 minimums,
+      // column n = group n & 3; k position 2 c + {0, 1, 8, 9} of k-step (t, h) is token
+      // 8 c + 4 h + 32 t + {0, 1, 2, 3}): lane c holds groups 2 (c & 1) + {0, 1} of query g.
+      {
+        const uint32_t sel = (g & 1) ? 0x7632u : 0x5410u;
+        const uint32_t* vmw = reinterpret_cast<const uint32_t*>(vm) + ((g & 3) >> 1);
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int tok = 8 * c + 4 * h + 32 * t;
+            const uint32_t a[4] = {pack_half2(s[0][t][h], s[1][t][h]), 0u, pack_half2(s[2][t][h], s[3][t][h]), 0u};
+            const uint32_t b0 = prmt(vmw[2 * tok], vmw[2 * tok + 2], sel);
+            const uint32_t b1 = prmt(vmw[2 * tok + 4], vmw[2 * tok + 6], sel);
+            mma16816(mb, a, b0, b1);
+          }
+      }
+      __syncwarp();  // the FP32 scales and the largest scales are written
+      const float* vmx = reinterpret_cast<const float*>(st + S::kVs);
+      float pmax = 0.f;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const float4 m0 = *reinterpret_cast<const float4*>(vmx + 8 * c + 32 * t);
+        const float4 m1 = *reinterpret_cast<const float4*>(vmx + 8 * c + 32 * t + 4);
+        const float mw[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+#pragma unroll
+        for (int d = 0; d < 8; ++d) pmax = fmaxf(pmax, s[d & 3][t][d >> 2] * mw[d]);
+      }
+      pmax = fmaxf(pmax, __shfl_xor_sync(0xffffffffu, pmax, 1));
+      pmax = fmaxf(pmax, __shfl_xor_sync(0xffffffffu, pmax, 2));
+      fp[0] = pmax > kTiny ? __fdividef(kPRange, pmax) : 0.f;  // 2 ulp: inside kPRange's margin
+      invfp[0] = pmax * (1.f / kPRange);
+      // P * fp to the stage's key codes (read by now) in k order: [t][half][lane] float4.
       float4* pst = reinterpret_cast<float4*>(st + S::kLow);
-      __syncwarp();  // every lane's S loop is done with the key codes
-      float pmax[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         float pk[8];  // token 8 c + kTok[i] + 32 t
 #pragma unroll
-        for (int i = 0; i < 8; ++i) pk[i] = s[kTok[i] & 3][t][kTok[i] >> 2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // tokens 8 c + 32 t + 4 h .. + 3 (k positions 2 h ..)
-          uint4 sw[2], mw[2];  // two tokens each: [token][4 groups] FP16
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            sw[q] = *reinterpret_cast<const uint4*>(vs + 4 * (8 * c + 32 * t + 4 * h + 2 * q));
-            mw[q] = *reinterpret_cast<const uint4*>(vm + 4 * (8 * c + 32 * t + 4 * h + 2 * q));
-          }
-          const __half* sh = reinterpret_cast<const __half*>(sw);
-          const __half* mh = reinterpret_cast<const __half*>(mw);
-#pragma unroll
-          for (int d = 0; d < 4; ++d) {  // token 8 c + 32 t + 4 h + d = 8 c + 4 e + bb + 32 t
-            const float pe = s[d][t][h];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-              pmax[u] = fmaxf(pmax[u], pe * __half2float(sh[4 * d + u]));
-              mb[u] = fmaf(pe, __half2float(mh[4 * d + u]), mb[u]);
-            }
-          }
-        }
+        for (int i = 0; i < 8; ++i) pk[i] = s[kTok[i] & 3][t][kTok[i] >> 2] * fp[0];
         pst[(2 * t) * 32 + lane] = make_float4(pk[0], pk[1], pk[2], pk[3]);
         pst[(2 * t + 1) * 32 + lane] = make_float4(pk[4], pk[5], pk[6], pk[7]);
       }
-#pragma unroll
-      for (int x = 1; x < 4; x <<= 1)
-#pragma unroll
-        for (int u = 0; u < 4; ++u) pmax[u] = fmaxf(pmax[u], __shfl_xor_sync(0xffffffffu, pmax[u], x));
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        fp[u] = pmax[u] > kTiny ? __fdividef(kPRange, pmax[u]) : 0.f;  // 2 ulp: inside kPRange's margin
-        invfp[u] = pmax[u] * (1.f / kPRange);
-      }
-      __syncwarp();  // P is written
+      __syncwarp();  // P * fp is written
+      const float4* v32s = reinterpret_cast<const float4*>(st + S::kKs);
 
       // ---- O = P'_u V in s32 per block: k-step t (tokens 8 c + kTok + 32 t), n-tile (bb, u) column n
-      // is channel 4 n + bb + 32 u (group u), its A fragments those of P'_u.
+      // is channel 4 n + bb + 32 u (group u), its A fragments round(P * fp * scale[., u]) (one FFMA).
 #pragma unroll 1
       for (int t = 0; t < 4; ++t) {
         const unsigned char* vt = st + S::kVal + 1024 * t;
@@ -1161,15 +1257,17 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
         load_transposed(r1, vt, voff[2], voff[6], voff[3], voff[7]);
         const float4 pa = pst[(2 * t) * 32 + lane], pb = pst[(2 * t + 1) * 32 + lane];
         const float pk[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
-        uint4 sw[4];  // tokens 8 c + 32 t + 2 q, + 1: [token][4 groups] FP16
+        float4 sv[8];  // token 8 c + kTok[i] + 32 t: its 4 groups' scales
 #pragma unroll
-        for (int q = 0; q < 4; ++q) sw[q] = *reinterpret_cast<const uint4*>(vs + 4 * (8 * c + 32 * t + 2 * q));
-        const __half* sh = reinterpret_cast<const __half*>(sw);
+        for (int i = 0; i < 8; ++i) sv[i] = v32s[(8 * c + kTok[i] + 32 * t) ^ c];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           uint32_t y[8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) y[i] = fixed(pk[i] * __half2float(sh[4 * kTok[i] + u]), fp[u], kMagic);
+          for (int i = 0; i < 8; ++i) {
+            const float sc = u == 0 ? sv[i].x : u == 1 ? sv[i].y : u == 2 ? sv[i].z : sv[i].w;
+            y[i] = __float_as_uint(fmaf(pk[i], sc, kMagic));
+          }
           uint32_t hi0, lo0, hi1, lo1;
           split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
           split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
@@ -1182,7 +1280,7 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const float unit = invfp[KIVI ? u : 0] / static_cast<float>(1 << (2 * u));
+      const float unit = invfp[0] / static_cast<float>(1 << (2 * u));
 #pragma unroll
       for (int bb = 0; bb < 4; ++bb)
 #pragma unroll
@@ -1197,8 +1295,19 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
 #pragma unroll
   for (int x = 1; x < 4; x <<= 1) {
     lsum += __shfl_xor_sync(0xffffffffu, lsum, x);
+    if constexpr (!KIVI) {
 #pragma unroll
-    for (int u = 0; u < kGroups; ++u) mb[u] += __shfl_xor_sync(0xffffffffu, mb[u], x);
+      for (int u = 0; u < kGroups; ++u) mb[u] += __shfl_xor_sync(0xffffffffu, mb[u], x);
+    }
+  }
+  if constexpr (KIVI) {  // mb[0], mb[1]: the MMA's sums of groups 2 (c & 1) + {0, 1} (rows g + 8: zeros)
+    const float o0 = __shfl_xor_sync(0xffffffffu, mb[0], 1), o1 = __shfl_xor_sync(0xffffffffu, mb[1], 1);
+    const float m0 = mb[0], m1 = mb[1];
+    const bool up = c & 1;
+    mb[0] = up ? o0 : m0;
+    mb[1] = up ? o1 : m1;
+    mb[2] = up ? m0 : o0;
+    mb[3] = up ? m1 : o1;
   }
   if (c == 0) {
     red_m[warp][g] = row_m;
@@ -1287,16 +1396,17 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
   const int first = max(rb.lo, 0) / kBlock, last = rb.hi > rb.lo ? (rb.hi + kBlock - 1) / kBlock : first;
   if constexpr (PACKED) {
     __shared__ __align__(16) float q4[8][4][36];      // the query rows in FP32, 32-channel rows padded
-    // Kitty only (KIVI forms its A fragments in registers; its shared memory is the larger stages):
-    // per warp the channel of each boosted rank, a block's A fragments [k-step][lane].
+    // Kitty: per warp the channel of each boosted rank, a block's A fragments [k-step][lane]. KIVI
+    // (its A fragments formed in registers; its shared memory the larger stages): the CTA's FP16 Q
+    // fragments of Q . min [8 k-steps][lane] (packed::kivi_qfrag).
     using KittySmem = struct {
       uint8_t inv[4][packed::kMaxBoost];
       uint4 frag[4][4][32];
     };
-    __shared__ __align__(16) unsigned char kitty_smem[kKivi ? 16 : sizeof(KittySmem)];
+    __shared__ __align__(16) unsigned char kitty_smem[kKivi ? 8 * 32 * 16 : sizeof(KittySmem)];
     auto* ks_ = reinterpret_cast<KittySmem*>(kitty_smem);
     uint8_t (*inv)[packed::kMaxBoost] = kKivi ? nullptr : ks_->inv;
-    uint4 (*frag)[4][32] = kKivi ? nullptr : ks_->frag;
+    uint4 (*frag)[4][32] = kKivi ? reinterpret_cast<uint4 (*)[4][32]>(kitty_smem) : ks_->frag;
     const int fend = packed_end(p, rb, first, last);
     const int ns = p.splits - p.gsplits;  // packed splits first
     if (split < ns) {
@@ -1309,6 +1419,10 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
         q4[row][col >> 5][col & 31] = row < p.g ? __ldg(qrow + row * D + col) : 0.f;
       }
       __syncthreads();  // q4, inv
+      if constexpr (kKivi) {
+        packed::kivi_qfrag(q4, reinterpret_cast<uint4*>(kitty_smem), tid);
+        __syncthreads();
+      }
       const int per = (fend - first + ns - 1) / ns;
       const int blk0 = first + split * per, blk1 = min(blk0 + per, fend);
       packed::packed_path<kKivi>(p, b, kh, rb, blk0, blk1, smem, q4, inv, frag, red_m, red_l);

@@ -36,16 +36,26 @@ SCALE_ALIGN = 32  # FP32 scales per 128-byte line
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig(Tiles):
     """Tiling of :func:`fp8_matmul` (:class:`~jaxlp.pallas.wgmma_tiles.Tiles`), here with tile_m a
-    multiple of 8 in [8, 256] and tile_k (bytes of K per step) 64 or 128."""
+    multiple of 8 in [8, 256] and tile_k (bytes of K per step) 64 or 128. promote: each step's
+    WGMMA sums start from zero and are added to FP32 registers (the tensor cores' FP8 accumulation
+    keeps fewer bits than FP32: about 1.3e-3 relative at K = 4096 without, as XLA's FP8 dot with;
+    two accumulators' registers, so tile_m <= 128)."""
 
     tile_k: int = 128
+    promote: bool = True
 
     def __post_init__(self):
         super().__post_init__()
+        if self.promote and self.tile_m > 128:
+            raise ValueError(f"promote keeps two accumulators: tile_m must be <= 128, got {self.tile_m}")
         if self.tile_m % 8 or not 8 <= self.tile_m <= 256:
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
         if self.tile_k not in (64, 128):
             raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
+
+    @property
+    def name(self) -> str:
+        return super().name + ("p" if self.promote else "")
 
     def smem_bytes(self) -> int:
         """Shared memory: pipeline buffers (FP8 weights and activations), the epilogue's tile."""
@@ -54,13 +64,20 @@ class MatmulConfig(Tiles):
         return self.stages * per_stage + 2 * 2 * min(self.tile_m, EPILOGUE_TOKENS) * self.tile_n + scales
 
 
-def default_config(m: int) -> MatmulConfig:
-    """Tiles by M, the fastest of the H100 sweep in docs/perf.md (session 18)."""
+def default_config(m: int, n: int | None = None, num_sms: int = 132, promote: bool = True) -> MatmulConfig:
+    """Tiles by M, the fastest of the H100 sweep in docs/perf.md (session 18) with or without
+    ``promote``; with N given, half the tokens per tile where the default tiles would not fill half
+    the SMs (4096 x 4096 at M = 128: 13.8 against 19.1 us)."""
     if m <= 64:
-        return MatmulConfig(tile_n=64, tile_m=max(8, -(-m // 8) * 8), tile_k=128, stages=6)
-    if m <= 1024:
-        return MatmulConfig(tile_n=64, tile_m=128, tile_k=128, stages=5)
-    return MatmulConfig(tile_n=64, tile_m=256, tile_k=128, stages=3)
+        return MatmulConfig(tile_n=64, tile_m=max(8, -(-m // 8) * 8), tile_k=128, stages=6, promote=promote)
+    if m > 1024 and not promote:
+        cfg = MatmulConfig(tile_n=64, tile_m=256, tile_k=128, stages=3, promote=False)
+    else:
+        cfg = MatmulConfig(tile_n=64, tile_m=128, tile_k=128, stages=5, promote=promote)
+    if n is not None and -(-n // cfg.cta_tile_n) * -(-m // cfg.cta_tile_m) < num_sms // 2:
+        cfg = MatmulConfig(tile_n=64, tile_m=cfg.tile_m // 2, tile_k=128, stages=6 if cfg.tile_m <= 128 else 4,
+                           promote=promote)
+    return cfg
 
 
 def reference(x8: jax.Array, w8: jax.Array, token_scale: jax.Array, channel_scale: jax.Array,
@@ -153,15 +170,12 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
                     plgpu.copy_gmem_to_smem(ts_gmem.at[cta_m].at[wg_m], ts_dst, ts_bar)
                     plgpu.copy_gmem_to_smem(cs_gmem.at[cta_n].at[wg_n], cs_dst, cs_bar)
 
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
-                    def _acc(acc_ref):
-                        eval_pipeline(acc_ref)
-                        plgpu.wgmma_wait(0)
+                    def epilogue(acc):
                         plgpu.barrier_wait(ts_bar)
                         plgpu.barrier_wait(cs_bar)
                         ts = plgpu.load(ts_dst, (), layout=plgpu.Layout.WGMMA.reduce(0))
                         cs = plgpu.load(cs_dst, (), layout=plgpu.Layout.WGMMA.reduce(1))
-                        y = acc_ref[...] * lax.broadcast_in_dim(cs, (tn, tm), [0])
+                        y = acc * lax.broadcast_in_dim(cs, (tn, tm), [0])
                         y = (y * lax.broadcast_in_dim(ts, (tn, tm), [1])).astype(out_dtype)
                         y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
                         for e in range(tm // epi):  # [tn, epi] slices of y^T, stored transposed
@@ -170,10 +184,26 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(out_smem.at[wg], y_dst.at[pl.ds(e * epi, epi)])
 
-                def mma_body(_, w_smem, x_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, w_smem.at[wg_n], x_smem.at[wg_m].T)
+                    if cfg.promote:
+                        epilogue(eval_pipeline(zeros()))
+                    else:
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
+                        def _acc(acc_ref):
+                            eval_pipeline(acc_ref)
+                            plgpu.wgmma_wait(0)
+                            epilogue(acc_ref[...])
+
+                def zeros():
+                    return plgpu.layout_cast(jnp.full((tn, tm), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+                def mma_body(_, w_smem, x_smem, carry):
+                    if cfg.promote:  # this step's sums from zero, added to the FP32 total
+                        def step(part_ref):
+                            plgpu.wgmma(part_ref, w_smem.at[wg_n], x_smem.at[wg_m].T)
+                        return carry + pl.run_state(step)(plgpu.ACC.init(zeros()))
+                    plgpu.wgmma(carry, w_smem.at[wg_n], x_smem.at[wg_m].T)
                     plgpu.wgmma_wait(1)  # the previous step's WGMMA: its buffers are released next
-                    return acc_ref
+                    return carry
 
                 get_pipeline(mma_body, compute_context)(w_gmem.at[cta_n, :], x_gmem.at[cta_m, :], allocations=allocs)
 
@@ -205,9 +235,10 @@ def fp8_matmul(x8: jax.Array, w8: jax.Array, token_scale: jax.Array, channel_sca
 
     Any M, N, K: each is padded to the CTA tile (and K to tile_k) where it is not a multiple of it
     (zero codes add nothing; a copy of the weight per call where N or K is). config: tiling
-    (default :func:`default_config` of M); num_sms: persistent CTAs (default: the device's SM
+    (default :func:`default_config` of M and N); num_sms: persistent CTAs (default: the device's SM
     count). GPU only (no Pallas GPU interpreter path)."""
-    cfg = config or default_config(x8.shape[0] if x8.ndim == 2 else 0)
+    num_sms = num_sms or wgmma_tiles.num_sms()
+    cfg = config or default_config(x8.shape[0] if x8.ndim == 2 else 0, w8.shape[0] if w8.ndim == 2 else None, num_sms)
     token_scale = jnp.asarray(token_scale, jnp.float32)
     channel_scale = jnp.asarray(channel_scale, jnp.float32)
     _check(x8, w8, token_scale, channel_scale, out_dtype, cfg)
@@ -220,6 +251,5 @@ def fp8_matmul(x8: jax.Array, w8: jax.Array, token_scale: jax.Array, channel_sca
     if (m_pad, k_pad) != (m, k):
         x8 = jnp.pad(x8, ((0, m_pad - m), (0, k_pad - k)))
         token_scale = jnp.pad(token_scale, (0, m_pad - m))
-    y = _kernel_call(x8, w8, token_scale, channel_scale, out_dtype=jnp.dtype(out_dtype), config=cfg,
-                     num_sms=num_sms or wgmma_tiles.num_sms())
+    y = _kernel_call(x8, w8, token_scale, channel_scale, out_dtype=jnp.dtype(out_dtype), config=cfg, num_sms=num_sms)
     return y if y.shape == (m, n) else y[:m, :n]

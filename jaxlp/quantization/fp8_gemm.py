@@ -7,9 +7,19 @@ epilogue (``implementation="fp8_pallas"``; :mod:`jaxlp.pallas.fp8_matmul`):
 
 The math of :mod:`jaxlp.quantization.native_dot` (XLA's FP8 dot, then a separate scale pass over
 its output), to summation order, with the scales applied to the FP32 sums before the one rounding
-to x's dtype (BF16 or FP16). ``"auto"`` takes it on a GPU before XLA's dots (for NestedFP past the
-8 tokens of ``"nestedfp_cuda"``): faster than them at the measured shapes (H100, docs/perf.md
-"session 18").
+to x's dtype (BF16 or FP16), each step's FP8 sums promoted to FP32 registers. ``"auto"`` takes it
+on a GPU before XLA's dots (for NestedFP past the 8 tokens of ``"nestedfp_cuda"``): at their speed
+or faster at the measured shapes (0.96-1.15x of XLA's FP8 path, 1.1-1.4x the FP16 / BF16 dot), and
+more exact (H100, docs/perf.md "session 18").
+
+``"fp8_pallas_fast"`` (explicit only) keeps the tensor cores' own FP8 accumulation over the whole
+K (``MatmulConfig(promote=False)``): 1.6-1.8x the FP16 / BF16 dot at M = 1024..2048 where
+``"fp8_pallas"`` is 1.3x, at about 1.3e-3 relative error at K = 4096 and 2.9e-3 at K = 14336
+(``"fp8_pallas"`` and XLA's FP8 dot: 2.4e-4 and 3.4e-4 at K = 4096; H100, docs/perf.md).
+
+The activations are quantized by the one-pass CUDA kernels of :mod:`jaxlp.ffi.fp8_activations`
+when that library is available (the bits XLA:CPU computes for the XLA quantizers), else by the XLA
+quantizers.
 """
 
 from __future__ import annotations
@@ -19,11 +29,13 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxlp.ffi import fp8_activations as quantize_cuda
 from jaxlp.formats import fp8, nestedfp
 from jaxlp.pallas import fp8_matmul as kernel
 from jaxlp.quantization import activations
 
 IMPLEMENTATION = "fp8_pallas"
+FAST_IMPLEMENTATION = "fp8_pallas_fast"  # the tensor cores' own FP8 sums: faster, less exact (module doc)
 
 
 def why_not(layer, x: jax.Array) -> str | None:
@@ -49,19 +61,37 @@ def why_not(layer, x: jax.Array) -> str | None:
     return None
 
 
-def matmul(layer, x: jax.Array) -> jax.Array:
+def matmul(layer, x: jax.Array, *, config: kernel.MatmulConfig | None = None) -> jax.Array:
     """The layer's product before bias (``QuantizedLinear.reference``'s math), in x's dtype, for a
-    layer :func:`why_not` accepts."""
+    layer :func:`why_not` accepts; ``config``: the GEMM's tiling (default: its default of M, N)."""
+    return _matmul(layer, x, config)
+
+
+def matmul_fast(layer, x: jax.Array) -> jax.Array:
+    """:func:`matmul` without promoting the step sums (``"fp8_pallas_fast"``, module doc)."""
+    m, n = math.prod(x.shape[:-1]), layer.weight.get_value().shape[0]
+    return _matmul(layer, x, kernel.default_config(m, n, promote=False))
+
+
+def _matmul(layer, x, config):
     w = layer.weight.get_value()
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     n = w.shape[0]
     if w.format == fp8.FORMAT:
-        x8, x_scale = fp8.quantize_arrays(x2, granularity="token")
+        if quantize_cuda.available():  # one pass, the same bits (jaxlp.ffi.fp8_activations)
+            x8, x_scale = quantize_cuda.token_fp8(x2)
+        else:
+            x8, x_scale = fp8.quantize_arrays(x2, granularity="token")
         channel = jnp.broadcast_to(w.scale.astype(jnp.float32), (n,))
-        y = kernel.fp8_matmul(x8, w.data, x_scale, channel * layer.out_scale, out_dtype=x.dtype)
+        y = kernel.fp8_matmul(x8, w.data, x_scale, channel * layer.out_scale, out_dtype=x.dtype,
+                               config=config)
     else:
-        x8, scale = activations.nestedfp_fp8(x2.astype(jnp.float32))
+        if quantize_cuda.available():
+            x8, scale = quantize_cuda.nestedfp_fp8(x2)
+        else:
+            x8, scale = activations.nestedfp_fp8(x2.astype(jnp.float32))
         token = nestedfp.FP8_SCALE * layer.out_scale / scale[:, 0]
-        y = kernel.fp8_matmul(x8, w.upper_as_fp8(), token, jnp.ones((n,), jnp.float32), out_dtype=x.dtype)
+        y = kernel.fp8_matmul(x8, w.upper_as_fp8(), token, jnp.ones((n,), jnp.float32), out_dtype=x.dtype,
+                               config=config)
     return y.reshape(*lead, n)

@@ -13,7 +13,8 @@ XLA's FP8 and FP16 dots on the stored bytes for FP8, NestedFP and FireQ INT4 wei
 ``"nestedfp_pallas"``: :mod:`jaxlp.quantization.nestedfp_gemm`, NestedFP's FP16 mode past 8
 tokens through a Pallas WGMMA GEMM that rebuilds the FP16 weight inside the GEMM; ``"fp8_pallas"``:
 :mod:`jaxlp.quantization.fp8_gemm`, NestedFP's FP8 mode and W8A8-FP8 through a Pallas FP8 GEMM with
-the scales in its epilogue); ``"auto"``
+the scales in its epilogue, ``"fp8_pallas_fast"`` the same without promoting its FP8 sums, explicit
+only); ``"auto"``
 takes the first that supports the layer and the input, else ``"xla"``.
 
 Tensor parallelism (:func:`jaxlp.models.shard_model` calls :meth:`QuantizedLinear.set_parallel`):
@@ -70,6 +71,7 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({
     nestedfp_gemm.IMPLEMENTATION: Kernel(nestedfp_gemm.why_not, nestedfp_gemm.matmul),  # FP16 mode past 8 tokens
     fp8_gemm.IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul),  # NestedFP8 past 8 tokens, W8A8
     native_dot.IMPLEMENTATION: Kernel(native_dot.why_not, native_dot.matmul),
+    fp8_gemm.FAST_IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul_fast),  # explicit: FP8 sums unpromoted
 })
 
 

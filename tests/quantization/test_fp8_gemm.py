@@ -40,6 +40,7 @@ def test_auto_tries_it_after_the_small_m_kernel_and_before_xla_native():
 
     names = list(KERNELS)
     assert names.index("nestedfp_cuda") < names.index("fp8_pallas") < names.index("xla_native")
+    assert names.index("fp8_pallas_fast") > names.index("xla_native")  # explicit only
 
 
 @pytest.mark.gpu
@@ -69,6 +70,8 @@ def test_gpu_layers_match_float64_of_the_quantized_operands(lead):
     native = QuantizedLinear(w8, activation="fp8_token", implementation="xla_native")(xb)
     assert ours.dtype == jnp.bfloat16 and rel(ours, native) <= 8e-3
     assert np.all(np.asarray(ours, np.float32).reshape(-1, n)[0] == 0)
+    fast = QuantizedLinear(w8, activation="fp8_token", implementation="fp8_pallas_fast")(xb)
+    assert rel(fast, native) <= 8e-3  # K = 1040: the unpromoted FP8 sums stay near BF16 rounding
     if np.prod(lead) > 8:  # "auto" takes this kernel past NestedFP's small-M one
         auto = QuantizedLinear(nested, mode="fp8", implementation="auto", out_scale=0.5)(x16)
         np.testing.assert_array_equal(np.asarray(auto), np.asarray(y8))
