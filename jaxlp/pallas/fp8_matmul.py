@@ -128,8 +128,6 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
     transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
     out_swizzle = plgpu.find_swizzle(tn * out_bits, "output")
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
-    split_n = cfg.wg_split == "n"
-    grid_minor = 1 if cfg.grid_minor == "n" else 0
     epi = min(tm, EPILOGUE_TOKENS)
 
     def kernel(x_gmem, w_gmem, ts_gmem, cs_gmem, y_gmem, out_smem, ts_smem, cs_smem, scale_barriers):
@@ -157,12 +155,7 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
 
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def _tiles(info):
-                (lin,) = info.index
-                mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), grid_minor, cfg.grid_tile_width)
-                cta_m = pl.ds(mi * ctm, ctm)
-                cta_n = pl.ds(ni * ctn, ctn)
-                wg_n = pl.ds(wg * tn, tn) if split_n else pl.ds(0, tn)
-                wg_m = pl.ds(0, tm) if split_n else pl.ds(wg * tm, tm)
+                cta_m, cta_n, wg_m, wg_n = wgmma_tiles.tile_slices(cfg, info.index[0], m_iters, n_iters, wg)
 
                 def compute_context(eval_pipeline):
                     ts_bar, cs_bar = scale_barriers.at[2 * wg], scale_barriers.at[2 * wg + 1]
@@ -178,11 +171,7 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
                         y = acc * lax.broadcast_in_dim(cs, (tn, tm), [0])
                         y = (y * lax.broadcast_in_dim(ts, (tn, tm), [1])).astype(out_dtype)
                         y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
-                        for e in range(tm // epi):  # [tn, epi] slices of y^T, stored transposed
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            out_smem.at[wg].T[...] = y[:, e * epi:(e + 1) * epi]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg], y_dst.at[pl.ds(e * epi, epi)])
+                        wgmma_tiles.store_transposed(y, out_smem.at[wg], y_dst, epi)
 
                     if cfg.promote:
                         epilogue(eval_pipeline(zeros()))

@@ -209,8 +209,6 @@ def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int):
     w_transforms = (plgpu.TilingTransform((8, w_swizzle)), plgpu.SwizzleTransform(w_swizzle))
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
     out_transforms = (plgpu.TilingTransform((8, out_swizzle // 2)), plgpu.SwizzleTransform(out_swizzle))
-    split_n = cfg.wg_split == "n"
-    grid_minor = 1 if cfg.grid_minor == "n" else 0
     merge_registers = plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_2X, plgpu.Layout.WGMMA_UPCAST_2X),
         return_type=plgpu.ShapeDtypeStruct((tn, tk), jnp.float16, plgpu.Layout.WGMMA),
@@ -255,12 +253,7 @@ def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int):
 
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def _tiles(info):
-                (lin,) = info.index
-                mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), grid_minor, cfg.grid_tile_width)
-                cta_m = pl.ds(mi * ctm, ctm)
-                cta_n = pl.ds(ni * ctn, ctn)
-                wg_n = pl.ds(wg * tn, tn) if split_n else pl.ds(0, tn)
-                wg_m = pl.ds(0, tm) if split_n else pl.ds(wg * tm, tm)
+                cta_m, cta_n, wg_m, wg_n = wgmma_tiles.tile_slices(cfg, info.index[0], m_iters, n_iters, wg)
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
@@ -269,11 +262,7 @@ def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int):
                         plgpu.wgmma_wait(0)
                         y = acc_ref[...].astype(jnp.float16)
                         y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
-                        for e in range(tm // epi):  # [tn, epi] slices of y^T, stored transposed
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            out_smem.at[wg].T[...] = y[:, e * epi:(e + 1) * epi]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg], y_dst.at[pl.ds(e * epi, epi)])
+                        wgmma_tiles.store_transposed(y, out_smem.at[wg], y_dst, epi)
 
                 def mma_body(idx, u_smem, l_smem, x_smem, acc_ref):
                     w16 = weight_tile(u_smem.at[wg_n], l_smem.at[wg_n])

@@ -58,6 +58,37 @@ class Tiles:
                 f"{self.grid_minor}{self.grid_tile_width}")
 
 
+def tile_slices(cfg: Tiles, lin, m_iters: int, n_iters: int, wg):
+    """Work item ``lin`` of a persistent loop over the ``m_iters x n_iters`` CTA tiles (a planar
+    snake, ``cfg.grid_minor`` fastest): ``(cta_m, cta_n, wg_m, wg_n)``, the CTA's token and weight-row
+    slices and warpgroup ``wg``'s slices within them."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    grid_minor = 1 if cfg.grid_minor == "n" else 0
+    mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), grid_minor, cfg.grid_tile_width)
+    tn, tm = cfg.tile_n, cfg.tile_m
+    cta_m = pl.ds(mi * cfg.cta_tile_m, cfg.cta_tile_m)
+    cta_n = pl.ds(ni * cfg.cta_tile_n, cfg.cta_tile_n)
+    split_n = cfg.wg_split == "n"
+    wg_m = pl.ds(0, tm) if split_n else pl.ds(wg * tm, tm)
+    wg_n = pl.ds(wg * tn, tn) if split_n else pl.ds(0, tn)
+    return cta_m, cta_n, wg_m, wg_n
+
+
+def store_transposed(y, out_smem, y_dst, chunk: int) -> None:
+    """``y [rows, tokens]`` (registers, the swapped operands' accumulator layout) to ``y_dst
+    [tokens, rows]`` (GMEM) as ``y^T``, ``chunk`` tokens at a time through ``out_smem [chunk, rows]``."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    for e in range(y.shape[1] // chunk):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem.T[...] = y[:, e * chunk:(e + 1) * chunk]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, y_dst.at[pl.ds(e * chunk, chunk)])
+
+
 def round_up(v: int, m: int) -> int:
     return -(-v // m) * m
 
