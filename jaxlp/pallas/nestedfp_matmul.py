@@ -8,9 +8,12 @@ Design (operands swapped, ``Y^T = W X^T``, as :mod:`jaxlp.pallas.nvfp4_matmul`):
 WGMMA's M (64 per instruction), tokens its N. Per K step, TMA brings both byte planes' tiles
 ``[tile_n, tile_k]`` and the FP16 activations ``[tile_m, tile_k]`` into shared memory (a third
 warpgroup issues the copies, ``emit_pipeline_warp_specialized``); each of two consumer warpgroups
-loads its rows of both planes into registers, rebuilds the FP16 words there (:func:`merge_words`,
-integer ops on 16-bit lanes) and feeds them to WGMMA as the register A operand, the activations
-(K-major) as the shared-memory B operand. The FP16 weight never exists in memory.
+loads its rows of both planes into registers and rebuilds the FP16 words there; WGMMA then takes
+them (``MatmulConfig.a_operand``) as its register A operand (``"registers"``, one WGMMA at a time
+per warpgroup) or from a shared-memory tile the warpgroup writes, two per warpgroup
+(``"smem"``: a step's WGMMA runs while the next step merges, the step's buffers released one step
+late), the activations (K-major) as the shared-memory B operand. The FP16 weight never exists in
+global memory.
 
 The merge (``MatmulConfig.merge``): ``"ptx"`` loads 4 bytes of each plane per 32-bit register
 (layout WGMMA_UPCAST_2X), interleaves them into two words of 16-bit lanes ``u << 8 | l`` (one
@@ -35,7 +38,6 @@ from jax import lax
 from jaxlp.formats.nestedfp import NestedFPArray, merge
 from jaxlp.pallas import wgmma_tiles
 from jaxlp.pallas.wgmma_tiles import SMEM_LIMIT, Tiles, round_up
-
 
 MERGES = ("ptx", "jnp")
 A_OPERANDS = ("smem", "registers")
