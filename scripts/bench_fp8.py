@@ -40,6 +40,7 @@ from jaxlp.quantization.linear import QuantizedLinear  # noqa: E402
 SHAPES = "12288x4096,6144x4096,4096x4096,28672x4096,4096x14336"  # N x K: Llama-3.1-8B linears and the issue's
 VARIANTS = ("bf16", "fp16", "nestedfp16", "nestedfp8", "w8a8", "w8a16", "w4a8_fireq", "nestedfp16_pallas",
             "nestedfp8_pallas", "w8a8_pallas")
+GPU_VARIANTS = ("nestedfp16_pallas", "nestedfp8_pallas", "w8a8_pallas")  # Mosaic GPU kernels: no CPU path
 
 
 def per_call_us(fn, params, x, n1: int, n2: int, repeats: int) -> float:
@@ -100,7 +101,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=SHAPES, help="N x K weight shapes, comma separated")
     p.add_argument("--m", default="1,8,32,256,2048", help="token counts M")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=None, help="comma separated (default: all; off a GPU all but the "
+                                                     f"Pallas ones, {', '.join(GPU_VARIANTS)})")
     p.add_argument("--implementation", default="auto", choices=("auto", "xla", "nestedfp_cuda", "xla_native"))
     p.add_argument("--n1", type=int, default=8)
     p.add_argument("--n2", type=int, default=40)
@@ -110,10 +112,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.m.split(",")]
-    variants = args.variants.split(",")
+    on_gpu = jax.default_backend() == "gpu"
+    variants = args.variants.split(",") if args.variants else [v for v in VARIANTS if on_gpu or v not in GPU_VARIANTS]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    if not on_gpu and set(variants) & set(GPU_VARIANTS):
+        p.error(f"variants {sorted(set(variants) & set(GPU_VARIANTS))} run Mosaic GPU kernels: they need a GPU")
     rows = []
     bandwidth = rate = None
     if jax.default_backend() == "gpu":
