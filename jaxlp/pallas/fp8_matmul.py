@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlp.pallas import wgmma_tiles
-from jaxlp.pallas.wgmma_tiles import SMEM_LIMIT, Tiles, round_up
+from jaxlp.pallas.wgmma_tiles import Tiles, round_up
 
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 EPILOGUE_TOKENS = 128  # tokens per output store of the epilogue
@@ -102,14 +102,7 @@ def _check(x8, w8, token_scale, channel_scale, out_dtype, cfg: MatmulConfig) -> 
                          f"{token_scale.shape} and {channel_scale.shape}")
     if jnp.dtype(out_dtype) not in OUT_DTYPES:
         raise ValueError(f"fp8_matmul: out_dtype must be bfloat16 or float16, got {jnp.dtype(out_dtype)}")
-    if cfg.smem_bytes() > SMEM_LIMIT:
-        raise ValueError(f"fp8_matmul: config {cfg.name} needs {cfg.smem_bytes()} bytes of shared memory "
-                         f"(> {SMEM_LIMIT}): fewer stages or smaller tiles")
-
-
-def padded_shape(config: MatmulConfig, m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(M', N', K'): the shape the kernel runs (multiples of the CTA tile and of tile_k)."""
-    return round_up(m, config.cta_tile_m), round_up(n, config.cta_tile_n), round_up(k, config.tile_k)
+    cfg.check_smem("fp8_matmul")
 
 
 def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: MatmulConfig, num_sms: int):
@@ -233,7 +226,7 @@ def fp8_matmul(x8: jax.Array, w8: jax.Array, token_scale: jax.Array, channel_sca
     _check(x8, w8, token_scale, channel_scale, out_dtype, cfg)
     m, k = x8.shape
     n = w8.shape[0]
-    m_pad, n_pad, k_pad = padded_shape(cfg, m, n, k)
+    m_pad, n_pad, k_pad = cfg.padded_shape(m, n, k)
     if (n_pad, k_pad) != (n, k):
         w8 = jnp.pad(w8, ((0, n_pad - n), (0, k_pad - k)))
         channel_scale = jnp.pad(channel_scale, (0, n_pad - n))

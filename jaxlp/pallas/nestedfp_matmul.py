@@ -37,7 +37,7 @@ from jax import lax
 
 from jaxlp.formats.nestedfp import NestedFPArray, merge
 from jaxlp.pallas import wgmma_tiles
-from jaxlp.pallas.wgmma_tiles import SMEM_LIMIT, Tiles, round_up
+from jaxlp.pallas.wgmma_tiles import Tiles
 
 MERGES = ("ptx", "jnp")
 A_OPERANDS = ("smem", "registers")
@@ -184,14 +184,7 @@ def _check(x: jax.Array, w: NestedFPArray, cfg: MatmulConfig) -> None:
         raise ValueError(f"nestedfp_matmul: K mismatch: x {x.shape} vs w {w.shape}")
     if x.dtype != jnp.float16:
         raise ValueError(f"nestedfp_matmul: x must be float16 (NestedFP's FP16 mode), got {x.dtype}")
-    if cfg.smem_bytes() > SMEM_LIMIT:
-        raise ValueError(f"nestedfp_matmul: config {cfg.name} needs {cfg.smem_bytes()} bytes of shared memory "
-                         f"(> {SMEM_LIMIT}): fewer stages or smaller tiles")
-
-
-def padded_shape(config: MatmulConfig, m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(M', N', K'): the shape the kernel runs (multiples of the CTA tile and of tile_k)."""
-    return round_up(m, config.cta_tile_m), round_up(n, config.cta_tile_n), round_up(k, config.tile_k)
+    cfg.check_smem("nestedfp_matmul")
 
 
 def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int):
@@ -314,7 +307,7 @@ def nestedfp_matmul(x: jax.Array, w: NestedFPArray, *, config: MatmulConfig | No
     _check(x, w, cfg)
     m, k = x.shape
     n = w.shape[0]
-    m_pad, n_pad, k_pad = padded_shape(cfg, m, n, k)
+    m_pad, n_pad, k_pad = cfg.padded_shape(m, n, k)
     upper, lower = w.upper, w.lower
     if (n_pad, k_pad) != (n, k):  # zero bytes merge to +0.0
         upper = jnp.pad(upper, ((0, n_pad - n), (0, k_pad - k)))

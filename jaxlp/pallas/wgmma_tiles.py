@@ -57,6 +57,16 @@ class Tiles:
         return (f"N{self.tile_n}M{self.tile_m}K{self.tile_k}S{self.stages}{self.wg_split}"
                 f"{self.grid_minor}{self.grid_tile_width}")
 
+    def padded_shape(self, m: int, n: int, k: int) -> tuple[int, int, int]:
+        """(M', N', K'): the shape a kernel runs (multiples of the CTA tile and of tile_k)."""
+        return round_up(m, self.cta_tile_m), round_up(n, self.cta_tile_n), round_up(k, self.tile_k)
+
+    def check_smem(self, kernel: str) -> None:
+        """ValueError naming ``kernel`` where the config's ``smem_bytes()`` passes a CTA's limit."""
+        if self.smem_bytes() > SMEM_LIMIT:
+            raise ValueError(f"{kernel}: config {self.name} needs {self.smem_bytes()} bytes of shared memory "
+                             f"(> {SMEM_LIMIT}): fewer stages or smaller tiles")
+
 
 def tile_slices(cfg: Tiles, lin, m_iters: int, n_iters: int, wg):
     """Work item ``lin`` of a persistent loop over the ``m_iters x n_iters`` CTA tiles (a planar

@@ -64,7 +64,7 @@ def test_config_and_operands_are_checked():
         fm.fp8_matmul(x8, w8, ts, cs, out_dtype=jnp.float32)
     with pytest.raises(ValueError, match="shared memory"):
         fm._check(x8, w8, ts, cs, jnp.bfloat16, fm.MatmulConfig(tile_n=256, tile_m=128, stages=8))
-    assert fm.padded_shape(fm.MatmulConfig(tile_n=64, tile_m=16, tile_k=128), 20, 200, 300) == (32, 256, 384)
+    assert fm.MatmulConfig(tile_n=64, tile_m=16, tile_k=128).padded_shape(20, 200, 300) == (32, 256, 384)
 
 
 @pytest.mark.parametrize("m, n, k, config", [

@@ -70,7 +70,7 @@ def test_config_and_operands_are_checked():
         nm.nestedfp_matmul(jnp.zeros((8, 64), jnp.float16), w)
     with pytest.raises(ValueError, match="NestedFPArray"):
         nm.nestedfp_matmul(jnp.zeros((8, 128), jnp.float16), jnp.zeros((64, 128), jnp.float16))
-    assert nm.padded_shape(nm.MatmulConfig(tile_n=64, tile_m=16, tile_k=128), 20, 200, 300) == (32, 256, 384)
+    assert nm.MatmulConfig(tile_n=64, tile_m=16, tile_k=128).padded_shape(20, 200, 300) == (32, 256, 384)
 
 
 def weights(rng, n, k):
