@@ -175,13 +175,19 @@ def test_gpu_store_matches_the_reference_byte_for_byte(name, d, kvh):
     assert changed[[0, 1, 2, 7, 8]].all() and not changed[[3, 4, 5, 6]].any()
 
 
+def assert_same_state(got, want, msg=""):
+    for path, a, b in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{msg} {jax.tree_util.keystr(path[0])}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_gpu_store_of_constant_and_zero_pages():
-    """All-equal keys in a page (every channel's scale at the floor, every score tied: ranks by
-    channel) and all-zero values: the same bytes as the reference, finite."""
+@pytest.mark.parametrize("name", ["kitty-pro", "kivi-k2v2*"])
+def test_gpu_store_of_constant_and_zero_units(name):
+    """All-equal keys (every scale at the floor; Kitty: every score tied, ranks by channel) and
+    all-zero values (value scales at the floor): the same bytes as the reference, finite."""
     kvh, d = 2, 128
-    layer = kvcache.get("kitty-pro", attention="cuda").init(config(kvh, d), 2, 300).layers[0]
+    layer = kvcache.get(name, attention="cuda").init(config(kvh, d), 2, 300).layers[0]
     k = jnp.full((2, 287, kvh, d), 0.75, jnp.float32)
     v = jnp.zeros((2, 287, kvh, d), jnp.float32)
     layer = jax.jit(lambda lay: lay.store(k, v, jnp.tile(jnp.arange(287, dtype=jnp.int32), (2, 1))))(layer)
@@ -189,8 +195,7 @@ def test_gpu_store_of_constant_and_zero_pages():
     k1, v1 = jnp.full((2, kvh, d), 0.75, jnp.bfloat16), jnp.zeros((2, kvh, d), jnp.bfloat16)
     want = reference_store(layer, k1, v1, p)
     got = jax.jit(lambda s: cuda_store.store_token(p, k1, v1, s, k_lag=0, v_lag=128, max_len=300))(state_of(layer))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_same_state(got, want, name)
     assert np.isfinite(np.asarray(got["k_store"].scale, np.float32)).all()
 
 
@@ -331,11 +336,6 @@ def kivi_rows(off):
     return stored, positions
 
 
-def assert_same_state(got, want, msg=""):
-    for path, a, b in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{msg} {jax.tree_util.keystr(path[0])}")
-
-
 @pytest.mark.parametrize("name,d,kvh", [("kivi-k2v2*", 64, 2), ("kivi-k2v2", 128, 1)])
 def test_kivi_kernel_model_matches_the_reference(name, d, kvh):
     """The kernel's transliteration gives the reference's bytes on every row kind of kivi_rows."""
@@ -396,24 +396,6 @@ def test_gpu_kivi_store_matches_the_reference_byte_for_byte(name, d, kvh):
     assert changed[[0, 2, 3, 8]].all() and not changed[[1, 4, 5, 6, 7, 9]].any()
     changed = np.asarray(got["v_store"].scale != layer.v_store.scale).any(axis=(1, 2, 3, 4))
     assert changed[[1, 2, 3, 4]].all() and not changed[[0, 5, 6, 7]].any()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_gpu_kivi_store_of_constant_and_zero_blocks():
-    """All-equal keys (every group's scale at the floor) and all-zero values (value scales at the
-    floor): the same bytes as the reference, finite."""
-    kvh, d = 2, 128
-    layer = kvcache.get("kivi-k2v2*", attention="cuda").init(config(kvh, d), 2, 300).layers[0]
-    k = jnp.full((2, 287, kvh, d), 0.75, jnp.float32)
-    v = jnp.zeros((2, 287, kvh, d), jnp.float32)
-    layer = jax.jit(lambda lay: lay.store(k, v, jnp.tile(jnp.arange(287, dtype=jnp.int32), (2, 1))))(layer)
-    p = jnp.asarray([159, 287], jnp.int32)
-    k1, v1 = jnp.full((2, kvh, d), 0.75, jnp.bfloat16), jnp.zeros((2, kvh, d), jnp.bfloat16)
-    want = reference_store(layer, k1, v1, p)
-    got = jax.jit(lambda s: cuda_store.store_token(p, k1, v1, s, k_lag=0, v_lag=128, max_len=300))(state_of(layer))
-    assert_same_state(got, want)
-    assert np.isfinite(np.asarray(got["k_store"].scale, np.float32)).all()
 
 
 @pytest.mark.gpu
