@@ -1,4 +1,4 @@
-"""NestedFP end to end: decode ms/token of a Llama-3.1-8B-shaped model in FP16, NestedFP16 and NestedFP8.
+"""NestedFP end to end: prefill ms and decode ms/token of a Llama-3.1-8B-shaped model in FP16, NestedFP16 and NestedFP8.
 
 One model with random FP16 weights (``--layers`` layers, normal * 0.02, so every weight is
 NestedFP-eligible), a dense FP16 KV cache holding ``--context`` tokens, greedy one-token steps in
@@ -6,9 +6,12 @@ a jitted loop with the cache donated (``bench_kvcache.decode_ms``: the differenc
 lengths). First the plain FP16 model (XLA's FP16 dots); then the same weights quantized with the
 ``nestedfp`` recipe (``lm_head`` stays FP16) under ``implementation="auto"`` in FP16 mode and in
 FP8 mode (``set_mode``: the same stored bytes). On a GPU, ``auto`` runs ``jaxlp.ffi.nestedfp`` for
-batches of at most 8 tokens and XLA's native dots above. Prints a table; ``--out`` writes JSON.
+batches of at most 8 tokens and the Pallas GEMMs above (``nestedfp_pallas``, ``fp8_pallas``).
+``--prefill BxS`` (e.g. ``1x2048``) also times the prompt forward pass into an empty cache (one
+jitted call, median of ``--repeats`` after a warm-up; 0 tokens: skipped). Prints a table;
+``--out`` writes JSON.
 
-    python scripts/bench_nestedfp.py --layers 8 --batches 1,8 --out nestedfp_e2e.json
+    python scripts/bench_nestedfp.py --layers 8 --batches 1,8,64 --prefill 1x2048 --out nestedfp_e2e.json
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import build_model  # noqa: E402
 from bench_kvcache import decode_ms  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from jaxlp import kvcache  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
@@ -51,6 +55,7 @@ def main(argv=None):
     p.add_argument("--n1", type=int, default=16)
     p.add_argument("--n2", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill", default="0x0", help="BxS: time a prompt of S tokens for B rows (0x0: skip)")
     p.add_argument("--tiny", action="store_true", help="a small model of the same family (CPU smoke runs)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -61,10 +66,16 @@ def main(argv=None):
     model = build_model(config, dtype=jnp.float16)
     rows = []
 
+    prefill_batch, prefill_len = (int(v) for v in args.prefill.split("x"))
+
     def measure(variant):
+        if prefill_batch and prefill_len:
+            ms = prefill_ms(model, cache, prefill_batch, prefill_len, args.repeats)
+            rows.append(dict(variant=variant, part="prefill", batch=prefill_batch, context=prefill_len, ms=ms))
+            print(rows[-1], flush=True)
         for batch in args.batches:
             ms = decode_ms(model, cache, batch, args.context, timing)
-            rows.append(dict(variant=variant, batch=batch, context=args.context, ms_per_token=ms))
+            rows.append(dict(variant=variant, part="decode", batch=batch, context=args.context, ms=ms))
             print(rows[-1], flush=True)
 
     measure("fp16")
@@ -73,18 +84,39 @@ def main(argv=None):
     for mode in ("fp16", "fp8"):
         set_mode(model, mode)
         measure(f"nestedfp-{mode}")
-    base = {r["batch"]: r["ms_per_token"] for r in rows if r["variant"] == "fp16"}
+    base = {(r["part"], r["batch"]): r["ms"] for r in rows if r["variant"] == "fp16"}
     for r in rows:
-        r["x_fp16"] = base[r["batch"]] / r["ms_per_token"]
-    print(f"\n## decode ms/token, {jax.devices()[0].device_kind}, Llama-3.1-8B shape, {args.layers} layers, "
-          f"context {args.context}")
-    print(f"{'variant':14s} {'batch':>5s} {'ms/token':>9s} {'x fp16':>7s}")
+        r["x_fp16"] = base[r["part"], r["batch"]] / r["ms"]
+    print(f"\n## ms (prefill: per prompt; decode: per token), {jax.devices()[0].device_kind}, Llama-3.1-8B shape, "
+          f"{args.layers} layers, decode context {args.context}")
+    print(f"{'variant':14s} {'part':8s} {'batch':>5s} {'tokens':>6s} {'ms':>9s} {'x fp16':>7s}")
     for r in rows:
-        print(f"{r['variant']:14s} {r['batch']:5d} {r['ms_per_token']:9.3f} {r['x_fp16']:7.2f}")
+        print(f"{r['variant']:14s} {r['part']:8s} {r['batch']:5d} {r['context']:6d} {r['ms']:9.3f} {r['x_fp16']:7.2f}")
     if args.out:
         harness.write_json(args.out, dict(harness.run_metadata(argv), model=f"Llama-3.1-8B shape, {args.layers} "
                                           "layers, random FP16 weights", rows=rows))
     return rows
+
+
+def prefill_ms(model, fmt, batch: int, length: int, repeats: int) -> float:
+    """ms of one jitted prompt forward pass (``batch x length`` tokens into an empty ``fmt`` cache,
+    the last position's logits): median of ``repeats`` calls after a warm-up call."""
+    graphdef, params = nnx.split(model)
+
+    def forward(graphdef, params, cache, tokens):
+        m = nnx.merge(graphdef, params)
+        hidden, cache = m.forward(tokens, cache=cache, fresh=True)
+        return m.logits(hidden[:, -1]), cache
+
+    run = jax.jit(forward, static_argnums=0, donate_argnums=2)
+    tokens = jax.random.randint(jax.random.key(0), (batch, length), 0, model.config.vocab_size)
+    cache = fmt.init(model.config, batch, length + 8)
+    samples = []
+    for _ in range(repeats + 1):
+        t = harness.time_call(lambda c: run(graphdef, params, c, tokens), cache, warmup=0, repeats=1)
+        cache = t.output[1]
+        samples.append(t.median_us)
+    return float(jnp.median(jnp.asarray(samples[1:]))) / 1e3
 
 
 if __name__ == "__main__":

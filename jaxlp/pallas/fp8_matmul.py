@@ -31,27 +31,31 @@ from jaxlp.pallas.wgmma_tiles import Tiles, round_up
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 EPILOGUE_TOKENS = 128  # tokens per output store of the epilogue
 SCALE_ALIGN = 32  # FP32 scales per 128-byte line
+SWIZZLE_K = 128  # FP8 elements per swizzled 128-byte row (the K of one WGMMA call)
 
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig(Tiles):
     """Tiling of :func:`fp8_matmul` (:class:`~jaxlp.pallas.wgmma_tiles.Tiles`), here with tile_m a
-    multiple of 8 in [8, 256] and tile_k (bytes of K per step) 64 or 128. promote: each step's
-    WGMMA sums start from zero and are added to FP32 registers (the tensor cores' FP8 accumulation
-    keeps fewer bits than FP32: about 1.3e-3 relative at K = 4096 without, as XLA's FP8 dot with;
-    two accumulators' registers, so tile_m <= 128)."""
+    multiple of 8 in [8, 256] and tile_k (bytes of K per step) 64, 128 or 256 (256: promote only).
+    promote: each step's WGMMA sums (tile_k of K) start from zero and are added to FP32 registers
+    after one wait (the tensor cores' FP8 accumulation keeps fewer bits than FP32: about 1.3e-3
+    relative at K = 4096 without, as XLA's FP8 dot with); two accumulators' registers, so tile_m <=
+    128. tile_k = 256 halves the waits and adds per K (two 128-wide WGMMAs into one step sum)."""
 
     tile_k: int = 128
     promote: bool = True
 
     def __post_init__(self):
         super().__post_init__()
+        if self.tile_k not in (64, 128, 256):
+            raise ValueError(f"tile_k must be 64, 128 or 256, got {self.tile_k}")
+        if self.tile_k == 256 and not self.promote:
+            raise ValueError("tile_k 256 (two WGMMAs per step sum) needs promote=True")
         if self.promote and self.tile_m > 128:
             raise ValueError(f"promote keeps two accumulators: tile_m must be <= 128, got {self.tile_m}")
         if self.tile_m % 8 or not 8 <= self.tile_m <= 256:
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
-        if self.tile_k not in (64, 128):
-            raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
 
     @property
     def name(self) -> str:
@@ -65,11 +69,14 @@ class MatmulConfig(Tiles):
 
 
 def default_config(m: int, n: int | None = None, num_sms: int = 132, promote: bool = True) -> MatmulConfig:
-    """Tiles by M, the fastest of the H100 sweep in docs/perf.md (session 18) with or without
-    ``promote``; with N given, half the tokens per tile where the default tiles would not fill half
-    the SMs (4096 x 4096 at M = 128: 13.8 against 19.1 us)."""
+    """Tiles by M, the fastest of the H100 sweeps in docs/perf.md (sessions 18, 19) with or without
+    ``promote`` (promoted, 129..256 tokens: 64-token tiles and 256 K per step sum); with N given,
+    half the tokens per tile where the default tiles would not fill half the SMs (4096 x 4096 at
+    M = 128: 13.8 against 19.1 us)."""
     if m <= 64:
         return MatmulConfig(tile_n=64, tile_m=max(8, -(-m // 8) * 8), tile_k=128, stages=6, promote=promote)
+    if 128 < m <= 256 and promote:  # 36.0 / 39.9 us for 39.1 / 44.5 (M = 256, 12288 x 4096 / 4096 x 14336)
+        return MatmulConfig(tile_n=64, tile_m=64, tile_k=256, stages=4, promote=True)
     if m > 1024 and not promote:
         cfg = MatmulConfig(tile_n=64, tile_m=256, tile_k=128, stages=3, promote=False)
     else:
@@ -117,7 +124,8 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
     m_iters, n_iters, k_iters = m // ctm, n // ctn, k // tk
     out_bits = jnp.dtype(out_dtype).itemsize * 8
 
-    swizzle = plgpu.find_swizzle(tk * 8, "FP8 tiles")
+    half = min(tk, SWIZZLE_K)  # WGMMA K per call: one swizzled 128-byte row
+    swizzle = plgpu.find_swizzle(half * 8, "FP8 tiles")
     transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
     out_swizzle = plgpu.find_swizzle(tn * out_bits, "output")
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
@@ -181,7 +189,9 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
                 def mma_body(_, w_smem, x_smem, carry):
                     if cfg.promote:  # this step's sums from zero, added to the FP32 total
                         def step(part_ref):
-                            plgpu.wgmma(part_ref, w_smem.at[wg_n], x_smem.at[wg_m].T)
+                            w, x = w_smem.at[wg_n], x_smem.at[wg_m]
+                            for k0 in range(0, tk, half):  # tile_k 256: two 128-wide halves, one wait
+                                plgpu.wgmma(part_ref, w.at[:, pl.ds(k0, half)], x.at[:, pl.ds(k0, half)].T)
                         return carry + pl.run_state(step)(plgpu.ACC.init(zeros()))
                     plgpu.wgmma(carry, w_smem.at[wg_n], x_smem.at[wg_m].T)
                     plgpu.wgmma_wait(1)  # the previous step's WGMMA: its buffers are released next

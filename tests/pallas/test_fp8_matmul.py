@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxlp.pallas import fp8_matmul as fm
+from jaxlp.pallas.wgmma_tiles import SMEM_LIMIT
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -47,8 +48,10 @@ def test_reference_is_the_float64_product_rounded_once(out_dtype):
 def test_config_and_operands_are_checked():
     with pytest.raises(ValueError, match="tile_m"):
         fm.MatmulConfig(tile_m=300)
-    with pytest.raises(ValueError, match="tile_k"):
-        fm.MatmulConfig(tile_k=256)
+    with pytest.raises(ValueError, match="tile_k must be 64, 128 or 256"):
+        fm.MatmulConfig(tile_k=512)
+    with pytest.raises(ValueError, match="needs promote"):
+        fm.MatmulConfig(tile_k=256, tile_m=64, promote=False)
     with pytest.raises(ValueError, match="promote"):
         fm.MatmulConfig(tile_m=256)
     x8 = jnp.zeros((8, 128), jnp.float8_e4m3fn)
@@ -67,11 +70,16 @@ def test_config_and_operands_are_checked():
     assert fm.MatmulConfig(tile_n=64, tile_m=16, tile_k=128).padded_shape(20, 200, 300) == (32, 256, 384)
 
 
+K256 = fm.MatmulConfig(tile_n=64, tile_m=128, tile_k=256, stages=3)
+
+
 @pytest.mark.parametrize("m, n, k, config", [
     (1, 256, 512, None), (8, 320, 640, None), (33, 4096, 1024, None), (256, 1024, 4096, None),
     (300, 640, 4160, fm.MatmulConfig(tile_n=64, tile_m=64, tile_k=64, stages=3, wg_split="m")),
     (2048, 4096, 4096, None), (200, 576, 1024, fm.MatmulConfig(tile_n=128, tile_m=64, stages=3)),
-    (512, 1024, 1024, fm.MatmulConfig(tile_m=256, stages=3, promote=False))])
+    (512, 1024, 1024, fm.MatmulConfig(tile_m=256, stages=3, promote=False)),
+    # two 128-wide WGMMAs per promoted step: K padded to 256 (4160), one step (256), many (4096)
+    (300, 640, 4160, K256), (8, 320, 256, K256), (2048, 4096, 4096, K256)])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -87,3 +95,14 @@ def test_gpu_matches_float64_of_the_e4m3_values(m, n, k, config, out_dtype):
     assert np.linalg.norm(y - want) / np.linalg.norm(want) <= float(jnp.finfo(out_dtype).eps)
     if m > 1:
         np.testing.assert_array_equal(y[-1], 0.0)
+
+
+def test_default_config_promotes_and_fits_shared_memory():
+    """Every default tiling is valid (promoted ones within the two-accumulator tile_m bound) and
+    fits shared memory; 129..256 promoted tokens take 256 K per step sum, unpromoted never do."""
+    for m in (1, 8, 64, 65, 128, 129, 256, 257, 1024, 1025, 4096):
+        for promote in (True, False):
+            for n in (None, 1024, 4096, 28672):
+                cfg = fm.default_config(m, n, promote=promote)
+                assert cfg.promote == promote and cfg.smem_bytes() <= SMEM_LIMIT
+                assert cfg.tile_k == (256 if promote and 128 < m <= 256 else 128)
