@@ -168,21 +168,24 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
 
 
 def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, scale: float,
-                 softcap: float | None = None, splits: int | None = None, packed: bool | None = None):
+                 softcap: float | None = None, splits: int | None = None, packed: bool | None = None,
+                 staged_splits: int | None = None):
     """One query per row ``q [B, H, D]`` over a whole quantized cache (module doc):
     ``bounds [B, 8]`` int32 per row: the stream range ``lo, hi`` (hi: the row's non-sink tokens),
     ``qk, qv`` (its quantized keys and values), the visible sink tokens ``[sink_lo, sink_hi)``,
     ``new_ok`` (the new token is seen), 0; ``k_ring, v_ring``: ``(ring [B, R, KVH, D], slot
     positions [B, R])``; ``sink``: keys and values ``[B, OFF, KVH, D]`` (OFF < 128); ``new``: the new
     token's key and value ``[B, KVH, D]``. Rings, sink and new token go to the kernel as FP16
-    (clipped to its range). Returns ``(out [B, H, D] float32 normalized, m, l)``."""
+    (clipped to its range). ``staged_splits``: on the packed path, the staged CTAs per (row, KV
+    head) that take the ring and tail blocks (default :data:`GENERAL_SPLITS`). Returns ``(out
+    [B, H, D] float32 normalized, m, l)``."""
     if sink[0].shape[1] >= BLOCK:
         raise ValueError(f"attend_cache: the sink and the new token must fit one {BLOCK}-token block, "
                          f"got a sink of {sink[0].shape[1]}")
     k_ring, v_ring = (_fp16(k_ring[0]), k_ring[1].astype(jnp.int32)), (_fp16(v_ring[0]), v_ring[1].astype(jnp.int32))
     return _call(q, k_store, v_store, k_codec, v_codec, bounds.astype(jnp.int32), k_ring, v_ring,
                  tuple(map(_fp16, sink)), tuple(map(_fp16, new)), tail=True, scale=scale, softcap=softcap,
-                 splits=splits, packed=packed)
+                 splits=splits, packed=packed, staged_splits=staged_splits)
 
 
 def _fp16(x):
@@ -194,7 +197,7 @@ def _fp16(x):
 
 
 def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, tail, scale, softcap, splits,
-          packed):
+          packed, staged_splits=None):
     b, h, d = q.shape
     kleaves = jax.tree.leaves(k_store)
     kvh = kleaves[0].shape[2]
@@ -218,7 +221,9 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
         raise ValueError(f"attend_units: the packed path does not read {lay} at head_dim {d} with {g} query heads "
                          f"per KV head (packed_reads)")
     if packed_reads(lay, d, g) if packed is None else packed:  # the staged path: ring and tail blocks only
-        general = GENERAL_SPLITS if tail else 0
+        if staged_splits is not None and staged_splits < 1:
+            raise ValueError(f"attend_cache: staged_splits must be >= 1, got {staged_splits}")
+        general = (staged_splits or GENERAL_SPLITS) if tail else 0
         splits = general + (splits or packed_splits(b, kvh, k_low.shape[1]))
     else:
         blocks = k_low.shape[1] + (-(-max(k_ring[0].shape[1], v_ring[0].shape[1]) // BLOCK) + 1 if tail else 0)

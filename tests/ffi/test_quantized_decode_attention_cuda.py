@@ -161,6 +161,22 @@ def test_the_cache_step_lowers_to_one_custom_call_for_cuda(name):
     assert "dot_general" not in text
 
 
+@pytest.mark.parametrize("staged", [None, 1, 3])
+def test_the_cache_step_takes_its_staged_splits(staged):
+    """attend_cache on the packed path: staged_splits staged CTAs per (row, KV head) after the
+    packed ones (default GENERAL_SPLITS); 0 is refused."""
+    kc, vc = CODECS["kitty-pro"]
+    b, kvh, d, n = 2, 2, 128, 512
+    ks, vs = stores((kc, vc), *random_kv(1, b, n, kvh, d))
+    q = jnp.zeros((b, kvh * 4, d), jnp.bfloat16)
+    f = jax.jit(lambda q, ks, vs, ops: cuda.attend_cache(q, ks, vs, kc, vc, *ops, scale=0.125, staged_splits=staged))
+    text = f.trace(q, ks, vs, cache_operands(b, kvh, d, 127, 255, 32)).lower(lowering_platforms=("cuda",)).as_text()
+    splits = cuda.packed_splits(b, kvh, n // 128) + (staged or cuda.GENERAL_SPLITS)
+    assert f"tensor<{b}x{kvh}x{splits}x4x{d}xf32>" in text
+    with pytest.raises(ValueError, match="staged_splits must be >= 1"):
+        cuda.attend_cache(q, ks, vs, kc, vc, *cache_operands(b, kvh, d, 127, 255, 32), scale=1.0, staged_splits=0)
+
+
 def test_the_cache_step_refuses_a_sink_of_a_block():
     kc, vc = CODECS["kitty"]
     k, v = random_kv(0, 1, 128, 2, 64)

@@ -245,12 +245,13 @@ def _cuda_step(layer, q, k, v, positions, *, window, softcap, options):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ("kitty", "kitty-pro"))
+@pytest.mark.parametrize("name", ("kitty", "kitty-pro", "kivi-k2v2"))
 @pytest.mark.parametrize("batch, kvh", [(7, 2), (64, 4)], ids=["small-grid", "full-grid"])
 def test_gpu_cuda_step_packed_and_staged_paths_agree_with_the_reference(name, batch, kvh):
     """The packed path with the ring, sink and new-token blocks in staged CTAs beside it, and the
     staged path alone, at head_dim 128: a few CTAs, and a grid whose packed CTAs alone fill the GPU
-    (64 rows x 4 KV heads; the staged CTAs then queue behind them); rows ragged and rewound."""
+    (64 rows x 4 KV heads; the staged CTAs then queue behind them); rows ragged and rewound; one
+    staged CTA per (row, KV head), and more than it has blocks (empty ones)."""
     rng = np.random.default_rng(batch)
     stored = STORED if batch == 7 else list(rng.integers(1, 700, batch))
     lengths = LENGTHS if batch == 7 else [int(n) - int(rng.integers(0, 2)) * int(rng.integers(0, n)) for n in stored]
@@ -260,7 +261,7 @@ def test_gpu_cuda_step_packed_and_staged_paths_agree_with_the_reference(name, ba
     p = jnp.asarray(lengths, jnp.int32)
     for kw in (dict(window=None, softcap=None), dict(window=100, softcap=5.0)):
         want = layer.reference_attend(q, k, v, p[:, None], scale=0.125, **kw)[0][:, 0]
-        for options in (dict(), dict(packed=True), dict(packed=False)):
+        for options in (dict(), dict(packed=True), dict(packed=False), dict(staged_splits=1), dict(staged_splits=7)):
             got = _cuda_step(layer, q, k, v, p, options=tuple(options.items()), **kw)
             assert_rows_close(got, want)
 
