@@ -8,10 +8,13 @@ lengths). First the plain FP16 model (XLA's FP16 dots); then the same weights qu
 FP8 mode (``set_mode``: the same stored bytes). On a GPU, ``auto`` runs ``jaxlp.ffi.nestedfp`` for
 batches of at most 8 tokens and the Pallas GEMMs above (``nestedfp_pallas``, ``fp8_pallas``).
 ``--prefill BxS`` (e.g. ``1x2048``) also times the prompt forward pass into an empty cache (one
-jitted call, median of ``--repeats`` after a warm-up; 0 tokens: skipped). Prints a table;
-``--out`` writes JSON.
+jitted call, median of ``--repeats`` after a warm-up; 0 tokens: skipped). ``--switch`` also
+times the per-step precision switch (:mod:`jaxlp.quantization.precision`): one compiled decode
+loop whose steps pick the FP16 or FP8 model by a traced flag (``lax.cond``), run all-FP16,
+all-FP8 and alternating every step (``switch`` rows; the compiled programs are counted: one).
+Prints a table; ``--out`` writes JSON.
 
-    python scripts/bench_nestedfp.py --layers 8 --batches 1,8,64 --prefill 1x2048 --out nestedfp_e2e.json
+    python scripts/bench_nestedfp.py --layers 8 --batches 1,8,64 --prefill 1x2048 --switch --out nestedfp_e2e.json
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import build_model  # noqa: E402
-from bench_kvcache import decode_ms  # noqa: E402
+from bench_kvcache import compiler_options, decode_ms, filled_layer  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxlp import kvcache  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
 from jaxlp.models import from_hf_config  # noqa: E402
-from jaxlp.quantization import quantize_model, set_implementation, set_mode  # noqa: E402
+from jaxlp.quantization import precision, quantize_model, set_implementation, set_mode  # noqa: E402
 
 LLAMA_31_8B = {  # the public meta-llama/Llama-3.1-8B config.json (rope scaling left out: short contexts)
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
@@ -56,12 +59,15 @@ def main(argv=None):
     p.add_argument("--n2", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefill", default="0x0", help="BxS: time a prompt of S tokens for B rows (0x0: skip)")
+    p.add_argument("--switch", action="store_true", help="also time per-step FP16 / FP8 switching in one program")
+    p.add_argument("--compiler-options", type=compiler_options, default={},
+                   help="XLA options for the decode programs, e.g. xla_gpu_enable_command_buffer=+CONDITIONAL")
     p.add_argument("--tiny", action="store_true", help="a small model of the same family (CPU smoke runs)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cfg = dict(LLAMA_31_8B, num_hidden_layers=args.layers, **(TINY if args.tiny else {}))
     config = from_hf_config(cfg)
-    timing = types.SimpleNamespace(n1=args.n1, n2=args.n2, repeats=args.repeats, compiler_options={})
+    timing = types.SimpleNamespace(n1=args.n1, n2=args.n2, repeats=args.repeats, compiler_options=args.compiler_options)
     cache = kvcache.get("fp16")
     model = build_model(config, dtype=jnp.float16)
     rows = []
@@ -84,6 +90,13 @@ def main(argv=None):
     for mode in ("fp16", "fp8"):
         set_mode(model, mode)
         measure(f"nestedfp-{mode}")
+    if args.switch:
+        set_mode(model, "fp16")
+        for batch in args.batches:
+            for pattern, ms, programs in switch_ms(model, cache, batch, args.context, timing):
+                rows.append(dict(variant=f"switch-{pattern}", part="decode", batch=batch, context=args.context, ms=ms,
+                                 programs=programs))
+                print(rows[-1], flush=True)
     base = {(r["part"], r["batch"]): r["ms"] for r in rows if r["variant"] == "fp16"}
     for r in rows:
         r["x_fp16"] = base[r["part"], r["batch"]] / r["ms"]
@@ -96,6 +109,49 @@ def main(argv=None):
         harness.write_json(args.out, dict(harness.run_metadata(argv), model=f"Llama-3.1-8B shape, {args.layers} "
                                           "layers, random FP16 weights", rows=rows))
     return rows
+
+
+PATTERNS = {"fp16": lambda i: False, "fp8": lambda i: True, "alternate": lambda i: i % 2 == 1}
+
+
+def switch_ms(model, fmt, batch: int, context: int, timing):
+    """ms per decode token of one compiled loop whose step ``i`` runs the FP8 model where
+    ``flags[i % 2]`` (traced) else the FP16 one (:func:`jaxlp.quantization.precision.run`), for
+    each of :data:`PATTERNS`: ``[(pattern, ms, compiled programs so far)]`` (one program for all)."""
+    g16, g8, state = precision.variants(model)
+    config = model.config
+    layer = filled_layer(fmt, config, batch, context, context + timing.n2 + 8)
+    cache = kvcache.KVCache(tuple([layer] + [jax.tree.map(jnp.copy, layer) for _ in range(config.num_layers - 1)]))
+
+    def loop(state, cache, tokens, positions, flags, steps):
+        def body(i, carry):
+            cache, tok = carry
+
+            def step(m):
+                hidden, c = m.forward(tok[:, None], (positions + i)[:, None], cache)
+                return c, jnp.argmax(m.logits(hidden[:, -1]), axis=-1).astype(jnp.int32)
+
+            return precision.run(step, g16, g8, state, flags[i % 2])
+
+        return jax.lax.fori_loop(0, steps, body, (cache, tokens))
+
+    run = jax.jit(loop, static_argnums=5, donate_argnums=1, compiler_options=timing.compiler_options or None)
+    tokens = jnp.zeros((batch,), jnp.int32)
+    positions = jnp.full((batch,), context, jnp.int32)
+    out = []
+    for pattern, flag in PATTERNS.items():
+        flags = jnp.asarray([flag(0), flag(1)])
+        times = {}
+        for n in (timing.n1, timing.n2, timing.n1, timing.n2):  # warm, then timed
+            samples = []
+            for _ in range(timing.repeats):
+                t = harness.time_call(lambda c: run(state, c, tokens, positions, flags, n), cache, warmup=0, repeats=1)
+                cache = t.output[0]
+                samples.append(t.median_us)
+            times[n] = float(jnp.median(jnp.asarray(samples)))
+        ms = (times[timing.n2] - times[timing.n1]) / (timing.n2 - timing.n1) / 1e3
+        out.append((pattern, ms, run._cache_size() // 2))  # two loop lengths per program
+    return out
 
 
 def prefill_ms(model, fmt, batch: int, length: int, repeats: int) -> float:
