@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -167,10 +168,16 @@ def _prefill_program(graphdef, params, state, tokens, length, slot, row, use_fp8
 
 def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, graphdef_fp8=None):
     """``steps`` decode steps of every slot: ``(state, tokens [B, steps], reasons [B, steps])``;
-    a token is -1 where the row emitted none, a reason is RUNNING until the row's last token."""
+    a token is -1 where the row emitted none, a reason is RUNNING until the row's last token.
+    With a precision choice (``graphdef_fp8``), the one ``use_fp8`` of the call picks between two
+    whole loops (one conditional per call, not per step: a per-step one cost 5-38% of an 8-layer
+    step on the H100, docs/perf.md session 19)."""
     state = dict(state, active=state["active"] & alive)
 
-    def body(s, _):
+    def loop(model_graphdef):
+        return jax.lax.scan(functools.partial(body, model_graphdef), state, None, length=steps)
+
+    def body(model_graphdef, s, _):
         running = s["active"]
         bad = ~jnp.all(jnp.isfinite(s["logits"]), axis=-1)
         out = sampler.sample(s["settings"], s["sampler_state"], s["logits"], s["generated"])
@@ -185,16 +192,17 @@ def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, 
         # of their own row (garbage in a free slot, overwritten by the next prefill).
         position = jnp.where(active, s["position"], 0)
 
-        def decode(model):
-            hidden, cache = model.forward(out.tokens[:, None], position[:, None], s["cache"])
-            return model.logits(hidden[:, 0]), cache
-
-        logits, cache = precision_lib.run(decode, graphdef, graphdef_fp8, params, use_fp8)
+        model = nnx.merge(model_graphdef, params)
+        hidden, cache = model.forward(out.tokens[:, None], position[:, None], s["cache"])
+        logits = model.logits(hidden[:, 0])
         new = dict(s, cache=cache, logits=logits, generated=generated, active=active,
                    position=s["position"] + emit, sampler_state=out.state)
         return new, (jnp.where(emit, out.tokens, -1), reason)
 
-    state, (tokens, reasons) = jax.lax.scan(body, state, None, length=steps)
+    if graphdef_fp8 is None:
+        state, (tokens, reasons) = loop(graphdef)
+    else:
+        state, (tokens, reasons) = jax.lax.cond(use_fp8, lambda: loop(graphdef_fp8), lambda: loop(graphdef))
     return state, tokens.T, reasons.T
 
 

@@ -608,6 +608,13 @@ def test_nestedfp_precision_policies(model, tok):
         assert r.token_ids == reference(ref_model, prompts[0], greedy)
         assert eng.counters["fp8_decode_calls"] == (eng.counters["decode_calls"] if precision == "fp8" else 0)
 
+    # The same through the per-call conditional (a policy that always or never picks FP8).
+    for policy, ref_model in ((LoadThreshold(1.0, max_tokens=10_000), nested), (LoadThreshold(0.0), fp8_model)):
+        eng = engine(nested, tok, precision=policy)
+        r = eng.submit(prompts[0], greedy)
+        eng.run()
+        assert r.token_ids == reference(ref_model, prompts[0], greedy), policy
+
     # Load: FP8 while more than half the slots' worth of requests run or wait, FP16 after.
     eng = engine(nested, tok, precision=LoadThreshold(0.5))
     budgets = [dataclasses.replace(greedy, max_tokens=m) for m in (2, 4, 12)]
