@@ -10,8 +10,10 @@ batches of at most 8 tokens and the Pallas GEMMs above (``nestedfp_pallas``, ``f
 ``--prefill BxS`` (e.g. ``1x2048``) also times the prompt forward pass into an empty cache (one
 jitted call, median of ``--repeats`` after a warm-up; 0 tokens: skipped). ``--switch`` also
 times the per-step precision switch (:mod:`jaxlp.quantization.precision`): one compiled decode
-loop whose steps pick the FP16 or FP8 model by a traced flag (``lax.cond``), run all-FP16,
-all-FP8 and alternating every step (``switch`` rows; the compiled programs are counted: one).
+loop whose steps pick the FP16 or FP8 model by a traced flag (``lax.cond`` per step, as
+``generate``'s per-step policy does), run all-FP16, all-FP8 and alternating every step, and one
+whose flag picks between two whole loops (one ``lax.cond`` per call, as the serving engine does:
+``switch-call-*`` rows). The compiled programs are counted: one per kind.
 Prints a table; ``--out`` writes JSON.
 
     python scripts/bench_nestedfp.py --layers 8 --batches 1,8,64 --prefill 1x2048 --switch --out nestedfp_e2e.json
@@ -117,29 +119,38 @@ PATTERNS = {"fp16": lambda i: False, "fp8": lambda i: True, "alternate": lambda 
 def switch_ms(model, fmt, batch: int, context: int, timing):
     """ms per decode token of one compiled loop whose step ``i`` runs the FP8 model where
     ``flags[i % 2]`` (traced) else the FP16 one (:func:`jaxlp.quantization.precision.run`), for
-    each of :data:`PATTERNS`: ``[(pattern, ms, compiled programs so far)]`` (one program for all)."""
+    each of :data:`PATTERNS`, then of one whose ``flags[0]`` picks between an FP8 and an FP16
+    loop (``call-fp16``, ``call-fp8``): ``[(pattern, ms, compiled programs of its kind)]``."""
     g16, g8, state = precision.variants(model)
     config = model.config
     layer = filled_layer(fmt, config, batch, context, context + timing.n2 + 8)
     cache = kvcache.KVCache(tuple([layer] + [jax.tree.map(jnp.copy, layer) for _ in range(config.num_layers - 1)]))
 
-    def loop(state, cache, tokens, positions, flags, steps):
+    def step(m, i, carry):
+        cache, tok = carry
+        hidden, c = m.forward(tok[:, None], (positions + i)[:, None], cache)
+        return c, jnp.argmax(m.logits(hidden[:, -1]), axis=-1).astype(jnp.int32)
+
+    def per_step(state, cache, tokens, positions, flags, steps):
         def body(i, carry):
-            cache, tok = carry
-
-            def step(m):
-                hidden, c = m.forward(tok[:, None], (positions + i)[:, None], cache)
-                return c, jnp.argmax(m.logits(hidden[:, -1]), axis=-1).astype(jnp.int32)
-
-            return precision.run(step, g16, g8, state, flags[i % 2])
+            return precision.run(lambda m: step(m, i, carry), g16, g8, state, flags[i % 2])
 
         return jax.lax.fori_loop(0, steps, body, (cache, tokens))
 
-    run = jax.jit(loop, static_argnums=5, donate_argnums=1, compiler_options=timing.compiler_options or None)
+    def per_call(state, cache, tokens, positions, flags, steps):
+        def loop(graphdef):
+            return jax.lax.fori_loop(0, steps, lambda i, c: step(nnx.merge(graphdef, state), i, c), (cache, tokens))
+
+        return jax.lax.cond(flags[0], lambda: loop(g8), lambda: loop(g16))
+
+    options = dict(static_argnums=5, donate_argnums=1, compiler_options=timing.compiler_options or None)
+    programs = {"": jax.jit(per_step, **options), "call-": jax.jit(per_call, **options)}
     tokens = jnp.zeros((batch,), jnp.int32)
     positions = jnp.full((batch,), context, jnp.int32)
     out = []
-    for pattern, flag in PATTERNS.items():
+    for kind, pattern, flag in [("", p, f) for p, f in PATTERNS.items()] + [("call-", "fp16", PATTERNS["fp16"]),
+                                                                          ("call-", "fp8", PATTERNS["fp8"])]:
+        run = programs[kind]
         flags = jnp.asarray([flag(0), flag(1)])
         times = {}
         for n in (timing.n1, timing.n2, timing.n1, timing.n2):  # warm, then timed
@@ -150,7 +161,7 @@ def switch_ms(model, fmt, batch: int, context: int, timing):
                 samples.append(t.median_us)
             times[n] = float(jnp.median(jnp.asarray(samples)))
         ms = (times[timing.n2] - times[timing.n1]) / (timing.n2 - timing.n1) / 1e3
-        out.append((pattern, ms, run._cache_size() // 2))  # two loop lengths per program
+        out.append((kind + pattern, ms, run._cache_size() // 2))  # two loop lengths per program
     return out
 
 
