@@ -125,7 +125,10 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
     def cond(c):
         return (c["step"] < max_new_tokens) & ~jnp.all(c["finished"] | (c["nonfinite_step"] >= 0))
 
-    def body(c):
+    def sample(c):
+        """Step ``c["step"]``'s tokens from ``c["logits"]``: the carry's updated fields (not the
+        cache, the logits nor the step), the tokens to feed, and whether the FP8 model decodes
+        them (a policy; else None)."""
         step = c["step"]
         # A row whose logits hold a NaN or Inf stops at this step (first such step recorded).
         if check_finite:
@@ -136,7 +139,7 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
         active = running & ~bad
         sample = sampler.sample(c["sampler_state"], c["logits"], jax.random.fold_in(key, step))
         token = jnp.where(active, sample.tokens, pad_id)
-        new = dict(c)
+        new = {}
         new["nonfinite_step"] = jnp.where(running & bad, step, c["nonfinite_step"])
         new["nonfinite_any"] = c["nonfinite_any"] | jnp.any(bad)
         new["out"] = c["out"].at[:, step].set(token)
@@ -147,20 +150,39 @@ def _generate_program(graphdef, params, tokens, lengths, cache, key, sampler, st
             entropy = token_entropy(c["logits"]) if sample.entropy is None else sample.entropy
             new["entropy"] = c["entropy"].at[:, step].set(jnp.where(active, entropy, jnp.nan))
             new["temperature"] = c["temperature"].at[:, step].set(jnp.where(active, sample.temperature, jnp.nan))
-        # Feed the token back in at the row's next position (lengths + step).
-        # (finished rows keep computing on their sampled token; their output is padding).
-        def decode(model):
-            hidden, new_cache = model.forward(sample.tokens[:, None], (lengths + step)[:, None], c["cache"])
-            return model.logits(hidden[:, 0]), new_cache
-
         # Scheduled tokens: the rows that go on after this step.
-        (new["logits"], new["cache"]), fp8 = call(decode, jnp.sum(active & ~new["finished"]))
-        if policy is not None:  # the model that computed the logits of step + 1
-            new["fp8"] = c["fp8"].at[:, step + 1].set(fp8, mode="drop")
-        new["step"] = step + 1
-        return new
+        fp8 = None if policy is None else policy.use_fp8(jnp.sum(active & ~new["finished"]))
+        return new, sample.tokens, fp8
 
-    carry = jax.lax.while_loop(cond, body, carry)
+    def decode(c, sampled, model_graphdef):
+        """The carry after feeding the sampled tokens back in at each row's next position
+        (lengths + step) through ``model_graphdef``'s model (finished rows keep computing on their
+        sampled token; their output is padding)."""
+        new, tokens, fp8 = sampled
+        step = c["step"]
+        model = nnx.merge(model_graphdef, params)
+        hidden, new_cache = model.forward(tokens[:, None], (lengths + step)[:, None], c["cache"])
+        out = dict(c, **new, logits=model.logits(hidden[:, 0]), cache=new_cache, step=step + 1)
+        if policy is not None:  # the model that computed the logits of step + 1
+            out["fp8"] = c["fp8"].at[:, step + 1].set(fp8, mode="drop")
+        return out
+
+    if policy is None:
+        carry = jax.lax.while_loop(cond, lambda c: decode(c, sample(c), graphdef), carry)
+    else:
+        # The policy's choice is monotonic (its scheduled tokens, the rows still running, only
+        # fall): FP8 steps, then FP16 ones. Two loops, each with its model fixed, carry the next
+        # step's sample (computed once more than used, never a conditional per step: one cost
+        # 5-50% of a decode step on the H100, docs/perf.md session 19).
+        def phase(go, model_graphdef, state):
+            def body(state):
+                c = decode(*state, model_graphdef)
+                return c, sample(c)
+
+            return jax.lax.while_loop(lambda state: cond(state[0]) & go(state[1][2]), body, state)
+
+        state = phase(lambda fp8: fp8, graphdef_fp8, (carry, sample(carry)))
+        carry, _ = phase(lambda fp8: True, graphdef, state)
     stats = (carry["entropy"], carry["temperature"])
     nonfinite = (carry["nonfinite_step"], carry["nonfinite_any"])
     return carry["out"], carry["num_tokens"], carry["finished"], nonfinite, stats, carry["fp8"], carry["cache"]
@@ -234,7 +256,9 @@ def generate(
 
     ``precision`` (NestedFP models): ``"fp16"`` or ``"fp8"`` for every step, or a
     :class:`~jaxlp.quantization.precision.LoadThreshold` that picks per step inside the compiled
-    loop (both models compiled in, no recompilation when it switches or its fields change);
+    program (both models compiled in, no recompilation when it switches or its fields change; its
+    choice only goes from FP8 to FP16 as rows finish, so the program runs an FP8 loop then an FP16
+    one, with no conditional per step);
     ``result.fp8`` then says which model computed each token's logits. None: the layers' own modes.
     Every setting is checked first (``ValueError`` naming the setting, the value and the range).
     """

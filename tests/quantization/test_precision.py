@@ -68,6 +68,39 @@ def test_threshold_switches_per_step_by_the_rows_still_running(models):
     assert result.fp8.any() and not result.fp8[:, 1:].all(), result.fp8[0]
 
 
+def stepwise_reference(fp16, fp8, stop, fraction):
+    """Greedy decoding step by step on the host, each forward through the FP8 model where more
+    than ``fraction`` of the rows go on after it (the prefill through FP8, as in the test above),
+    on one shared BF16 cache: ``[B, NEW]`` tokens (0 after a row's stop token)."""
+    ids, lengths = generation.pad_prompts(PROMPTS)
+    b, s = ids.shape
+    cache = jaxlp.kvcache.get("bf16").init(fp16.config, b, s + NEW)
+    pos = np.where(np.arange(s) < lengths[:, None], np.arange(s), s + NEW)
+    hidden, cache = fp8.forward(jnp.asarray(ids), jnp.asarray(pos, jnp.int32), cache, fresh=True)
+    logits = fp8.logits(hidden[np.arange(b), lengths - 1])
+    out, done = np.zeros((b, NEW), np.int32), np.zeros(b, bool)
+    for step in range(NEW):
+        token = np.asarray(jnp.argmax(logits, axis=-1), np.int32)
+        out[:, step] = np.where(done, 0, token)
+        done |= np.isin(token, stop)
+        model = fp8 if np.sum(~done) > fraction * b else fp16
+        hidden, cache = model.forward(jnp.asarray(token)[:, None], jnp.asarray(lengths + step, jnp.int32)[:, None],
+                                      cache)
+        logits = model.logits(hidden[:, 0])
+    return out
+
+
+def test_threshold_tokens_match_a_stepwise_reference(models):
+    """The tokens of a run that switches from FP8 to FP16 mid-way (two loops in the program) are
+    those of a host loop choosing the model before every forward."""
+    _, fp16, fp8 = models
+    ref = run(fp8)
+    stop = tuple(sorted({int(ref.tokens[r, s]) for r, s in ((0, 2), (1, 4))}))
+    result = run(fp16, precision=LoadThreshold(0.5), stop=stop)
+    assert result.fp8.any() and not result.fp8[:, 1:].all()  # it switched
+    np.testing.assert_array_equal(result.tokens, stepwise_reference(fp16, fp8, stop, 0.5))
+
+
 def test_switching_and_new_thresholds_compile_nothing(models):
     _, fp16, _ = models
     run(fp16, precision=LoadThreshold(0.25))
