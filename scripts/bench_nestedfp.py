@@ -13,10 +13,14 @@ times the per-step precision switch (:mod:`jaxlp.quantization.precision`): one c
 loop whose steps pick the FP16 or FP8 model by a traced flag (``lax.cond`` per step, as
 ``generate``'s per-step policy does), run all-FP16, all-FP8 and alternating every step, and one
 whose flag picks between two whole loops (one ``lax.cond`` per call, as the serving engine does:
-``switch-call-*`` rows). The compiled programs are counted: one per kind.
+``switch-call-*`` rows). The compiled programs are counted: one per kind. ``--generate`` times
+``jaxlp.generate`` itself (``generate-*`` rows, ms per new token from two ``max_new_tokens``,
+prompts of ``--context`` tokens) under the named precisions of :data:`GENERATE_POLICIES`: fixed
+``fp16`` / ``fp8`` and a ``LoadThreshold`` that never / always picks FP8.
 Prints a table; ``--out`` writes JSON.
 
-    python scripts/bench_nestedfp.py --layers 8 --batches 1,8,64 --prefill 1x2048 --switch --out nestedfp_e2e.json
+    python scripts/bench_nestedfp.py --layers 8 --batches 1,8,64 --prefill 1x2048 --switch \
+        --generate fp16,fp8,threshold-fp16,threshold-fp8 --out nestedfp_e2e.json
 """
 
 from __future__ import annotations
@@ -62,11 +66,16 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefill", default="0x0", help="BxS: time a prompt of S tokens for B rows (0x0: skip)")
     p.add_argument("--switch", action="store_true", help="also time per-step FP16 / FP8 switching in one program")
+    p.add_argument("--generate", default="", help="comma list of GENERATE_POLICIES names: time jaxlp.generate")
     p.add_argument("--compiler-options", type=compiler_options, default={},
                    help="XLA options for the decode programs, e.g. xla_gpu_enable_command_buffer=+CONDITIONAL")
     p.add_argument("--tiny", action="store_true", help="a small model of the same family (CPU smoke runs)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    policies = [name for name in args.generate.split(",") if name]
+    unknown = sorted(set(policies) - set(GENERATE_POLICIES))
+    if unknown:
+        raise ValueError(f"--generate: unknown precision {unknown}; choose from {sorted(GENERATE_POLICIES)}")
     cfg = dict(LLAMA_31_8B, num_hidden_layers=args.layers, **(TINY if args.tiny else {}))
     config = from_hf_config(cfg)
     timing = types.SimpleNamespace(n1=args.n1, n2=args.n2, repeats=args.repeats, compiler_options=args.compiler_options)
@@ -92,13 +101,17 @@ def main(argv=None):
     for mode in ("fp16", "fp8"):
         set_mode(model, mode)
         measure(f"nestedfp-{mode}")
-    if args.switch:
-        set_mode(model, "fp16")
-        for batch in args.batches:
+    set_mode(model, "fp16")
+    for batch in args.batches:
+        if args.switch:
             for pattern, ms, programs in switch_ms(model, cache, batch, args.context, timing):
                 rows.append(dict(variant=f"switch-{pattern}", part="decode", batch=batch, context=args.context, ms=ms,
                                  programs=programs))
                 print(rows[-1], flush=True)
+        for name in policies:
+            ms = generate_ms(model, batch, args.context, timing, GENERATE_POLICIES[name])
+            rows.append(dict(variant=f"generate-{name}", part="decode", batch=batch, context=args.context, ms=ms))
+            print(rows[-1], flush=True)
     base = {(r["part"], r["batch"]): r["ms"] for r in rows if r["variant"] == "fp16"}
     for r in rows:
         r["x_fp16"] = base[r["part"], r["batch"]] / r["ms"]
@@ -163,6 +176,27 @@ def switch_ms(model, fmt, batch: int, context: int, timing):
         ms = (times[timing.n2] - times[timing.n1]) / (timing.n2 - timing.n1) / 1e3
         out.append((kind + pattern, ms, run._cache_size() // 2))  # two loop lengths per program
     return out
+
+
+GENERATE_POLICIES = {"fp16": "fp16", "fp8": "fp8", "threshold-fp16": precision.LoadThreshold(1.0),
+                     "threshold-fp8": precision.LoadThreshold(0.0)}
+
+
+def generate_ms(model, batch: int, context: int, timing, policy) -> float:
+    """ms per new token of ``jaxlp.generate`` (greedy, no stop tokens, FP16 cache) with
+    ``precision=policy``: the difference of ``n2`` and ``n1`` new tokens, medians of repeats."""
+    import jaxlp
+
+    prompts = [[1 + (i + r) % 100 for i in range(context)] for r in range(batch)]
+    times = {}
+    for n in (timing.n1, timing.n2, timing.n1, timing.n2):  # compile, then time
+        samples = []
+        for _ in range(timing.repeats):
+            t = harness.time_call(lambda: jaxlp.generate(model, prompts, max_new_tokens=n, stop_tokens=[],
+                                                         kv_cache="fp16", precision=policy), warmup=0, repeats=1)
+            samples.append(t.median_us)
+        times[n] = float(jnp.median(jnp.asarray(samples)))
+    return (times[timing.n2] - times[timing.n1]) / (timing.n2 - timing.n1) / 1e3
 
 
 def prefill_ms(model, fmt, batch: int, length: int, repeats: int) -> float:
