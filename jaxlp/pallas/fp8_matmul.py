@@ -147,57 +147,51 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
                 compute_context=compute_context,
             )
 
-        ignore = lambda *_, **__: None  # noqa: E731
+        def tile(wg, slices, allocs):
+            cta_m, cta_n, wg_m, wg_n = slices
 
-        @functools.partial(pl.run_scoped, allocs=get_pipeline(ignore, ignore).get_allocations(w_gmem, x_gmem),
-                           collective_axes="wg")
-        def _scope(allocs):
-            wg = lax.axis_index("wg")
+            def compute_context(eval_pipeline):
+                ts_bar, cs_bar = scale_barriers.at[2 * wg], scale_barriers.at[2 * wg + 1]
+                ts_dst, cs_dst = ts_smem.at[wg, pl.ds(0, tm)], cs_smem.at[wg, pl.ds(0, tn)]
+                plgpu.copy_gmem_to_smem(ts_gmem.at[cta_m].at[wg_m], ts_dst, ts_bar)
+                plgpu.copy_gmem_to_smem(cs_gmem.at[cta_n].at[wg_n], cs_dst, cs_bar)
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-            def _tiles(info):
-                cta_m, cta_n, wg_m, wg_n = wgmma_tiles.tile_slices(cfg, info.index[0], m_iters, n_iters, wg)
+                def epilogue(acc):
+                    plgpu.barrier_wait(ts_bar)
+                    plgpu.barrier_wait(cs_bar)
+                    ts = plgpu.load(ts_dst, (), layout=plgpu.Layout.WGMMA.reduce(0))
+                    cs = plgpu.load(cs_dst, (), layout=plgpu.Layout.WGMMA.reduce(1))
+                    y = acc * lax.broadcast_in_dim(cs, (tn, tm), [0])
+                    y = (y * lax.broadcast_in_dim(ts, (tn, tm), [1])).astype(out_dtype)
+                    y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
+                    wgmma_tiles.store_transposed(y, out_smem.at[wg], y_dst, epi)
 
-                def compute_context(eval_pipeline):
-                    ts_bar, cs_bar = scale_barriers.at[2 * wg], scale_barriers.at[2 * wg + 1]
-                    ts_dst, cs_dst = ts_smem.at[wg, pl.ds(0, tm)], cs_smem.at[wg, pl.ds(0, tn)]
-                    plgpu.copy_gmem_to_smem(ts_gmem.at[cta_m].at[wg_m], ts_dst, ts_bar)
-                    plgpu.copy_gmem_to_smem(cs_gmem.at[cta_n].at[wg_n], cs_dst, cs_bar)
+                if cfg.promote:
+                    epilogue(eval_pipeline(zeros()))
+                else:
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
+                    def _acc(acc_ref):
+                        eval_pipeline(acc_ref)
+                        plgpu.wgmma_wait(0)
+                        epilogue(acc_ref[...])
 
-                    def epilogue(acc):
-                        plgpu.barrier_wait(ts_bar)
-                        plgpu.barrier_wait(cs_bar)
-                        ts = plgpu.load(ts_dst, (), layout=plgpu.Layout.WGMMA.reduce(0))
-                        cs = plgpu.load(cs_dst, (), layout=plgpu.Layout.WGMMA.reduce(1))
-                        y = acc * lax.broadcast_in_dim(cs, (tn, tm), [0])
-                        y = (y * lax.broadcast_in_dim(ts, (tn, tm), [1])).astype(out_dtype)
-                        y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
-                        wgmma_tiles.store_transposed(y, out_smem.at[wg], y_dst, epi)
+            def zeros():
+                return plgpu.layout_cast(jnp.full((tn, tm), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-                    if cfg.promote:
-                        epilogue(eval_pipeline(zeros()))
-                    else:
-                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
-                        def _acc(acc_ref):
-                            eval_pipeline(acc_ref)
-                            plgpu.wgmma_wait(0)
-                            epilogue(acc_ref[...])
+            def mma_body(_, w_smem, x_smem, carry):
+                if cfg.promote:  # this step's sums from zero, added to the FP32 total
+                    def step(part_ref):
+                        w, x = w_smem.at[wg_n], x_smem.at[wg_m]
+                        for k0 in range(0, tk, half):  # tile_k 256: two 128-wide halves, one wait
+                            plgpu.wgmma(part_ref, w.at[:, pl.ds(k0, half)], x.at[:, pl.ds(k0, half)].T)
+                    return carry + pl.run_state(step)(plgpu.ACC.init(zeros()))
+                plgpu.wgmma(carry, w_smem.at[wg_n], x_smem.at[wg_m].T)
+                plgpu.wgmma_wait(1)  # the previous step's WGMMA: its buffers are released next
+                return carry
 
-                def zeros():
-                    return plgpu.layout_cast(jnp.full((tn, tm), 0, jnp.float32), plgpu.Layout.WGMMA)
+            get_pipeline(mma_body, compute_context)(w_gmem.at[cta_n, :], x_gmem.at[cta_m, :], allocations=allocs)
 
-                def mma_body(_, w_smem, x_smem, carry):
-                    if cfg.promote:  # this step's sums from zero, added to the FP32 total
-                        def step(part_ref):
-                            w, x = w_smem.at[wg_n], x_smem.at[wg_m]
-                            for k0 in range(0, tk, half):  # tile_k 256: two 128-wide halves, one wait
-                                plgpu.wgmma(part_ref, w.at[:, pl.ds(k0, half)], x.at[:, pl.ds(k0, half)].T)
-                        return carry + pl.run_state(step)(plgpu.ACC.init(zeros()))
-                    plgpu.wgmma(carry, w_smem.at[wg_n], x_smem.at[wg_m].T)
-                    plgpu.wgmma_wait(1)  # the previous step's WGMMA: its buffers are released next
-                    return carry
-
-                get_pipeline(mma_body, compute_context)(w_gmem.at[cta_n, :], x_gmem.at[cta_m, :], allocations=allocs)
+        wgmma_tiles.persistent_tiles(cfg, get_pipeline, (w_gmem, x_gmem), m_iters, n_iters, tile)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

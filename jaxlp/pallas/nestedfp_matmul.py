@@ -239,41 +239,35 @@ def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int):
                 compute_context=compute_context,
             )
 
-        ignore = lambda *_, **__: None  # noqa: E731
+        def tile(wg, slices, allocs):
+            cta_m, cta_n, wg_m, wg_n = slices
 
-        @functools.partial(pl.run_scoped, allocs=get_pipeline(ignore, ignore).get_allocations(u_gmem, l_gmem, x_gmem),
-                           collective_axes="wg")
-        def _scope(allocs):
-            wg = lax.axis_index("wg")
+            def compute_context(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
+                def _acc(acc_ref):
+                    eval_pipeline(acc_ref)
+                    plgpu.wgmma_wait(0)
+                    y = acc_ref[...].astype(jnp.float16)
+                    y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
+                    wgmma_tiles.store_transposed(y, out_smem.at[wg], y_dst, epi)
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-            def _tiles(info):
-                cta_m, cta_n, wg_m, wg_n = wgmma_tiles.tile_slices(cfg, info.index[0], m_iters, n_iters, wg)
+            def mma_body(idx, u_smem, l_smem, x_smem, acc_ref):
+                w16 = weight_tile(u_smem.at[wg_n], l_smem.at[wg_n])
+                if in_smem:  # two tiles per warpgroup: step i's WGMMA reads one while step i + 1 fills the other
+                    w_tile = w_smem.at[wg, idx[0] % 2]
+                    w_tile[...] = w16
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, w_tile, x_smem.at[wg_m].T)
+                    plgpu.wgmma_wait(1)
+                else:
+                    plgpu.wgmma(acc_ref, w16, x_smem.at[wg_m].T)
+                    plgpu.wgmma_wait(0)
+                return acc_ref
 
-                def compute_context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
-                    def _acc(acc_ref):
-                        eval_pipeline(acc_ref)
-                        plgpu.wgmma_wait(0)
-                        y = acc_ref[...].astype(jnp.float16)
-                        y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
-                        wgmma_tiles.store_transposed(y, out_smem.at[wg], y_dst, epi)
+            get_pipeline(mma_body, compute_context)(
+                u_gmem.at[cta_n, :], l_gmem.at[cta_n, :], x_gmem.at[cta_m, :], allocations=allocs)
 
-                def mma_body(idx, u_smem, l_smem, x_smem, acc_ref):
-                    w16 = weight_tile(u_smem.at[wg_n], l_smem.at[wg_n])
-                    if in_smem:  # two tiles per warpgroup: step i's WGMMA reads one while step i + 1 fills the other
-                        w_tile = w_smem.at[wg, idx[0] % 2]
-                        w_tile[...] = w16
-                        plgpu.commit_smem()
-                        plgpu.wgmma(acc_ref, w_tile, x_smem.at[wg_m].T)
-                        plgpu.wgmma_wait(1)
-                    else:
-                        plgpu.wgmma(acc_ref, w16, x_smem.at[wg_m].T)
-                        plgpu.wgmma_wait(0)
-                    return acc_ref
-
-                get_pipeline(mma_body, compute_context)(
-                    u_gmem.at[cta_n, :], l_gmem.at[cta_n, :], x_gmem.at[cta_m, :], allocations=allocs)
+        wgmma_tiles.persistent_tiles(cfg, get_pipeline, (u_gmem, l_gmem, x_gmem), m_iters, n_iters, tile)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -1,7 +1,8 @@
 """Tiling shared by the Pallas WGMMA GEMMs with swapped operands (``Y^T = W X^T``: weight rows
-on WGMMA's M, 64 per instruction, tokens on its N): :mod:`jaxlp.pallas.nvfp4_matmul` and
-:mod:`jaxlp.pallas.nestedfp_matmul`. Each kernel's config subclasses :class:`Tiles` and adds its
-own checks of ``tile_m`` / ``tile_k``."""
+on WGMMA's M, 64 per instruction, tokens on its N): :mod:`jaxlp.pallas.nvfp4_matmul`,
+:mod:`jaxlp.pallas.nestedfp_matmul` and :mod:`jaxlp.pallas.fp8_matmul`. Each kernel's config
+subclasses :class:`Tiles` and adds its own checks of ``tile_m`` / ``tile_k``; the last two share
+the persistent loop over CTA tiles (:func:`persistent_tiles`)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,28 @@ def tile_slices(cfg: Tiles, lin, m_iters: int, n_iters: int, wg):
     wg_m = pl.ds(0, tm) if split_n else pl.ds(wg * tm, tm)
     wg_n = pl.ds(wg * tn, tn) if split_n else pl.ds(0, tn)
     return cta_m, cta_n, wg_m, wg_n
+
+
+def persistent_tiles(cfg: Tiles, get_pipeline, operands, m_iters: int, n_iters: int, tile) -> None:
+    """Inside a warp-specialized kernel: the buffers of the pipeline ``get_pipeline(body,
+    compute_context)`` builds (its allocations for the GMEM ``operands``) scoped over the
+    warpgroups, then this SM's share of the persistent loop over the ``m_iters x n_iters`` CTA
+    tiles, calling ``tile(wg, (cta_m, cta_n, wg_m, wg_n), allocs)`` for each (:func:`tile_slices`)."""
+    import functools
+
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    ignore = lambda *_, **__: None  # noqa: E731
+
+    @functools.partial(pl.run_scoped, allocs=get_pipeline(ignore, ignore).get_allocations(*operands),
+                       collective_axes="wg")
+    def _scope(allocs):
+        wg = jax.lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _tiles(info):
+            tile(wg, tile_slices(cfg, info.index[0], m_iters, n_iters, wg), allocs)
 
 
 def store_transposed(y, out_smem, y_dst, chunk: int) -> None:
