@@ -132,20 +132,11 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
     epi = min(tm, EPILOGUE_TOKENS)
 
     def kernel(x_gmem, w_gmem, ts_gmem, cs_gmem, y_gmem, out_smem, ts_smem, cs_smem, scale_barriers):
-        def get_pipeline(body, compute_context):
-            return plgpu.emit_pipeline_warp_specialized(
-                body,
-                grid=(k_iters,),
-                memory_registers=40,
-                in_specs=[plgpu.BlockSpec((ctn, tk), lambda kk: (0, kk), transforms=transforms,
-                                          memory_space=plgpu.SMEM, delay_release=1),
-                          plgpu.BlockSpec((ctm, tk), lambda kk: (0, kk), transforms=transforms,
-                                          memory_space=plgpu.SMEM, delay_release=1)],
-                wg_axis="wg",
-                num_compute_wgs=2,
-                max_concurrent_steps=cfg.stages,
-                compute_context=compute_context,
-            )
+        get_pipeline = wgmma_tiles.pipeline(cfg, k_iters, [
+            plgpu.BlockSpec((ctn, tk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM,
+                            delay_release=1),
+            plgpu.BlockSpec((ctm, tk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM,
+                            delay_release=1)])
 
         def tile(wg, slices, allocs):
             cta_m, cta_n, wg_m, wg_n = slices

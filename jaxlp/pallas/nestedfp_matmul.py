@@ -219,25 +219,15 @@ def _kernel_call(upper, lower, x, *, config: MatmulConfig, num_sms: int):
     epi = min(tm, EPILOGUE_TOKENS)
 
     def kernel(u_gmem, l_gmem, x_gmem, y_gmem, out_smem, w_smem=None):
-        def get_pipeline(body, compute_context):
-            # With the weight tile in shared memory a step's WGMMA still reads its activations
-            # while the next step runs: the step's buffers are released one step late (the
-            # pipeline takes one delay for all inputs).
-            delay = 1 if in_smem else 0
-            plane = plgpu.BlockSpec((ctn, tk), lambda kk: (0, kk), transforms=w_transforms,
-                                    memory_space=plgpu.SMEM, delay_release=delay)
-            acts = plgpu.BlockSpec((ctm, tk), lambda kk: (0, kk), transforms=x_transforms,
-                                   memory_space=plgpu.SMEM, delay_release=delay)
-            return plgpu.emit_pipeline_warp_specialized(
-                body,
-                grid=(k_iters,),
-                memory_registers=40,
-                in_specs=[plane, plane, acts],
-                wg_axis="wg",
-                num_compute_wgs=2,
-                max_concurrent_steps=cfg.stages,
-                compute_context=compute_context,
-            )
+        # With the weight tile in shared memory a step's WGMMA still reads its activations while
+        # the next step runs: the step's buffers are released one step late (the pipeline takes
+        # one delay for all inputs).
+        delay = 1 if in_smem else 0
+        plane = plgpu.BlockSpec((ctn, tk), lambda kk: (0, kk), transforms=w_transforms, memory_space=plgpu.SMEM,
+                                delay_release=delay)
+        acts = plgpu.BlockSpec((ctm, tk), lambda kk: (0, kk), transforms=x_transforms, memory_space=plgpu.SMEM,
+                               delay_release=delay)
+        get_pipeline = wgmma_tiles.pipeline(cfg, k_iters, [plane, plane, acts])
 
         def tile(wg, slices, allocs):
             cta_m, cta_n, wg_m, wg_n = slices

@@ -87,6 +87,27 @@ def tile_slices(cfg: Tiles, lin, m_iters: int, n_iters: int, wg):
     return cta_m, cta_n, wg_m, wg_n
 
 
+def pipeline(cfg: Tiles, k_iters: int, in_specs):
+    """``get_pipeline(body, compute_context)``: the kernels' K loop of ``k_iters`` steps over
+    ``in_specs``, warp-specialized (a third warpgroup with 40 registers issues the copies, two
+    consumer warpgroups ``"wg"``), ``cfg.stages`` steps in flight."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def get_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=in_specs,
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=cfg.stages,
+            compute_context=compute_context,
+        )
+
+    return get_pipeline
+
+
 def persistent_tiles(cfg: Tiles, get_pipeline, operands, m_iters: int, n_iters: int, tile) -> None:
     """Inside a warp-specialized kernel: the buffers of the pipeline ``get_pipeline(body,
     compute_context)`` builds (its allocations for the GMEM ``operands``) scoped over the
