@@ -32,6 +32,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,6 +41,7 @@ from bench_decode import build_model  # noqa: E402
 from bench_kvcache import compiler_options, decode_ms, filled_layer  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jaxlp  # noqa: E402
 from jaxlp import kvcache  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
 from jaxlp.models import from_hf_config  # noqa: E402
@@ -72,6 +74,10 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="a small model of the same family (CPU smoke runs)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    try:
+        prefill_batch, prefill_len = (int(v) for v in args.prefill.split("x"))
+    except ValueError:
+        raise ValueError(f"--prefill must be BxS such as 1x2048 (0x0: skip), got {args.prefill!r}") from None
     policies = [name for name in args.generate.split(",") if name]
     unknown = sorted(set(policies) - set(GENERATE_POLICIES))
     if unknown:
@@ -82,8 +88,6 @@ def main(argv=None):
     cache = kvcache.get("fp16")
     model = build_model(config, dtype=jnp.float16)
     rows = []
-
-    prefill_batch, prefill_len = (int(v) for v in args.prefill.split("x"))
 
     def measure(variant):
         if prefill_batch and prefill_len:
@@ -160,21 +164,17 @@ def switch_ms(model, fmt, batch: int, context: int, timing):
     programs = {"": jax.jit(per_step, **options), "call-": jax.jit(per_call, **options)}
     tokens = jnp.zeros((batch,), jnp.int32)
     positions = jnp.full((batch,), context, jnp.int32)
-    out = []
+    out, carry = [], {"cache": cache}
     for kind, pattern, flag in [("", p, f) for p, f in PATTERNS.items()] + [("call-", "fp16", PATTERNS["fp16"]),
                                                                           ("call-", "fp8", PATTERNS["fp8"])]:
         run = programs[kind]
         flags = jnp.asarray([flag(0), flag(1)])
-        times = {}
-        for n in (timing.n1, timing.n2, timing.n1, timing.n2):  # warm, then timed
-            samples = []
-            for _ in range(timing.repeats):
-                t = harness.time_call(lambda c: run(state, c, tokens, positions, flags, n), cache, warmup=0, repeats=1)
-                cache = t.output[0]
-                samples.append(t.median_us)
-            times[n] = float(jnp.median(jnp.asarray(samples)))
-        ms = (times[timing.n2] - times[timing.n1]) / (timing.n2 - timing.n1) / 1e3
-        out.append((kind + pattern, ms, run._cache_size() // 2))  # two loop lengths per program
+
+        def call(n):  # the donated cache goes round
+            carry["cache"] = run(state, carry["cache"], tokens, positions, flags, n)[0]
+            return carry["cache"]
+
+        out.append((kind + pattern, ms_per_step(call, timing), run._cache_size() // 2))  # two lengths per program
     return out
 
 
@@ -185,17 +185,19 @@ GENERATE_POLICIES = {"fp16": "fp16", "fp8": "fp8", "threshold-fp16": precision.L
 def generate_ms(model, batch: int, context: int, timing, policy) -> float:
     """ms per new token of ``jaxlp.generate`` (greedy, no stop tokens, FP16 cache) with
     ``precision=policy``: the difference of ``n2`` and ``n1`` new tokens, medians of repeats."""
-    import jaxlp
-
     prompts = [[1 + (i + r) % 100 for i in range(context)] for r in range(batch)]
+    return ms_per_step(lambda n: jaxlp.generate(model, prompts, max_new_tokens=n, stop_tokens=[], kv_cache="fp16",
+                                                precision=policy).tokens, timing)
+
+
+def ms_per_step(call, timing) -> float:
+    """ms per step from ``call(n)`` (runs ``n`` steps; its result is waited for): both lengths
+    ``timing.n1, n2`` run once to compile, then ``(median t(n2) - median t(n1)) / (n2 - n1)``
+    over ``timing.repeats`` calls each."""
     times = {}
     for n in (timing.n1, timing.n2, timing.n1, timing.n2):  # compile, then time
-        samples = []
-        for _ in range(timing.repeats):
-            t = harness.time_call(lambda: jaxlp.generate(model, prompts, max_new_tokens=n, stop_tokens=[],
-                                                         kv_cache="fp16", precision=policy), warmup=0, repeats=1)
-            samples.append(t.median_us)
-        times[n] = float(jnp.median(jnp.asarray(samples)))
+        times[n] = float(np.median([harness.time_call(lambda: call(n), warmup=0, repeats=1).median_us
+                                    for _ in range(timing.repeats)]))
     return (times[timing.n2] - times[timing.n1]) / (timing.n2 - timing.n1) / 1e3
 
 
@@ -217,7 +219,7 @@ def prefill_ms(model, fmt, batch: int, length: int, repeats: int) -> float:
         t = harness.time_call(lambda c: run(graphdef, params, c, tokens), cache, warmup=0, repeats=1)
         cache = t.output[1]
         samples.append(t.median_us)
-    return float(jnp.median(jnp.asarray(samples[1:]))) / 1e3
+    return float(np.median(samples[1:])) / 1e3
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import load_script
 
 
@@ -23,9 +24,9 @@ def test_tiny_run_times_every_variant_and_writes_json(tmp_path):
     assert [r["programs"] for r in saved["rows"][6:11]] == [1] * 5  # the flags are traced: one program per kind
 
 
-def test_unknown_generate_precision_is_refused():
+def test_bad_options_are_refused_before_any_work():
     bench = load_script("bench_nestedfp")
-    import pytest
-
     with pytest.raises(ValueError, match="unknown precision"):
         bench.main(["--tiny", "--layers", "1", "--batches", "1", "--generate", "fp4"])
+    with pytest.raises(ValueError, match="--prefill must be BxS"):
+        bench.main(["--tiny", "--layers", "1", "--batches", "1", "--prefill", "2048"])
