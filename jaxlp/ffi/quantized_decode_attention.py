@@ -176,8 +176,9 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     ``new_ok`` (the new token is seen), 0; ``k_ring, v_ring``: ``(ring [B, R, KVH, D], slot
     positions [B, R])``; ``sink``: keys and values ``[B, OFF, KVH, D]`` (OFF < 128); ``new``: the new
     token's key and value ``[B, KVH, D]``. Rings, sink and new token go to the kernel as FP16
-    (clipped to its range). ``staged_splits``: on the packed path, the staged CTAs per (row, KV
-    head) that take the ring and tail blocks (default :data:`GENERAL_SPLITS`). Returns ``(out
+    (clipped to its range). ``staged_splits``: the staged CTAs per (row, KV head) that take the
+    ring and tail blocks beside the packed ones (default :data:`GENERAL_SPLITS`; the packed path
+    only, ValueError off it). Returns ``(out
     [B, H, D] float32 normalized, m, l)``."""
     if sink[0].shape[1] >= BLOCK:
         raise ValueError(f"attend_cache: the sink and the new token must fit one {BLOCK}-token block, "
@@ -220,9 +221,11 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
     if packed and not packed_reads(lay, d, g):
         raise ValueError(f"attend_units: the packed path does not read {lay} at head_dim {d} with {g} query heads "
                          f"per KV head (packed_reads)")
-    if packed_reads(lay, d, g) if packed is None else packed:  # the staged path: ring and tail blocks only
-        if staged_splits is not None and staged_splits < 1:
-            raise ValueError(f"attend_cache: staged_splits must be >= 1, got {staged_splits}")
+    on_packed = packed_reads(lay, d, g) if packed is None else packed
+    if staged_splits is not None and (staged_splits < 1 or not on_packed):
+        raise ValueError(f"attend_cache: staged_splits must be >= 1 and takes the packed path (packed_reads), got "
+                         f"{staged_splits} with the {'packed' if on_packed else 'staged'} path")
+    if on_packed:  # the staged path: ring and tail blocks only
         general = (staged_splits or GENERAL_SPLITS) if tail else 0
         splits = general + (splits or packed_splits(b, kvh, k_low.shape[1]))
     else:

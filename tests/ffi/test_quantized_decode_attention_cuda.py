@@ -164,7 +164,7 @@ def test_the_cache_step_lowers_to_one_custom_call_for_cuda(name):
 @pytest.mark.parametrize("staged", [None, 1, 3])
 def test_the_cache_step_takes_its_staged_splits(staged):
     """attend_cache on the packed path: staged_splits staged CTAs per (row, KV head) after the
-    packed ones (default GENERAL_SPLITS); 0 is refused."""
+    packed ones (default GENERAL_SPLITS); 0 is refused, and so is the option off the packed path."""
     kc, vc = CODECS["kitty-pro"]
     b, kvh, d, n = 2, 2, 128, 512
     ks, vs = stores((kc, vc), *random_kv(1, b, n, kvh, d))
@@ -175,6 +175,9 @@ def test_the_cache_step_takes_its_staged_splits(staged):
     assert f"tensor<{b}x{kvh}x{splits}x4x{d}xf32>" in text
     with pytest.raises(ValueError, match="staged_splits must be >= 1"):
         cuda.attend_cache(q, ks, vs, kc, vc, *cache_operands(b, kvh, d, 127, 255, 32), scale=1.0, staged_splits=0)
+    with pytest.raises(ValueError, match="takes the packed path .* with the staged path"):
+        cuda.attend_cache(q, ks, vs, kc, vc, *cache_operands(b, kvh, d, 127, 255, 32), scale=1.0, packed=False,
+                          staged_splits=2)
 
 
 def test_the_cache_step_refuses_a_sink_of_a_block():
