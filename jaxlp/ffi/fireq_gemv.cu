@@ -1,0 +1,264 @@
+// FireQ W4A8 products for a few tokens (M = 1..16) on tensor cores (XLA FFI custom call, sm_90);
+// Python side: jaxlp/ffi/fireq.py.
+//
+//   part[s, m, n] = sum_k x8[m, k] * e4m3(q[n, k] * scale[n, k / 128])
+//
+// over split s's share of K, in FP32 (the caller sums the splits and applies the activation
+// scale and PTS's 1/p). q: INT4 codes two per byte (element 2i in the low nibble, two's
+// complement), scale: E4M3 per group of 128 K (jaxlp.formats.int4_fp8). The weights are the
+// register operand of `mma.sync` m16n8k32 E4M3 with the operands swapped (W x^T: 16 output
+// features on the MMA's M, the tokens on its N = 8; two token groups for M = 9..16), so the 4-bit
+// weights go from global memory into registers once and are never staged. Each thread loads 32
+// consecutive K (16 bytes) of its two rows (g, g + 8) and of its tokens per 128-wide K window
+// (one scale group); a sum does not care about the order of its terms, so the MMA's k slots are
+// mapped to those loaded K (the same map for both operands): no shuffle, no shared memory.
+//
+// INT4 -> E4M3, exactly e4m3(q * s) (RNE, saturating), per 32-bit word r of 8 codes k0..k7:
+//   r ^= 0x88888888 (u = q + 8 per nibble); FP16 lanes 0x6400 | u = 1024 + u (codes of even k:
+//   nibble bits 0-3 of bytes 0 and 2, and >> 8 for bytes 1 and 3) or 0x6400 | u << 4 = 1024 + 16u
+//   (odd k); minus 1032 (1152) gives q (16q) exactly, times s (s / 16) gives q * s exactly (at most
+//   7 significant bits, |q * s| <= 3584), and cvt.rn.satfinite.e4m3x2.f16x2 rounds it to E4M3;
+//   two byte permutes put the 8 codes back in k order.
+// A CTA of 8 warps owns 16 output rows; its warps take K windows in turn (4 windows' loads in
+// flight per warp) and add their accumulators through shared memory.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "launch.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxlp_fireq {
+
+constexpr int kWarps = 8;
+constexpr int kRows = 16;      // output features per CTA (the MMA's M)
+constexpr int kWindow = 128;   // K per warp step: 4 threads x 32 consecutive K; one scale group
+constexpr int kTokenGroup = 8; // the MMA's N
+constexpr int kMaxTokens = 16; // two token groups
+
+struct Params {
+  const uint8_t* codes;   // [N, K / 2]
+  const uint8_t* scales;  // [N, K / 128] E4M3
+  const uint8_t* x;       // [M, K] E4M3
+  float* part;            // [S, M, N]
+  int m, n, k, splits;
+};
+
+__device__ __forceinline__ uint4 ldg16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// (s, s) and (s / 16, s / 16) as FP16 pairs from an E4M3 scale byte (both exact).
+__device__ __forceinline__ void scale_pairs(uint32_t s8, uint32_t& s_even, uint32_t& s_odd) {
+  uint32_t s2;
+  const uint16_t both = static_cast<uint16_t>(s8 | (s8 << 8));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(s2) : "h"(both));
+  s_even = s2;
+  const __half2 sixteenth = __float2half2_rn(0.0625f);
+  const __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&s2), sixteenth);
+  s_odd = *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// e4m3(q * s) of the 4 FP16 lanes pairs (file head) -> two E4M3 bytes.
+__device__ __forceinline__ uint16_t scaled_e4m3(uint32_t lanes, uint32_t bias, uint32_t s) {
+  const __half2 q = __hsub2(*reinterpret_cast<const __half2*>(&lanes), *reinterpret_cast<const __half2*>(&bias));
+  const __half2 p = __hmul2(q, *reinterpret_cast<const __half2*>(&s));
+  uint16_t out;
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(out) : "r"(*reinterpret_cast<const uint32_t*>(&p)));
+  return out;
+}
+
+// 8 INT4 codes (k0..k7, one word) -> 8 E4M3 weights e4m3(q * s) in k order (lo: k0..k3, hi: k4..k7).
+__device__ __forceinline__ void decode8(uint32_t r, uint32_t s_even, uint32_t s_odd, uint32_t& lo, uint32_t& hi) {
+  constexpr uint32_t kBiasEven = 0x64086408u;  // 1032 = 1024 + 8
+  constexpr uint32_t kBiasOdd = 0x64806480u;   // 1152 = 1024 + 16 * 8
+  r ^= 0x88888888u;
+  const uint32_t r8 = r >> 8;
+  const uint16_t a = scaled_e4m3((r & 0x000F000Fu) | 0x64006400u, kBiasEven, s_even);   // k0, k4
+  const uint16_t b = scaled_e4m3((r & 0x00F000F0u) | 0x64006400u, kBiasOdd, s_odd);     // k1, k5
+  const uint16_t c = scaled_e4m3((r8 & 0x000F000Fu) | 0x64006400u, kBiasEven, s_even);  // k2, k6
+  const uint16_t d = scaled_e4m3((r8 & 0x00F000F0u) | 0x64006400u, kBiasOdd, s_odd);    // k3, k7
+  const uint32_t ab = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);     // k0 k4 k1 k5
+  const uint32_t cd = static_cast<uint32_t>(c) | (static_cast<uint32_t>(d) << 16);     // k2 k6 k3 k7
+  lo = __byte_perm(ab, cd, 0x6420);
+  hi = __byte_perm(ab, cd, 0x7531);
+}
+
+// One thread's share of a 128-wide K window: 32 K of rows g and g + 8 (16 bytes of codes each,
+// their group scales) and of its tokens g (and g + 8), loaded; then the MMAs into c.
+template <int kGroups>
+struct Window {
+  uint4 w0, w1;
+  uint4 xa[kGroups], xb[kGroups];
+  uint32_t s0, s1;
+
+  __device__ __forceinline__ void load(const uint8_t* row0, const uint8_t* row1, const uint8_t* sc0,
+                                       const uint8_t* sc1, const uint8_t* const (&xrow)[kGroups], long w) {
+    w0 = ldg16(row0 + w * (kWindow / 2));
+    w1 = ldg16(row1 + w * (kWindow / 2));
+    s0 = __ldg(sc0 + w);
+    s1 = __ldg(sc1 + w);
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t) {
+      xa[t] = ldg16(xrow[t] + w * kWindow);
+      xb[t] = ldg16(xrow[t] + w * kWindow + 16);
+    }
+  }
+
+  // keep: all ones for a token of the product, zero for a lane past M (no branch between the
+  // loads and the MMAs, which lets the loads of a step run ahead).
+  __device__ __forceinline__ void mma(float (&c)[kGroups][4], const uint32_t (&keep)[kGroups]) const {
+    uint32_t e0, o0, e1, o1;
+    scale_pairs(s0, e0, o0);
+    scale_pairs(s1, e1, o1);
+    const uint32_t r0[4] = {w0.x, w0.y, w0.z, w0.w}, r1[4] = {w1.x, w1.y, w1.z, w1.w};
+    uint32_t a0[8], a1[8];  // E4M3 weights of rows g and g + 8, K 4j .. 4j + 3 of the thread's 32
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      decode8(r0[i], e0, o0, a0[2 * i], a0[2 * i + 1]);
+      decode8(r1[i], e1, o1, a1[2 * i], a1[2 * i + 1]);
+    }
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t) {
+      const uint32_t xx[8] = {xa[t].x & keep[t], xa[t].y & keep[t], xa[t].z & keep[t], xa[t].w & keep[t],
+                              xb[t].x & keep[t], xb[t].y & keep[t], xb[t].z & keep[t], xb[t].w & keep[t]};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)  // MMA j: K 8j .. 8j + 7 of the thread's 32
+        mma_e4m3(c[t], a0[2 * j], a1[2 * j], a0[2 * j + 1], a1[2 * j + 1], xx[2 * j], xx[2 * j + 1]);
+    }
+  }
+};
+
+template <int kGroups>
+__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Params p) {
+  __shared__ float red[kWarps][32][kGroups * 4];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tg = lane & 3;  // mma fragment coordinates
+  const int row0 = blockIdx.x * kRows, split = blockIdx.y;
+  const long half_k = static_cast<long>(p.k) / 2, groups = static_cast<long>(p.k) / kWindow;
+  const uint8_t* row_a = p.codes + (row0 + g) * half_k + tg * 16;
+  const uint8_t* row_b = row_a + 8 * half_k;
+  const uint8_t* sc_a = p.scales + (row0 + g) * groups;
+  const uint8_t* sc_b = sc_a + 8 * groups;
+  uint32_t keep[kGroups];
+  const uint8_t* xrow[kGroups];
+#pragma unroll
+  for (int t = 0; t < kGroups; ++t) {
+    const int token = g + kTokenGroup * t;
+    keep[t] = token < p.m ? 0xFFFFFFFFu : 0u;
+    xrow[t] = p.x + (keep[t] ? token : 0) * static_cast<long>(p.k) + tg * 32;
+  }
+
+  float c[kGroups][4] = {};
+  const int windows = static_cast<int>(groups), stride = kWarps * p.splits;
+  // Steps of kUnroll windows, software-pipelined: a step's loads are issued before the MMAs of the
+  // step loaded the iteration before. Windows past K load window `first` again and feed zeros.
+  constexpr int kUnroll = kGroups == 1 ? 4 : 2;
+  const int first = split * kWarps + warp;
+  Window<kGroups> cur[kUnroll], next[kUnroll];
+  uint32_t keep_next[kUnroll][kGroups];
+  auto load_step = [&](int w0) {
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int w = w0 + j * stride;
+#pragma unroll
+      for (int t = 0; t < kGroups; ++t) keep_next[j][t] = w < windows ? keep[t] : 0u;
+      next[j].load(row_a, row_b, sc_a, sc_b, xrow, w < windows ? w : first);
+    }
+  };
+  if (first < windows) load_step(first);
+  for (int w0 = first; w0 < windows; w0 += kUnroll * stride) {
+    uint32_t keep_cur[kUnroll][kGroups];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      cur[j] = next[j];
+#pragma unroll
+      for (int t = 0; t < kGroups; ++t) keep_cur[j][t] = keep_next[j][t];
+    }
+    if (w0 + kUnroll * stride < windows) load_step(w0 + kUnroll * stride);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) cur[j].mma(c, keep_cur[j]);
+  }
+#pragma unroll
+  for (int t = 0; t < kGroups; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][lane][4 * t + i] = c[t][i];
+  __syncthreads();
+  if (warp == 0) {
+    float* out = p.part + static_cast<long>(split) * p.m * p.n;
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float acc = 0.f;
+#pragma unroll
+        for (int v = 0; v < kWarps; ++v) acc += red[v][lane][4 * t + i];
+        // c0, c1: row g, tokens 2tg, 2tg + 1 of the group; c2, c3: row g + 8.
+        const int m = kTokenGroup * t + 2 * tg + (i & 1), n = row0 + g + 8 * (i >> 1);
+        if (m < p.m) out[static_cast<long>(m) * p.n + n] = acc;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+inline ffi::Error bad(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp fireq gemv: " + msg);
+}
+
+ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
+                ffi::Result<ffi::Buffer<ffi::F32>> part) {
+  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), pd = part->dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || pd.size() != 3)
+    return bad("expected x [M, K], codes [N, K / 2], scales [N, K / 128], part [S, M, N]");
+  const int64_t m = xd[0], k = xd[1], n = cd[0], s = pd[0];
+  if (x.element_type() != ffi::DataType::F8E4M3FN || scales.element_type() != ffi::DataType::F8E4M3FN)
+    return bad("x and scales must be float8_e4m3fn");
+  if (m < 1 || m > kMaxTokens) return bad("1 to 16 tokens, got " + std::to_string(m));
+  if (k % kWindow) return bad("K must be a multiple of 128, got " + std::to_string(k));
+  if (cd[1] * 2 != k) return bad("codes [N, K / 2] do not match x's K");
+  if (sd[0] != n || sd[1] * kWindow != k) return bad("scales must be [N, K / 128]");
+  if (n % kRows) return bad("N must be a multiple of 16, got " + std::to_string(n));
+  if (pd[1] != m || pd[2] != n || s < 1) return bad("partial sums must be float32 [S, M, N]");
+  Params p;
+  p.codes = codes.typed_data();
+  p.scales = reinterpret_cast<const uint8_t*>(scales.untyped_data());
+  p.x = reinterpret_cast<const uint8_t*>(x.untyped_data());
+  p.part = part->typed_data();
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.splits = static_cast<int>(s);
+  if (n == 0) return ffi::Error::Success();
+  const dim3 grid(n / kRows, s), block(kWarps * 32);
+  const cudaError_t e = m <= kTokenGroup
+                            ? jaxlp::launch_kernel(gemv_kernel<1>, grid, block, 0, stream, 1, false, p)
+                            : jaxlp::launch_kernel(gemv_kernel<2>, grid, block, 0, stream, 1, false, p);
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp fireq gemv launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxlp_fireq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqGemv, jaxlp_fireq::Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // x8 [M, K] float8_e4m3fn
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes [N, K / 2]
+                                  .Arg<ffi::AnyBuffer>()          // scales [N, K / 128] float8_e4m3fn
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // part [S, M, N]
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,161 @@
+"""FireQ W4A8 linears against BF16 and XLA's FP8 dot: the FFN of a Llama-3-8B-shaped layer.
+
+Per token count M (``--ms``), side by side in one run, for gate_up (28672 x 4096) and down
+(4096 x 14336) and their sum (the FFN, the paper's figure):
+
+- ``bf16``: XLA's BF16 dot on BF16 weights (the baseline);
+- ``xla_fp8``: the FireQ layer through XLA's FP8 dot (``implementation="xla_native"``: the FP8
+  weight ``e4m3(q * s)`` materialized by XLA, cuBLASLt's FP8 GEMM, then the scale pass);
+- ``fireq_cuda`` (M <= 16) and ``fireq_pallas``: the layer through jaxlp's kernels
+  (:mod:`jaxlp.quantization.fireq_kernels`), activation quantization included; ``auto`` is the
+  faster of the two that ``"auto"`` would pick (the GEMV up to 16 tokens).
+
+Per row: us of device time, the ratio ``bf16 / ours`` and the floor (the larger of the stored
+bytes (INT4 codes, scales, 16-bit activations in and out) / copy bandwidth and 2MNK / twice the
+measured dense BF16 rate). Method: scripts/bench_nvfp4.py's (imported): weights cycled through
+buffers > 4x the L2 so they stream from HBM, device time from a profiler trace.
+
+    python scripts/bench_fireq.py --out docs/bench_fireq_h100.json --plot docs/bench_fireq_h100.png
+    python scripts/bench_fireq.py --ms 1,16,2048 --variants bf16,fireq_pallas
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_nvfp4 as bn  # noqa: E402
+
+from jaxlp.ffi import fireq as fireq_cuda  # noqa: E402
+from jaxlp.formats import int4_fp8  # noqa: E402
+from jaxlp.progress import Reporter  # noqa: E402
+from jaxlp.quantization import fireq_kernels, native_dot  # noqa: E402
+
+FFN_SHAPES = (("gate_up", 28672, 4096), ("down", 4096, 14336))
+TARGET_BYTES = 220 << 20  # BF16 weight buffers per shape: > 4x the 50 MB L2
+VARIANTS = ("bf16", "xla_fp8", "fireq_cuda", "fireq_pallas")
+
+
+def layer_view(w):
+    """The attributes of a FireQ ``QuantizedLinear`` the product functions read."""
+    return SimpleNamespace(weight=SimpleNamespace(get_value=lambda: w), activation="fireq_fp8", out_scale=1.0,
+                           mode="fp16", bias=None)
+
+
+def product(name: str):
+    if name == "bf16":
+        return lambda x, w: jnp.dot(x, w.T)
+    fn = {"xla_fp8": native_dot.matmul, "fireq_cuda": fireq_kernels.matmul_gemv,
+          "fireq_pallas": fireq_kernels.matmul_gemm}[name]
+    return lambda x, w: fn(layer_view(w), x)
+
+
+def floor_us(m, n, k, bandwidth_tbps, tflops) -> float:
+    nbytes = n * k // 2 + n * k // int4_fp8.GROUP_SIZE + 2 * (m * k + m * n)
+    return max(nbytes / (bandwidth_tbps * 1e12), 2 * m * n * k / (2 * tflops * 1e12)) * 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ms", default="1,4,16,32,64,256,2048", help="token counts, comma-separated")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of {VARIANTS}")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--plot", default=None, help="PNG: FFN speed-up over BF16 per M")
+    args = ap.parse_args(argv)
+    ms = [int(v) for v in args.ms.split(",")]
+    variants = args.variants.split(",")
+    if unknown := sorted(set(variants) - set(VARIANTS)):
+        ap.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+    if "bf16" not in variants:
+        variants.insert(0, "bf16")
+
+    dev = jax.devices()[0]
+    result = dict(device=dev.device_kind, date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:] if argv is None else argv,
+                  method="device time = union of GPU kernel intervals per call from a profiler trace",
+                  bandwidth=bn.copy_bandwidth(), bf16_tflops=bn.bf16_peak(), rows=[])
+    bw, tflops = result["bandwidth"]["copy_TBps"], result["bf16_tflops"]
+    print(f"# {dev.device_kind}: copy {bw:.2f} TB/s, dense BF16 {tflops:.0f} TFLOP/s", flush=True)
+    per_layer = {}
+    with Reporter().bar("FireQ GEMMs", len(FFN_SHAPES) * len(ms)) as advance:
+        for layer, n, k in FFN_SHAPES:
+            count = max(2, min(16, -(-TARGET_BYTES // (2 * n * k))))
+            make = jax.jit(lambda kk: jax.random.normal(kk, (n, k), jnp.float32) * 0.02)
+            w32 = [make(jax.random.key(7 * n + k + i)) for i in range(count)]
+            weights = {"bf16": [w.astype(jnp.bfloat16) for w in w32]}
+            weights["fireq"] = [int4_fp8.quantize(w) for w in w32]
+            del w32
+            for m in ms:
+                jobs = bn.Jobs(args.reps)
+                for name in variants:
+                    if name == "fireq_cuda" and m > fireq_cuda.MAX_TOKENS:
+                        continue
+                    jobs.add(name, product(name), weights["bf16" if name == "bf16" else "fireq"], m, k, jnp.bfloat16)
+                times = {key: bn._us(bn._pick(t)) for key, t in jobs.run().items()}
+                per_layer[(layer, m)] = times
+                row = dict(layer=layer, n=n, k=k, m=m, floor_us=floor_us(m, n, k, bw, tflops), us=times)
+                result["rows"].append(row)
+                advance(1)
+            del weights
+    for m in ms:  # the FFN: gate_up + down
+        parts = [per_layer.get((layer, m), {}) for layer, _, _ in FFN_SHAPES]
+        names = set.intersection(*(set(p) for p in parts)) if parts else set()
+        us = {name: sum(p[name] for p in parts) for name in names if all(p[name] is not None for p in parts)}
+        ours = [us[v] for v in ("fireq_cuda", "fireq_pallas") if v in us]
+        if ours:
+            us["auto"] = min(ours)
+        result["rows"].append(dict(layer="ffn", m=m, us=us,
+                                   floor_us=sum(floor_us(m, n, k, bw, tflops) for _, n, k in FFN_SHAPES)))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    table(result)
+    if args.plot:
+        plot(result, args.plot)
+
+
+def table(result):
+    print("| layer | M | floor | " + " | ".join(VARIANTS + ("auto",)) + " | auto x BF16 | auto x XLA FP8 |")
+    print("|---|---|---|" + "---|" * (len(VARIANTS) + 3))
+    for row in result["rows"]:
+        us = row["us"]
+        cells = [f"{us[v]:.1f}" if us.get(v) is not None else "" for v in VARIANTS + ("auto",)]
+        best = us.get("auto") or min((us[v] for v in ("fireq_cuda", "fireq_pallas") if us.get(v)), default=None)
+        x_bf16 = f"{us['bf16'] / best:.2f}" if best and us.get("bf16") else ""
+        x_fp8 = f"{us['xla_fp8'] / best:.2f}" if best and us.get("xla_fp8") else ""
+        print(f"| {row['layer']} | {row['m']} | {row['floor_us']:.1f} | " + " | ".join(cells) + f" | {x_bf16} | {x_fp8} |")
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["layer"] == "ffn" and r["us"].get("bf16")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in ("xla_fp8", "auto"):
+        pts = [(r["m"], r["us"]["bf16"] / r["us"][name]) for r in rows if r["us"].get(name)]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label={"auto": "FireQ W4A8 (jaxlp kernels)", "xla_fp8": "W4A8, XLA FP8 dot"}[name])
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens (M)")
+    ax.set_ylabel("FFN speed-up over BF16")
+    ax.set_title(f"Llama-3-8B FFN, {result['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
