@@ -6,9 +6,11 @@ Per token count M (``--ms``), side by side in one run, for gate_up (28672 x 4096
 - ``bf16``: XLA's BF16 dot on BF16 weights (the baseline);
 - ``xla_fp8``: the FireQ layer through XLA's FP8 dot (``implementation="xla_native"``: the FP8
   weight ``e4m3(q * s)`` materialized by XLA, cuBLASLt's FP8 GEMM, then the scale pass);
-- ``fireq_cuda`` (M <= 16) and ``fireq_pallas``: the layer through jaxlp's kernels
-  (:mod:`jaxlp.quantization.fireq_kernels`), activation quantization included; ``auto`` is the
-  faster of the two that ``"auto"`` would pick (the GEMV up to 16 tokens).
+- ``fireq_cuda`` (M <= 64; ``fireq_cuda_u2`` / ``_u4``: its other unrolls), ``fireq_pallas`` (the
+  GEMM decoding in registers) and ``fireq_decoded`` (the CUDA decode, then the FP8 GEMM): the layer
+  through jaxlp's kernels (:mod:`jaxlp.quantization.fireq_kernels`), activation quantization
+  included; ``auto``: what ``implementation="auto"`` runs (GEMV up to 16 tokens, then the GEMM
+  design of ``fireq_kernels.default_design``).
 
 Per row: us of device time, the ratio ``bf16 / ours`` and the floor (the larger of the stored
 bytes (INT4 codes, scales, 16-bit activations in and out) / copy bandwidth and 2MNK / twice the
@@ -22,6 +24,7 @@ buffers > 4x the L2 so they stream from HBM, device time from a profiler trace.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -43,7 +46,8 @@ from jaxlp.quantization import fireq_kernels, native_dot  # noqa: E402
 
 FFN_SHAPES = (("gate_up", 28672, 4096), ("down", 4096, 14336))
 TARGET_BYTES = 220 << 20  # BF16 weight buffers per shape: > 4x the 50 MB L2
-VARIANTS = ("bf16", "xla_fp8", "fireq_cuda", "fireq_pallas")
+VARIANTS = ("bf16", "xla_fp8", "fireq_cuda", "fireq_cuda_u2", "fireq_cuda_u4", "fireq_pallas", "fireq_decoded",
+            "auto")
 
 
 def layer_view(w):
@@ -52,11 +56,20 @@ def layer_view(w):
                            mode="fp16", bias=None)
 
 
+def auto(layer, x):
+    if fireq_kernels.why_not_gemv(layer, x) is None:
+        return fireq_kernels.matmul_gemv(layer, x)
+    return fireq_kernels.matmul_gemm(layer, x)
+
+
 def product(name: str):
     if name == "bf16":
         return lambda x, w: jnp.dot(x, w.T)
     fn = {"xla_fp8": native_dot.matmul, "fireq_cuda": fireq_kernels.matmul_gemv,
-          "fireq_pallas": fireq_kernels.matmul_gemm}[name]
+          "fireq_cuda_u2": functools.partial(fireq_kernels.matmul_gemv, unroll=2),
+          "fireq_cuda_u4": functools.partial(fireq_kernels.matmul_gemv, unroll=4), "auto": auto,
+          "fireq_pallas": lambda layer, x: fireq_kernels.matmul_gemm(layer, x, design="in_kernel"),
+          "fireq_decoded": lambda layer, x: fireq_kernels.matmul_gemm(layer, x, design="decoded")}[name]
     return lambda x, w: fn(layer_view(w), x)
 
 
@@ -98,7 +111,7 @@ def main(argv=None):
             for m in ms:
                 jobs = bn.Jobs(args.reps)
                 for name in variants:
-                    if name == "fireq_cuda" and m > fireq_cuda.MAX_TOKENS:
+                    if name.startswith("fireq_cuda") and m > (16 if name != "fireq_cuda" else fireq_cuda.MAX_TOKENS):
                         continue
                     jobs.add(name, product(name), weights["bf16" if name == "bf16" else "fireq"], m, k, jnp.bfloat16)
                 times = {key: bn._us(bn._pick(t)) for key, t in jobs.run().items()}
@@ -111,9 +124,6 @@ def main(argv=None):
         parts = [per_layer.get((layer, m), {}) for layer, _, _ in FFN_SHAPES]
         names = set.intersection(*(set(p) for p in parts)) if parts else set()
         us = {name: sum(p[name] for p in parts) for name in names if all(p[name] is not None for p in parts)}
-        ours = [us[v] for v in ("fireq_cuda", "fireq_pallas") if v in us]
-        if ours:
-            us["auto"] = min(ours)
         result["rows"].append(dict(layer="ffn", m=m, us=us,
                                    floor_us=sum(floor_us(m, n, k, bw, tflops) for _, n, k in FFN_SHAPES)))
     if args.out:
@@ -124,12 +134,12 @@ def main(argv=None):
 
 
 def table(result):
-    print("| layer | M | floor | " + " | ".join(VARIANTS + ("auto",)) + " | auto x BF16 | auto x XLA FP8 |")
-    print("|---|---|---|" + "---|" * (len(VARIANTS) + 3))
+    print("| layer | M | floor | " + " | ".join(VARIANTS) + " | auto x BF16 | auto x XLA FP8 |")
+    print("|---|---|---|" + "---|" * (len(VARIANTS) + 2))
     for row in result["rows"]:
         us = row["us"]
-        cells = [f"{us[v]:.1f}" if us.get(v) is not None else "" for v in VARIANTS + ("auto",)]
-        best = us.get("auto") or min((us[v] for v in ("fireq_cuda", "fireq_pallas") if us.get(v)), default=None)
+        cells = [f"{us[v]:.1f}" if us.get(v) is not None else "" for v in VARIANTS]
+        best = us.get("auto")
         x_bf16 = f"{us['bf16'] / best:.2f}" if best and us.get("bf16") else ""
         x_fp8 = f"{us['xla_fp8'] / best:.2f}" if best and us.get("xla_fp8") else ""
         print(f"| {row['layer']} | {row['m']} | {row['floor_us']:.1f} | " + " | ".join(cells) + f" | {x_bf16} | {x_fp8} |")

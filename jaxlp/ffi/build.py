@@ -43,7 +43,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "quantized_decode_attention": ("quantized_decode_attention.cu",),
     "quantized_cache_store": ("quantized_cache_store.cu",),  # one-token Kitty store (jaxlp.ffi.quantized_cache_store)
     "nestedfp_gemv": ("nestedfp_gemv.cu",),  # NestedFP products for 1..8 tokens (jaxlp.ffi.nestedfp)
-    "fireq_gemv": ("fireq_gemv.cu",),  # FireQ INT4 x FP8 products for 1..16 tokens (jaxlp.ffi.fireq)
+    "fireq": ("fireq.cu",),  # FireQ INT4 x FP8 products for 1..16 tokens, INT4 -> FP8 decode (jaxlp.ffi.fireq)
     "fp8_activations": ("fp8_activations.cu",),  # per-token FP8 activation quantizers (jaxlp.ffi.fp8_activations)
 }
 NVCC_FLAGS = (

@@ -1,19 +1,23 @@
-"""FireQ W4A8 products for 1..16 tokens as a CUDA kernel on tensor cores (sm_90).
+"""FireQ W4A8 products for 1..64 tokens as a CUDA kernel on tensor cores, and the INT4 weight
+decoded to E4M3 in memory (sm_90).
 
-    y = gemv(x8, codes, scales)   # float32 [M, N]: x8 [M <= 16, K] float8_e4m3fn times W8.T
+    y = gemv(x8, codes, scales)   # float32 [M, N]: x8 [M <= 64, K] float8_e4m3fn times W8.T
+    w8 = decode(codes, scales)    # float8_e4m3fn [N, K]: W8
 
 with ``W8 = e4m3(q * s)`` the FireQ INT4 weight's exact FP8 values
 (:meth:`jaxlp.formats.int4_fp8.Int4FP8Array.fp8_values`: ``codes [N, K/2]`` two INT4 per byte,
 ``scales [N, K/128]`` E4M3). :mod:`jaxlp.quantization.fireq_dispatch` runs a FireQ
 ``QuantizedLinear`` through it (with the activation scales and PTS's ``1/p``). Design
-(``fireq_gemv.cu``): ``mma.sync`` m16n8k32 E4M3 with the weights as the register operand (16
-output features per CTA on the MMA's M, the tokens on its N = 8, two token groups past 8), each
+(``fireq.cu``): ``mma.sync`` m16n8k32 E4M3 with the weights as the register operand (16
+output features per CTA on the MMA's M, the tokens on its N = 8, 2, 4 or 8 token groups past 8), each
 thread loading 32 consecutive K of its rows (16 bytes of codes) and tokens straight into the MMA
-fragments, four windows ahead, and turning each 8 codes into ``e4m3(q * s)`` with FP16 pair
+fragments, 1, 2 or 4 windows ahead (``unroll``: fewer registers and more CTAs per SM the fewer), and
+turning each 8 codes into ``e4m3(q * s)`` with FP16 pair
 arithmetic (exact) and one rounding conversion per pair; the FP8 weight never exists in memory.
 The K range is split over ``splits`` CTAs per row block (8 warps each) whose float32 partial sums
-XLA adds. Shapes: ``N`` a multiple of 16, ``K`` of 128 (the scale group). The library is compiled
-by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
+XLA adds. Shapes: ``N`` a multiple of 16, ``K`` of 128 (the scale group). :func:`decode` writes
+``W8`` with the same arithmetic, 32 K per thread (the FP8 GEMM of many tokens reads it). The
+library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
 
 from __future__ import annotations
@@ -22,16 +26,20 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlp.ffi import build
 
 TARGET = "jaxlp_fireq_gemv"
-LIBRARY = build.Library("fireq_gemv", {TARGET: "JaxlpFireqGemv"})
-MAX_TOKENS = 16  # two token groups of the MMA's N = 8
+DECODE_TARGET = "jaxlp_fireq_decode"
+LIBRARY = build.Library("fireq", {TARGET: "JaxlpFireqGemv", DECODE_TARGET: "JaxlpFireqDecode"})
+MAX_TOKENS = 64  # eight token groups of the MMA's N = 8
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 128  # K per warp step: one scale group
 WARPS = 8  # per CTA
 TARGET_CTAS = 2 * 132  # with 2-4 windows of loads in flight per warp: enough to stream the weights
+UNROLLS = (1, 2, 4)
+DEFAULT_UNROLL = 1  # the fastest at 1..16 tokens (H100, docs/perf.md "session 20")
 
 
 def available() -> bool:
@@ -46,8 +54,13 @@ def default_splits(n: int, k: int) -> int:
     return max(1, min(math.ceil(TARGET_CTAS / max(n // ROWS, 1)), windows // (2 * WARPS)))
 
 
-def gemv(x8: jax.Array, codes: jax.Array, scales: jax.Array, *, splits: int | None = None) -> jax.Array:
-    """The kernel's float32 ``[M, N]`` product ``x8 @ e4m3(q * s).T`` (no activation scale)."""
+def gemv(x8: jax.Array, codes: jax.Array, scales: jax.Array, *, splits: int | None = None,
+         unroll: int = DEFAULT_UNROLL) -> jax.Array:
+    """The kernel's float32 ``[M, N]`` product ``x8 @ e4m3(q * s).T`` (no activation scale).
+    splits: CTAs per 16 rows along K (default :func:`default_splits`); unroll: K windows per
+    pipelined step (1, 2 or 4; past 16 tokens always 1)."""
+    if unroll not in UNROLLS:
+        raise ValueError(f"fireq gemv: unroll must be one of {UNROLLS}, got {unroll!r}")
     if x8.ndim != 2 or codes.ndim != 2 or scales.ndim != 2:
         raise ValueError(f"fireq gemv: x8 [M, K], codes [N, K/2] and scales [N, K/128] must be 2-D, got "
                          f"{x8.shape}, {codes.shape}, {scales.shape}")
@@ -67,4 +80,19 @@ def gemv(x8: jax.Array, codes: jax.Array, scales: jax.Array, *, splits: int | No
     if build.on_gpu():
         LIBRARY.load()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((splits, m, n), jnp.float32))
-    return call(x8, codes, scales).sum(axis=0)
+    return call(x8, codes, scales, unroll=np.int32(unroll)).sum(axis=0)
+
+
+def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """``e4m3(q * s)``: the FireQ weight's E4M3 values ``[N, K]`` from its codes ``[N, K/2]`` and
+    scales ``[N, K/128]`` (:meth:`jaxlp.formats.int4_fp8.Int4FP8Array.fp8_values`, bit for bit)."""
+    if codes.ndim != 2 or scales.ndim != 2 or codes.dtype != jnp.uint8 or scales.dtype != jnp.dtype(jnp.float8_e4m3fn):
+        raise ValueError(f"fireq decode: codes must be uint8 [N, K/2] and scales float8_e4m3fn [N, K/128], got "
+                         f"{codes.dtype} {codes.shape} and {scales.dtype} {scales.shape}")
+    n, k = codes.shape[0], codes.shape[1] * 2
+    if k % WINDOW or scales.shape != (n, k // WINDOW):
+        raise ValueError(f"fireq decode: K = {k} must be a multiple of {WINDOW} and scales [N, K/128] = "
+                         f"[{n}, {k // WINDOW}], got {scales.shape}")
+    if build.on_gpu():
+        LIBRARY.load()
+    return jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn))(codes, scales)

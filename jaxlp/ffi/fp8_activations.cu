@@ -5,6 +5,10 @@
 //            codes[m, k] = e4m3(clip(x[m, k] / scale[m], -448, 448))    granularity="token")
 //   nested:  scale[m] = clip(313.6f / max(amax, 1e-5f), 0.1, 50)       (jaxlp.quantization.
 //            codes[m, k] = e4m3(clip(x[m, k] * scale[m], -448, 448))    activations.nestedfp_fp8)
+//   fireq:   scale[m] = amax / 448; the codes' divisor 1 where it is     (jaxlp.formats.int4_fp8.
+//            not positive (zero, NaN, float32-subnormal: flushed, as XLA:CPU)
+//            codes[m, k] = e4m3(clip(x[m, k] / scale[m], -448, 448))    quantize_activation_fp8,
+//                                                                        before its BF16 scale)
 //
 // with amax = max_k |x[m, k]| in float32, x bfloat16, float16 or float32, bit for bit what XLA:CPU
 // computes for the references (their divisions are IEEE-correctly rounded there: exact_divide, and
@@ -45,7 +49,7 @@ namespace ffi = xla::ffi;
 
 namespace jaxlp_fp8act {
 
-enum Mode : int { kToken = 0, kNested = 1 };
+enum Mode : int { kToken = 0, kNested = 1, kFireq = 2 };
 
 constexpr uint32_t kMinNormalBits = 0x00800000u;  // 2^-126: below it a float32 is subnormal (flushed)
 constexpr uint32_t kInfBits = 0x7F800000u;
@@ -132,6 +136,10 @@ __device__ __forceinline__ uint32_t finish_abs_max(uint32_t acc) {
 // The row's scale from the float32 bits of its amax (subnormals flushed); NaN as 0x7FC00000.
 template <int MODE>
 __device__ __forceinline__ float row_scale(uint32_t amax_bits) {
+  if constexpr (MODE == kFireq) {  // the divisor: where(scale > 0, scale, 1) with subnormals flushed
+    const float s = __fdiv_rn(__uint_as_float(amax_bits), kE4m3Max);
+    return amax_bits > kInfBits || s < __uint_as_float(kScaleMinBits) ? 1.0f : s;
+  }
   if (amax_bits > kInfBits) return __uint_as_float(kNanBits);
   const float amax = __uint_as_float(amax_bits);
   if constexpr (MODE == kToken) {
@@ -147,11 +155,22 @@ __device__ __forceinline__ float row_scale(uint32_t amax_bits) {
   }
 }
 
+// The scale written for the row: row_scale's, except FireQ's, amax / 448 (0 for a zero row, NaN
+// for a NaN row), whose codes were divided by 1 where it is not positive as XLA:CPU sees it (zero,
+// NaN, or float32-subnormal: flushed).
+template <int MODE>
+__device__ __forceinline__ float stored_scale(float s, uint32_t amax_bits) {
+  if constexpr (MODE == kFireq) {
+    return amax_bits > kInfBits ? __uint_as_float(kNanBits) : __fdiv_rn(__uint_as_float(amax_bits), kE4m3Max);
+  }
+  return s;
+}
+
 // The float that the cast rounds: x / s (x flushed to a signed zero when subnormal, as
 // exact_divide does) or x * s.
 template <typename T, int MODE>
 __device__ __forceinline__ float scaled(float x, float s) {
-  if constexpr (MODE == kToken) {
+  if constexpr (MODE != kNested) {
     if constexpr (!std::is_same_v<T, __half>) {  // float16 values are never float32-subnormal
       const uint32_t b = __float_as_uint(x);
       if ((b & 0x7FFFFFFFu) < kMinNormalBits) x = __uint_as_float(b & 0x80000000u);
@@ -235,8 +254,9 @@ __global__ void __launch_bounds__(ROW_THREADS > 32 ? ROW_THREADS : 32 * kWarpRow
     }
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) acc = abs_max<T, VEC>(acc, c[i]);
-    const float s = row_scale<MODE>(row_max<ROW_THREADS>(finish_abs_max<T>(acc)));
-    if (t == 0) scale[row] = s;
+    const uint32_t amax = row_max<ROW_THREADS>(finish_abs_max<T>(acc));
+    const float s = row_scale<MODE>(amax);
+    if (t == 0) scale[row] = stored_scale<MODE>(s, amax);
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       const int j = i * ROW_THREADS + t;
@@ -245,8 +265,9 @@ __global__ void __launch_bounds__(ROW_THREADS > 32 ? ROW_THREADS : 32 * kWarpRow
   } else {
 #pragma unroll 4
     for (int j = t; j < chunks; j += ROW_THREADS) acc = abs_max<T, VEC>(acc, load_chunk<T, VEC>(xr + j * VEC));
-    const float s = row_scale<MODE>(row_max<ROW_THREADS>(finish_abs_max<T>(acc)));
-    if (t == 0) scale[row] = s;
+    const uint32_t amax = row_max<ROW_THREADS>(finish_abs_max<T>(acc));
+    const float s = row_scale<MODE>(amax);
+    if (t == 0) scale[row] = stored_scale<MODE>(s, amax);
 #pragma unroll 4
     for (int j = t; j < chunks; j += ROW_THREADS)
       quantize_store<T, VEC, MODE>(load_chunk<T, VEC>(xr + j * VEC), s, cr + j * VEC);
@@ -301,9 +322,9 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffe
     return bad("x must be bfloat16, float16 or float32");
   if (codes->element_type() != ffi::DataType::F8E4M3FN || cd.size() != 2 || cd[0] != m || cd[1] != k)
     return bad("codes must be float8_e4m3fn [M, K] like x");
-  const bool scale_ok = MODE == kToken ? (sd.size() == 1 && sd[0] == m)
-                                       : (sd.size() == 2 && sd[0] == m && sd[1] == 1);
-  if (!scale_ok) return bad(MODE == kToken ? "scale must be float32 [M]" : "scale must be float32 [M, 1]");
+  const bool scale_ok = MODE != kNested ? (sd.size() == 1 && sd[0] == m)
+                                        : (sd.size() == 2 && sd[0] == m && sd[1] == 1);
+  if (!scale_ok) return bad(MODE != kNested ? "scale must be float32 [M]" : "scale must be float32 [M, 1]");
   if (k < 1 || k > (int64_t{1} << 30) || m > (int64_t{1} << 31) - 1)
     return bad("K must be in [1, 2^30] and M below 2^31, got M=" + std::to_string(m) + ", K=" + std::to_string(k));
   if (m == 0) return ffi::Error::Success();
@@ -339,4 +360,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNestedFp8Quantize, jaxlp_fp8act::Impl<jaxlp_f
                                   .Arg<ffi::AnyBuffer>()          // x [M, K] bfloat16, float16 or float32
                                   .Ret<ffi::AnyBuffer>()          // codes [M, K] float8_e4m3fn
                                   .Ret<ffi::Buffer<ffi::F32>>(),  // scale [M, 1]
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqFp8Quantize, jaxlp_fp8act::Impl<jaxlp_fp8act::kFireq>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K] bfloat16, float16 or float32
+                                  .Ret<ffi::AnyBuffer>()          // codes [M, K] float8_e4m3fn
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // scale [M] (float32, before BF16)
                               {ffi::Traits::kCmdBufferCompatible});

@@ -3,6 +3,7 @@ the FP8 GEMMs (:mod:`jaxlp.quantization.fp8_gemm`).
 
     codes, scale = token_fp8(x)      # codes [M, K] float8_e4m3fn, scale [M] float32
     codes, scale = nestedfp_fp8(x)   # codes [M, K] float8_e4m3fn, scale [M, 1] float32
+    codes, scale = fireq_fp8(x)      # codes [M, K] float8_e4m3fn, scale [M, 1] bfloat16
 
 ``x [M, K]`` bfloat16, float16 or float32. The results are bit for bit those of the XLA functions
 as XLA:CPU computes them:
@@ -41,9 +42,11 @@ import jax.numpy as jnp
 
 from jaxlp.ffi import build
 
-TARGETS = {"token": "jaxlp_fp8_token_quantize", "nested": "jaxlp_nestedfp_fp8_quantize"}
+TARGETS = {"token": "jaxlp_fp8_token_quantize", "nested": "jaxlp_nestedfp_fp8_quantize",
+           "fireq": "jaxlp_fireq_fp8_quantize"}
 LIBRARY = build.Library("fp8_activations",
-                        {TARGETS["token"]: "JaxlpFp8TokenQuantize", TARGETS["nested"]: "JaxlpNestedFp8Quantize"})
+                        {TARGETS["token"]: "JaxlpFp8TokenQuantize", TARGETS["nested"]: "JaxlpNestedFp8Quantize",
+                         TARGETS["fireq"]: "JaxlpFireqFp8Quantize"})
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_K = 1 << 30
 # (vectors of 16 bytes per row at most, threads per row, vectors per thread): fp8_activations.cu's
@@ -99,6 +102,19 @@ def token_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     ``jaxlp.formats.fp8.quantize_arrays(x, granularity="token")`` (module doc)."""
     m, _ = _check(x, "token_fp8")
     return _call(TARGETS["token"], x, (m,))
+
+
+def fireq_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(codes [M, K] float8_e4m3fn, scale [M, 1] bfloat16)`` of ``x [M, K]``: bit for bit
+    ``jaxlp.formats.int4_fp8.quantize_activation_fp8(x)`` (``scale = amax / 448``, no floor, 0 for
+    a zero row whose codes are ``x / 1``; ``codes = e4m3(clip(x / scale))``, the scale rounded to
+    BF16 after the codes), except rows with ``amax < 448 * 2**-126`` (a float32-subnormal
+    ``amax / 448``, which the kernel keeps). The BF16 rounding is a ``reduce_precision``, which XLA
+    does not drop."""
+    m, _ = _check(x, "fireq_fp8")
+    codes, scale = _call(TARGETS["fireq"], x, (m,))
+    scale = jax.lax.reduce_precision(scale, exponent_bits=8, mantissa_bits=7)
+    return codes, scale.astype(jnp.bfloat16)[:, None]
 
 
 def nestedfp_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:

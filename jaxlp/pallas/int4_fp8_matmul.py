@@ -41,7 +41,8 @@ CODE_BYTES = GROUP_SIZE // 2  # bytes of codes per row and K step
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig(Tiles):
     """Tiling of :func:`int4_fp8_matmul` (:class:`~jaxlp.pallas.wgmma_tiles.Tiles`): tile_k is one
-    scale group (128); tile_m a multiple of 8 in [8, 256] (<= 128 with ``promote``). promote: each
+    scale group (128); tile_m a multiple of 8 in [8, 256] (<= 128 with ``promote``); the CTA's weight
+rows (``cta_tile_n``) a multiple of 128 (each step's scales: one 128-byte aligned copy). promote: each
     step's FP8 WGMMA sums start from zero and are added to FP32 registers (as
     :class:`jaxlp.pallas.fp8_matmul.MatmulConfig`)."""
 
@@ -56,6 +57,9 @@ class MatmulConfig(Tiles):
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
         if self.promote and self.tile_m > 128:
             raise ValueError(f"promote keeps two accumulators: tile_m must be <= 128, got {self.tile_m}")
+        if self.cta_tile_n % 128:  # each step's scales are one bulk copy into 128-byte aligned rows
+            raise ValueError(f"the CTA's weight rows must be a multiple of 128, got {self.cta_tile_n} "
+                             f"(tile_n {self.tile_n}, wg_split {self.wg_split!r})")
 
     @property
     def name(self) -> str:
@@ -85,7 +89,7 @@ def default_config(m: int, n: int | None = None, num_sms: int = 132) -> MatmulCo
 # 16 bits (twice). u = q + 8 per nibble (xor 0x8); FP16 lanes 0x6400 | u = 1024 + u (even k) or
 # 0x6400 | u << 4 = 1024 + 16u (odd k), minus 1032 (1152): q (16q) exactly; times s (s / 16): q * s
 # exactly (<= 7 significant bits, |q * s| <= 3584); cvt rounds to E4M3 (RNE, saturating at 448);
-# two permutes restore k order. (jaxlp/ffi/fireq_gemv.cu's decode8, the same arithmetic.)
+# two permutes restore k order. (decode8 of jaxlp/ffi/fireq.cu: the same arithmetic.)
 _DECODE_PTX = """{ .reg .b32 r, r8, a, b, c, d, se, so, k, ab, cd;
 .reg .b16 s16, sh, ea, eb, ec, ed;
 mov.b32 {s16, sh}, $3;

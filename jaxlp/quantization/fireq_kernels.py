@@ -3,12 +3,16 @@
 ``(x8 @ e4m3(q * s).T) * s_x * out_scale`` (``out_scale``: PTS's ``1/p``), the FP8 weight decoded in
 registers, never in memory:
 
-- ``implementation="fireq_cuda"`` (:mod:`jaxlp.ffi.fireq`): 1..16 tokens, a CUDA GEMV streaming the
-  4-bit weights through ``mma.sync`` E4M3 MMAs;
-- ``implementation="fireq_pallas"`` (:mod:`jaxlp.pallas.int4_fp8_matmul`): any number of tokens, a
-  Pallas Mosaic GPU FP8 WGMMA GEMM.
+- ``implementation="fireq_cuda"`` (:mod:`jaxlp.ffi.fireq`): 1..16 tokens, and up to 64 where the
+  GEMM's tiles would not fill the GPU (:func:`gemv_tokens`), a CUDA GEMV streaming the 4-bit
+  weights through ``mma.sync`` E4M3 MMAs;
+- ``implementation="fireq_pallas"``: any number of tokens, by ``design`` (:data:`GEMM_DESIGNS`):
+  ``"in_kernel"`` (:mod:`jaxlp.pallas.int4_fp8_matmul`: a Pallas Mosaic GPU FP8 WGMMA GEMM decoding
+  the weight tiles in registers) or ``"decoded"`` (the CUDA decode writes the E4M3 weight, then the
+  Pallas FP8 GEMM of :mod:`jaxlp.pallas.fp8_matmul` reads it: one more pass over the weight, which
+  pays where many tokens share it); the default by tokens (:func:`default_design`).
 
-``"auto"`` tries them in that order on a GPU (so the GEMV up to 16 tokens, the GEMM past them),
+``"auto"`` tries them in that order on a GPU (so the GEMV for few tokens, the GEMM past them),
 before XLA's FP8 dot on the materialized FP8 weight (:mod:`jaxlp.quantization.native_dot`). The
 math of ``QuantizedLinear.reference`` to summation order (FP32 sums of exact E4M3 products), the
 activation scale applied to the FP32 sums before the one rounding to x's dtype.
@@ -22,11 +26,22 @@ import jax
 import jax.numpy as jnp
 
 from jaxlp.ffi import fireq as gemv_kernel
+from jaxlp.ffi import fp8_activations as quantize_cuda
 from jaxlp.formats import int4_fp8
+from jaxlp.pallas import fp8_matmul as fp8_kernel
 from jaxlp.pallas import int4_fp8_matmul as gemm_kernel
 
 GEMV_IMPLEMENTATION = "fireq_cuda"
 GEMM_IMPLEMENTATION = "fireq_pallas"
+GEMM_DESIGNS = ("in_kernel", "decoded")
+GEMV_TOKENS = 16  # the GEMV takes this many tokens on any layer
+DECODED_FROM_TOKENS = 512  # H100, docs/perf.md "session 20": the decoded design from here on
+
+
+def default_design(tokens: int) -> str:
+    """The GEMM design for ``tokens`` tokens: ``"decoded"`` from :data:`DECODED_FROM_TOKENS` on
+    where the CUDA library is available, else ``"in_kernel"``."""
+    return "decoded" if tokens >= DECODED_FROM_TOKENS and gemv_kernel.available() else "in_kernel"
 
 
 def layer_reason(layer, x: jax.Array) -> str | None:
@@ -46,14 +61,21 @@ def layer_reason(layer, x: jax.Array) -> str | None:
     return None
 
 
+def gemv_tokens(n: int, num_sms: int = 132) -> int:
+    """The most tokens the GEMV takes on a layer of ``n`` output features: :data:`GEMV_TOKENS`, and
+    up to ``jaxlp.ffi.fireq.MAX_TOKENS`` where the GEMM's 128-row CTA tiles would not fill the
+    SMs (there the GEMM has no split over K: 4096 x 14336 at 64 tokens runs 32 CTAs)."""
+    return gemv_kernel.MAX_TOKENS if -(-n // 128) < num_sms else GEMV_TOKENS
+
+
 def why_not_gemv(layer, x: jax.Array) -> str | None:
     """``None`` if :func:`matmul_gemv` computes this layer on ``x`` here, else the reason."""
     if (reason := layer_reason(layer, x)) is not None:
         return reason
     n = layer.weight.get_value().shape[0]
     tokens = math.prod(x.shape[:-1])
-    if tokens > gemv_kernel.MAX_TOKENS:
-        return f"{tokens} tokens (the GEMV takes 1 to {gemv_kernel.MAX_TOKENS})"
+    if tokens > (most := gemv_tokens(n)):
+        return f"{tokens} tokens (the GEMV takes 1 to {most} on {n} output features)"
     if n % gemv_kernel.ROWS:
         return f"N = {n} is not a multiple of {gemv_kernel.ROWS}"
     if not gemv_kernel.available():
@@ -71,24 +93,42 @@ def why_not_gemm(layer, x: jax.Array) -> str | None:
 
 
 def _quantized_tokens(layer, x):
+    """``(lead shape, x8 [T, K], s_x [T] float32)``: the ``fireq_fp8`` codes and their BF16 scale,
+    by the one-pass CUDA quantizer where its library is available (:func:`jaxlp.ffi.fp8_activations.fireq_fp8`:
+    the XLA quantizer's bits), else by XLA. The scale's rounding is a ``reduce_precision``: XLA on a
+    GPU may drop a float32 -> BF16 -> float32 round trip inside a fusion (excess precision), which
+    measured +0.2% on every output."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x8, x_scale = int4_fp8.quantize_activation_fp8(x.reshape(-1, k))
-    return lead, x8, x_scale[:, 0].astype(jnp.float32)
+    quantize = quantize_cuda.fireq_fp8 if quantize_cuda.available() else int4_fp8.quantize_activation_fp8
+    x8, x_scale = quantize(x.reshape(-1, k))
+    return lead, x8, jax.lax.reduce_precision(x_scale[:, 0].astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
 
 
-def matmul_gemv(layer, x: jax.Array) -> jax.Array:
-    """The layer's product before bias through the CUDA GEMV (1..16 tokens)."""
+def matmul_gemv(layer, x: jax.Array, *, unroll: int | None = None) -> jax.Array:
+    """The layer's product before bias through the CUDA GEMV (1..64 tokens); ``unroll``: its K
+    windows per pipelined step (default ``jaxlp.ffi.fireq.DEFAULT_UNROLL``)."""
     w = layer.weight.get_value()
     lead, x8, x_scale = _quantized_tokens(layer, x)
-    y = gemv_kernel.gemv(x8, w.codes, w.scales) * x_scale[:, None]
+    y = gemv_kernel.gemv(x8, w.codes, w.scales, unroll=unroll or gemv_kernel.DEFAULT_UNROLL) * x_scale[:, None]
     if layer.out_scale != 1.0:
         y = y * layer.out_scale
     return y.reshape(*lead, w.shape[0]).astype(x.dtype)
 
 
-def matmul_gemm(layer, x: jax.Array, *, config: gemm_kernel.MatmulConfig | None = None) -> jax.Array:
-    """The layer's product before bias through the Pallas GEMM; ``config``: its tiling."""
+def matmul_gemm(layer, x: jax.Array, *, design: str | None = None, config=None) -> jax.Array:
+    """The layer's product before bias through a Pallas GEMM: ``design`` one of
+    :data:`GEMM_DESIGNS` (default :func:`default_design`), ``config`` its kernel's tiling
+    (:class:`jaxlp.pallas.int4_fp8_matmul.MatmulConfig` or :class:`jaxlp.pallas.fp8_matmul.MatmulConfig`)."""
     w = layer.weight.get_value()
     lead, x8, x_scale = _quantized_tokens(layer, x)
-    y = gemm_kernel.int4_fp8_matmul(x8, w, x_scale * layer.out_scale, out_dtype=x.dtype, config=config)
+    design = design or default_design(x8.shape[0])
+    if design not in GEMM_DESIGNS:
+        raise ValueError(f"unknown FireQ GEMM design {design!r}; the designs are {GEMM_DESIGNS}")
+    token_scale = x_scale * layer.out_scale
+    if design == "decoded":
+        w8 = gemv_kernel.decode(w.codes, w.scales)
+        y = fp8_kernel.fp8_matmul(x8, w8, token_scale, jnp.ones((w.shape[0],), jnp.float32), out_dtype=x.dtype,
+                                  config=config)
+    else:
+        y = gemm_kernel.int4_fp8_matmul(x8, w, token_scale, out_dtype=x.dtype, config=config)
     return y.reshape(*lead, w.shape[0])

@@ -15,13 +15,23 @@ import numpy as np
 import pytest
 
 from jaxlp.ffi import fp8_activations as cuda
-from jaxlp.formats import fp8
+from jaxlp.formats import fp8, int4_fp8
 from jaxlp.quantization import activations
 
 ON_GPU = jax.default_backend() == "gpu"
 CPU = jax.devices("cpu")[0]
 E4M3 = ml_dtypes.float8_e4m3fn
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+MODES = ("token", "nested", "fireq")
+
+
+def kernel_fn(mode: str):
+    return {"token": cuda.token_fp8, "nested": cuda.nestedfp_fp8, "fireq": cuda.fireq_fp8}[mode]
+
+
+def as_bits(codes, scale) -> tuple[np.ndarray, np.ndarray]:
+    """(codes as uint8, scale as the uint32 bits of its float32 value: FireQ's BF16 widened)."""
+    return np.asarray(codes).view(np.uint8), np.asarray(jnp.asarray(scale).astype(jnp.float32)).view(np.uint32)
 
 
 # --- references: the XLA functions, on the CPU device ------------------------------------------
@@ -33,22 +43,32 @@ def reference(mode: str, x) -> tuple[np.ndarray, np.ndarray]:
     with jax.default_device(CPU):
         if mode == "token":
             codes, scale = fp8.quantize_arrays(xc, granularity="token")
+        elif mode == "fireq":  # traced: its host-side finiteness check does not run
+            codes, scale = jax.jit(int4_fp8.quantize_activation_fp8)(xc)
         else:
             codes, scale = activations.nestedfp_fp8(xc.astype(jnp.float32))
-    return np.asarray(codes).view(np.uint8), np.asarray(scale).view(np.uint32)
+        return as_bits(codes, scale)
 
 
-def assert_same(got, want, what="", x=None):
+def assert_same(got, want, what="", x=None, mode="token"):
     """Codes and scales bit for bit, except the sign bit of NaN codes (module doc of the kernel).
     With ``x``: rows holding a NaN are compared apart: the kernel's scale is NaN and its codes are
-    NaN, while the reference's depend on where XLA:CPU's vectorized max reduction meets the NaN
-    (it propagates it at some shapes and drops it at others, e.g. [8, 1040])."""
+    NaN (``mode`` FireQ: ``e4m3(clip(x / 1))``, its divisor where the scale is not positive), while the reference's depend on where XLA:CPU's vectorized max reduction meets the
+    NaN (it propagates it at some shapes and drops it at others, e.g. [8, 1040])."""
     (gc, gs), (wc, ws) = got, want
     assert gs.shape == ws.shape and gc.shape == wc.shape
     if x is not None:
-        nan_rows = np.isnan(np.asarray(jnp.asarray(x).astype(jnp.float32))).any(axis=-1)
+        xf = np.asarray(jnp.asarray(x).astype(jnp.float32))
+        nan_rows = np.isnan(xf).any(axis=-1)
         np.testing.assert_array_equal(gs.reshape(-1)[nan_rows], 0x7FC00000, err_msg=f"NaN rows' scales {what}")
-        assert ((gc[nan_rows] & 0x7F) == 0x7F).all(), f"NaN rows' codes {what}"
+        if mode == "fireq":
+            with np.errstate(invalid="ignore"):
+                plain = np.clip(xf[nan_rows], -448, 448).astype(E4M3).view(np.uint8)
+            nan_codes = (plain & 0x7F) == 0x7F
+            np.testing.assert_array_equal(gc[nan_rows][~nan_codes], plain[~nan_codes], err_msg=f"NaN rows' codes {what}")
+            assert ((gc[nan_rows][nan_codes] & 0x7F) == 0x7F).all(), f"NaN rows' NaN codes {what}"
+        else:
+            assert ((gc[nan_rows] & 0x7F) == 0x7F).all(), f"NaN rows' codes {what}"
         (gc, gs, wc, ws) = (a[~nan_rows] for a in (gc, gs, wc, ws))
     np.testing.assert_array_equal(gs, ws, err_msg=f"scales {what}")
     gnan, wnan = (gc & 0x7F) == 0x7F, (wc & 0x7F) == 0x7F
@@ -71,13 +91,19 @@ def kernel_model(mode: str, x) -> tuple[np.ndarray, np.ndarray]:
     amax = amax_bits.view(np.float32)
     nan = amax_bits > 0x7F800000
     with np.errstate(all="ignore"):
-        if mode == "token":
+        if mode in ("token", "fireq"):
             s = amax / np.float32(448.0)
-            s = np.where(s < np.float32(2.0**-126), np.float32(2.0**-126), s)
+            if mode == "token":
+                s = np.where(s < np.float32(2.0**-126), np.float32(2.0**-126), s)
+            stored = np.where(nan, np.float32(np.nan), s).astype(np.float32)
+            if mode == "fireq":  # where(scale > 0, scale, 1) as XLA:CPU sees it: NaN, 0, subnormals -> 1
+                s = np.where(nan | (s < np.float32(2.0**-126)), np.float32(1.0), s)
             s = np.where(amax_bits == 0, np.float32(1.0), s)
-            scale = np.where(nan, np.float32(np.nan), s).astype(np.float32)
+            scale = np.where(nan & (mode == "token"), np.float32(np.nan), s).astype(np.float32)
             xs = np.where(bits < 0x00800000, (xf.view(np.uint32) & np.uint32(0x80000000)).view(np.float32), xf)
             q = xs / scale[:, None]
+            if mode == "fireq":  # the scale written: 0 for a zero row, rounded to BF16 after the codes
+                scale = np.asarray(jnp.asarray(stored).astype(jnp.bfloat16).astype(jnp.float32))[:, None]
         else:
             floor = np.float32(1e-5)
             s = np.float32(0.7 * 448.0) / np.where(amax < floor, floor, amax)
@@ -152,7 +178,7 @@ def test_constants_are_the_float32_the_references_use():
 
 
 def test_refuses_bad_inputs():
-    for f in (cuda.token_fp8, cuda.nestedfp_fp8):
+    for f in map(kernel_fn, MODES):
         with pytest.raises(ValueError, match=r"\[M, K\]"):
             f(jnp.ones((2, 3, 64), jnp.bfloat16))
         with pytest.raises(ValueError, match=r"\[M, K\]"):
@@ -178,19 +204,20 @@ def test_row_layouts_keep_rows_up_to_32768_in_registers():
     assert cuda.row_layout(32768, jnp.float32)[1] == 8 and cuda.row_layout(32772, jnp.float32)[1] == 0
 
 
-@pytest.mark.parametrize("mode", ["token", "nested"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_lowers_to_one_custom_call_for_cuda(mode, dtype):
     """The wrapper lowers for CUDA on any machine (no kernel runs)."""
-    f = jax.jit(cuda.token_fp8 if mode == "token" else cuda.nestedfp_fp8)
+    f = jax.jit(kernel_fn(mode))
     x = jnp.ones((7, 1040), DTYPES[dtype])
     out = f.eval_shape(x)
-    assert out[0].shape == (7, 1040) and out[0].dtype == jnp.float8_e4m3fn and out[1].dtype == jnp.float32
+    assert out[0].shape == (7, 1040) and out[0].dtype == jnp.float8_e4m3fn
+    assert out[1].dtype == (jnp.bfloat16 if mode == "fireq" else jnp.float32)
     assert out[1].shape == ((7,) if mode == "token" else (7, 1))
     text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call") == 1 and cuda.TARGETS[mode] in text
     assert "tensor<7x1040xf8E4M3FN>" in text
-    assert ("tensor<7xf32>" if mode == "token" else "tensor<7x1xf32>") in text
+    assert ("tensor<7x1xf32>" if mode == "nested" else "tensor<7xf32>") in text
 
 
 def test_unavailable_without_a_gpu():
@@ -198,7 +225,7 @@ def test_unavailable_without_a_gpu():
         assert not cuda.available() and "not a GPU" in cuda.unavailable_reason()
 
 
-@pytest.mark.parametrize("mode", ["token", "nested"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("m,k", [(1, 64), (7, 1040), (300, 64), (40, 4096), (7, 14336)])
 def test_kernel_model_matches_the_xla_functions_on_cpu(mode, dtype, m, k):
@@ -206,10 +233,10 @@ def test_kernel_model_matches_the_xla_functions_on_cpu(mode, dtype, m, k):
     equals the references as XLA:CPU computes them, on the GPU tests' kind of inputs."""
     rng = np.random.default_rng([m, k, len(dtype), mode == "token"])
     x = jnp.asarray(inputs(rng, m, k, DTYPES[dtype], nonfinite=m > 10), DTYPES[dtype])
-    assert_same(kernel_model(mode, x), reference(mode, x), f"{mode} {dtype} {m}x{k}", x)
+    assert_same(kernel_model(mode, x), reference(mode, x), f"{mode} {dtype} {m}x{k}", x, mode)
 
 
-@pytest.mark.parametrize("mode", ["token", "nested"])
+@pytest.mark.parametrize("mode", MODES)
 def test_kernel_model_on_the_nonfinite_rows(mode):
     x = np.array([[np.nan, 1, -2, 3], [1, -2, np.inf, 3], [-np.inf, 1, 2, 3], [np.inf, -np.inf, 0, 1e-39],
                   [-np.nan, 0, 0, 0], [1e-39, -1e-39, 0, -0.0], [5e-36, 1e-39, -2e-38, 1.0e-38]], np.float32)
@@ -217,7 +244,8 @@ def test_kernel_model_on_the_nonfinite_rows(mode):
     assert_same(kernel_model(mode, x), want)
     scale = want[1].reshape(-1)
     assert scale[0] == scale[4] == 0x7FC00000  # NaN rows: the canonical NaN
-    assert scale[5] == (0x3F800000 if mode == "token" else np.float32(50.0).view(np.uint32))  # subnormals: amax 0
+    zero_row = {"token": 0x3F800000, "nested": np.float32(50.0).view(np.uint32), "fireq": 0}
+    assert scale[5] == zero_row[mode]  # subnormals: amax 0
     if mode == "token":
         assert scale[1] == scale[2] == 0x7F800000 and scale[6] == 0x00800000
         np.testing.assert_array_equal(want[0][5], [0, 0x80, 0, 0x80])  # signed zeros
@@ -256,23 +284,22 @@ def test_fp8_gemm_keeps_the_xla_quantizers_without_the_library(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("mode", ["token", "nested"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("m", [1, 7, 300])
 @pytest.mark.parametrize("k", [64, 1040, 4096, 14336])
 def test_gpu_matches_the_xla_functions_on_cpu(mode, dtype, m, k):
     rng = np.random.default_rng()  # fresh inputs each run
     x = jnp.asarray(inputs(rng, m, k, DTYPES[dtype]), DTYPES[dtype])
-    f = jax.jit(cuda.token_fp8 if mode == "token" else cuda.nestedfp_fp8)
-    codes, scale = f(x)
-    assert codes.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.float32
-    got = (np.asarray(codes).view(np.uint8), np.asarray(scale).view(np.uint32))
-    assert_same(got, reference(mode, x), f"{mode} {dtype} {m}x{k}", x)
+    codes, scale = jax.jit(kernel_fn(mode))(x)
+    assert codes.dtype == jnp.float8_e4m3fn and scale.dtype == (jnp.bfloat16 if mode == "fireq" else jnp.float32)
+    got = as_bits(codes, scale)
+    assert_same(got, reference(mode, x), f"{mode} {dtype} {m}x{k}", x, mode)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("mode", ["token", "nested"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype,m,k", [
     ("float32", 7, 1040), ("float32", 300, 4096), ("float32", 3, 32768),  # float32: 4 per vector
     ("bfloat16", 5, 32768), ("float16", 2, 65536),  # the largest rows held in registers
@@ -283,9 +310,8 @@ def test_gpu_matches_the_xla_functions_on_cpu(mode, dtype, m, k):
 def test_gpu_other_dtypes_layouts_and_nonfinite(mode, dtype, m, k):
     rng = np.random.default_rng()
     x = jnp.asarray(inputs(rng, m, k, DTYPES[dtype], nonfinite=True), DTYPES[dtype])
-    codes, scale = (cuda.token_fp8 if mode == "token" else cuda.nestedfp_fp8)(x)
-    got = (np.asarray(codes).view(np.uint8), np.asarray(scale).view(np.uint32))
-    assert_same(got, reference(mode, x), f"{mode} {dtype} {m}x{k}", x)
+    got = as_bits(*kernel_fn(mode)(x))
+    assert_same(got, reference(mode, x), f"{mode} {dtype} {m}x{k}", x, mode)
 
 
 @pytest.mark.gpu
@@ -293,13 +319,11 @@ def test_gpu_other_dtypes_layouts_and_nonfinite(mode, dtype, m, k):
 def test_gpu_nonfinite_rows_and_empty():
     x = np.array([[np.nan, 1, -2, 3, 0, 0, 0, 0], [1, -2, np.inf, 3, 0, 0, 0, 0], [-np.inf, 1, 2, 3, 0, 0, 0, 0],
                   [1e-39, -1e-39, 0, -0.0, 0, 0, 0, 5e-36]], np.float32)
-    for mode, f in (("token", cuda.token_fp8), ("nested", cuda.nestedfp_fp8)):
+    for mode in MODES:
         for dtype in (jnp.float32, jnp.bfloat16):
             xd = jnp.asarray(x, dtype)
-            codes, scale = f(xd)
-            assert_same((np.asarray(codes).view(np.uint8), np.asarray(scale).view(np.uint32)), reference(mode, xd),
-                        mode, xd)
-        codes, scale = f(jnp.zeros((0, 64), jnp.bfloat16))
+            assert_same(as_bits(*kernel_fn(mode)(xd)), reference(mode, xd), mode, xd, mode)
+        codes, scale = kernel_fn(mode)(jnp.zeros((0, 64), jnp.bfloat16))
         assert codes.shape == (0, 64)
 
 

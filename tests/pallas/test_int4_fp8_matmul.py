@@ -51,6 +51,8 @@ def test_config_and_operands_are_checked():
         im.MatmulConfig(tile_m=256)
     with pytest.raises(ValueError, match="tile_m"):
         im.MatmulConfig(tile_m=12)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        im.MatmulConfig(tile_n=64, tile_m=64, wg_split="m")
     w = int4_fp8.quantize(jnp.ones((64, 256)))
     x8 = jnp.zeros((8, 256), jnp.float8_e4m3fn)
     ts = jnp.ones(8)
@@ -116,7 +118,7 @@ def rel(y, ref):
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("m, n, k, config", [
     (1, 256, 512, None), (17, 320, 640, None), (33, 4096, 1024, None), (256, 1024, 4096, None),
-    (300, 640, 4224, im.MatmulConfig(tile_n=64, tile_m=64, stages=3, wg_split="m")),
+    (300, 640, 4224, im.MatmulConfig(tile_n=128, tile_m=64, stages=3, wg_split="m")),
     (2048, 4096, 4096, None), (200, 576, 128, im.MatmulConfig(tile_n=128, tile_m=64, stages=3)),
     (512, 1024, 1024, im.MatmulConfig(tile_m=256, stages=3, promote=False)),
 ])

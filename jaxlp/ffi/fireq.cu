@@ -1,13 +1,15 @@
-// FireQ W4A8 products for a few tokens (M = 1..16) on tensor cores (XLA FFI custom call, sm_90);
-// Python side: jaxlp/ffi/fireq.py.
+// FireQ W4A8 on sm_90 (XLA FFI custom calls; Python side: jaxlp/ffi/fireq.py): products for a few
+// tokens (M = 1..64) on tensor cores, and the INT4 weight decoded to its E4M3 values in memory (for
+// the FP8 GEMM of many tokens).
 //
-//   part[s, m, n] = sum_k x8[m, k] * e4m3(q[n, k] * scale[n, k / 128])
+//   gemv:    part[s, m, n] = sum_k x8[m, k] * e4m3(q[n, k] * scale[n, k / 128])
+//   decode:  w8[n, k] = e4m3(q[n, k] * scale[n, k / 128])
 //
 // over split s's share of K, in FP32 (the caller sums the splits and applies the activation
 // scale and PTS's 1/p). q: INT4 codes two per byte (element 2i in the low nibble, two's
 // complement), scale: E4M3 per group of 128 K (jaxlp.formats.int4_fp8). The weights are the
 // register operand of `mma.sync` m16n8k32 E4M3 with the operands swapped (W x^T: 16 output
-// features on the MMA's M, the tokens on its N = 8; two token groups for M = 9..16), so the 4-bit
+// features on the MMA's M, the tokens on its N = 8; 2, 4 or 8 token groups past 8 tokens), so the 4-bit
 // weights go from global memory into registers once and are never staged. Each thread loads 32
 // consecutive K (16 bytes) of its two rows (g, g + 8) and of its tokens per 128-wide K window
 // (one scale group); a sum does not care about the order of its terms, so the MMA's k slots are
@@ -19,11 +21,13 @@
 //   (odd k); minus 1032 (1152) gives q (16q) exactly, times s (s / 16) gives q * s exactly (at most
 //   7 significant bits, |q * s| <= 3584), and cvt.rn.satfinite.e4m3x2.f16x2 rounds it to E4M3;
 //   two byte permutes put the 8 codes back in k order.
-// A CTA of 8 warps owns 16 output rows; its warps take K windows in turn (4 windows' loads in
-// flight per warp) and add their accumulators through shared memory.
+// A CTA of 8 warps owns 16 output rows; its warps take K windows in turn (1, 2 or 4 windows' loads
+// in flight per warp: `unroll`, fewer registers and more CTAs per SM the fewer) and add their
+// accumulators through shared memory.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -38,7 +42,7 @@ constexpr int kWarps = 8;
 constexpr int kRows = 16;      // output features per CTA (the MMA's M)
 constexpr int kWindow = 128;   // K per warp step: 4 threads x 32 consecutive K; one scale group
 constexpr int kTokenGroup = 8; // the MMA's N
-constexpr int kMaxTokens = 16; // two token groups
+constexpr int kMaxTokens = 64; // eight token groups
 
 struct Params {
   const uint8_t* codes;   // [N, K / 2]
@@ -140,8 +144,12 @@ struct Window {
   }
 };
 
-template <int kGroups>
-__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Params p) {
+// kUnroll: windows per pipelined step (loads in flight per warp); kMinBlocks: CTAs per SM the
+// register budget is held to (ptxas -v, sm_90, <kGroups, kUnroll>: <1, 1> 77 registers, <1, 2> 128,
+// <1, 4> 247, <2, 1> 113, <2, 2> 209, <2, 4> 255 and 36 bytes of spills; 17..64 tokens run
+// <4, 1> 189 and <8, 1> 255 and 20 bytes of spills, unroll ignored).
+template <int kGroups, int kUnroll, int kMinBlocks>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gemv_kernel(Params p) {
   __shared__ float red[kWarps][32][kGroups * 4];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tg = lane & 3;  // mma fragment coordinates
@@ -164,7 +172,6 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Params p) {
   const int windows = static_cast<int>(groups), stride = kWarps * p.splits;
   // Steps of kUnroll windows, software-pipelined: a step's loads are issued before the MMAs of the
   // step loaded the iteration before. Windows past K load window `first` again and feed zeros.
-  constexpr int kUnroll = kGroups == 1 ? 4 : 2;
   const int first = split * kWarps + warp;
   Window<kGroups> cur[kUnroll], next[kUnroll];
   uint32_t keep_next[kUnroll][kGroups];
@@ -212,6 +219,29 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Params p) {
   }
 }
 
+// The whole weight decoded: each thread 32 K of a row (16 bytes of codes, one scale) -> 32 E4M3
+// bytes, grid-stride over the [N, K / 32] chunks.
+__global__ void __launch_bounds__(256) decode_kernel(const uint8_t* __restrict__ codes,
+                                                     const uint8_t* __restrict__ scales, uint8_t* __restrict__ w8,
+                                                     long chunks, int chunks_per_row, int groups) {
+  for (long c = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<long>(gridDim.x) * blockDim.x) {
+    const long row = c / chunks_per_row;
+    const int j = static_cast<int>(c - row * chunks_per_row);  // 32-wide chunk of the row
+    const uint4 r = ldg16(codes + c * 16);
+    uint32_t s_even, s_odd;
+    scale_pairs(__ldg(scales + row * groups + j / (kWindow / 32)), s_even, s_odd);
+    uint4 lo, hi;
+    decode8(r.x, s_even, s_odd, lo.x, lo.y);
+    decode8(r.y, s_even, s_odd, lo.z, lo.w);
+    decode8(r.z, s_even, s_odd, hi.x, hi.y);
+    decode8(r.w, s_even, s_odd, hi.z, hi.w);
+    uint4* out = reinterpret_cast<uint4*>(w8 + c * 32);
+    out[0] = lo;
+    out[1] = hi;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host side
 
@@ -219,20 +249,40 @@ inline ffi::Error bad(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp fireq gemv: " + msg);
 }
 
+template <int kGroups>
+cudaError_t launch(int unroll, dim3 grid, cudaStream_t stream, const Params& p) {
+  const dim3 block(kWarps * 32);
+  if constexpr (kGroups > 2) {  // 17..64 tokens: one window at a time (the tokens' loads fill the registers)
+    return jaxlp::launch_kernel(gemv_kernel<kGroups, 1, 1>, grid, block, 0, stream, 1, false, p);
+  } else {
+    switch (unroll) {
+      case 1:
+        return jaxlp::launch_kernel(gemv_kernel<kGroups, 1, kGroups == 1 ? 3 : 2>, grid, block, 0, stream, 1, false,
+                                    p);
+      case 2:
+        return jaxlp::launch_kernel(gemv_kernel<kGroups, 2, kGroups == 1 ? 2 : 1>, grid, block, 0, stream, 1, false,
+                                    p);
+      default:
+        return jaxlp::launch_kernel(gemv_kernel<kGroups, 4, 1>, grid, block, 0, stream, 1, false, p);
+    }
+  }
+}
+
 ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
-                ffi::Result<ffi::Buffer<ffi::F32>> part) {
+                ffi::Result<ffi::Buffer<ffi::F32>> part, int32_t unroll) {
   auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), pd = part->dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || pd.size() != 3)
     return bad("expected x [M, K], codes [N, K / 2], scales [N, K / 128], part [S, M, N]");
   const int64_t m = xd[0], k = xd[1], n = cd[0], s = pd[0];
   if (x.element_type() != ffi::DataType::F8E4M3FN || scales.element_type() != ffi::DataType::F8E4M3FN)
     return bad("x and scales must be float8_e4m3fn");
-  if (m < 1 || m > kMaxTokens) return bad("1 to 16 tokens, got " + std::to_string(m));
+  if (m < 1 || m > kMaxTokens) return bad("1 to 64 tokens, got " + std::to_string(m));
   if (k % kWindow) return bad("K must be a multiple of 128, got " + std::to_string(k));
   if (cd[1] * 2 != k) return bad("codes [N, K / 2] do not match x's K");
   if (sd[0] != n || sd[1] * kWindow != k) return bad("scales must be [N, K / 128]");
   if (n % kRows) return bad("N must be a multiple of 16, got " + std::to_string(n));
   if (pd[1] != m || pd[2] != n || s < 1) return bad("partial sums must be float32 [S, M, N]");
+  if (unroll != 1 && unroll != 2 && unroll != 4) return bad("unroll must be 1, 2 or 4, got " + std::to_string(unroll));
   Params p;
   p.codes = codes.typed_data();
   p.scales = reinterpret_cast<const uint8_t*>(scales.untyped_data());
@@ -243,12 +293,35 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> code
   p.k = static_cast<int>(k);
   p.splits = static_cast<int>(s);
   if (n == 0) return ffi::Error::Success();
-  const dim3 grid(n / kRows, s), block(kWarps * 32);
-  const cudaError_t e = m <= kTokenGroup
-                            ? jaxlp::launch_kernel(gemv_kernel<1>, grid, block, 0, stream, 1, false, p)
-                            : jaxlp::launch_kernel(gemv_kernel<2>, grid, block, 0, stream, 1, false, p);
+  const dim3 grid(n / kRows, s);
+  const int groups = static_cast<int>((m + kTokenGroup - 1) / kTokenGroup);
+  const cudaError_t e = groups == 1   ? launch<1>(unroll, grid, stream, p)
+                        : groups == 2 ? launch<2>(unroll, grid, stream, p)
+                        : groups <= 4 ? launch<4>(unroll, grid, stream, p)
+                                      : launch<8>(unroll, grid, stream, p);
   if (e != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp fireq gemv launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
+                      ffi::Result<ffi::AnyBuffer> w8) {
+  auto cd = codes.dimensions(), sd = scales.dimensions(), wd = w8->dimensions();
+  if (cd.size() != 2 || sd.size() != 2 || wd.size() != 2) return bad("decode: expected codes [N, K / 2], scales [N, K / 128], w8 [N, K]");
+  const int64_t n = wd[0], k = wd[1];
+  if (scales.element_type() != ffi::DataType::F8E4M3FN || w8->element_type() != ffi::DataType::F8E4M3FN)
+    return bad("decode: scales and w8 must be float8_e4m3fn");
+  if (k % kWindow || cd[0] != n || cd[1] * 2 != k || sd[0] != n || sd[1] * kWindow != k)
+    return bad("decode: codes [N, K / 2] and scales [N, K / 128] must match w8 [N, K] with K a multiple of 128");
+  const long chunks = n * k / 32;
+  if (chunks == 0) return ffi::Error::Success();
+  const int blocks = static_cast<int>(std::min<long>((chunks + 255) / 256, 132L * 16));
+  decode_kernel<<<blocks, 256, 0, stream>>>(codes.typed_data(), reinterpret_cast<const uint8_t*>(scales.untyped_data()),
+                                            reinterpret_cast<uint8_t*>(w8->untyped_data()), chunks,
+                                            static_cast<int>(k / 32), static_cast<int>(k / kWindow));
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp fireq decode launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
 
@@ -260,5 +333,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqGemv, jaxlp_fireq::Impl,
                                   .Arg<ffi::AnyBuffer>()          // x8 [M, K] float8_e4m3fn
                                   .Arg<ffi::Buffer<ffi::U8>>()    // codes [N, K / 2]
                                   .Arg<ffi::AnyBuffer>()          // scales [N, K / 128] float8_e4m3fn
-                                  .Ret<ffi::Buffer<ffi::F32>>(),  // part [S, M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // part [S, M, N]
+                                  .Attr<int32_t>("unroll"),       // windows per pipelined step: 1, 2, 4
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqDecode, jaxlp_fireq::DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()  // codes [N, K / 2]
+                                  .Arg<ffi::AnyBuffer>()        // scales [N, K / 128] float8_e4m3fn
+                                  .Ret<ffi::AnyBuffer>(),       // w8 [N, K] float8_e4m3fn
                               {ffi::Traits::kCmdBufferCompatible});
