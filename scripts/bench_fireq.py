@@ -6,7 +6,7 @@ Per token count M (``--ms``), side by side in one run, for gate_up (28672 x 4096
 - ``bf16``: XLA's BF16 dot on BF16 weights (the baseline);
 - ``xla_fp8``: the FireQ layer through XLA's FP8 dot (``implementation="xla_native"``: the FP8
   weight ``e4m3(q * s)`` materialized by XLA, cuBLASLt's FP8 GEMM, then the scale pass);
-- ``fireq_cuda`` (M <= 64; ``fireq_cuda_u2`` / ``_u4``: its other unrolls), ``fireq_pallas`` (the
+- ``fireq_cuda`` (M <= 32; ``fireq_cuda_u2`` / ``_u4``: its other unrolls), ``fireq_pallas`` (the
   GEMM decoding in registers) and ``fireq_decoded`` (the CUDA decode, then the FP8 GEMM): the layer
   through jaxlp's kernels (:mod:`jaxlp.quantization.fireq_kernels`), activation quantization
   included; ``auto``: what ``implementation="auto"`` runs (GEMV up to 16 tokens, then the GEMM

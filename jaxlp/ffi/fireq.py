@@ -1,7 +1,7 @@
-"""FireQ W4A8 products for 1..64 tokens as a CUDA kernel on tensor cores, and the INT4 weight
+"""FireQ W4A8 products for 1..32 tokens as a CUDA kernel on tensor cores, and the INT4 weight
 decoded to E4M3 in memory (sm_90).
 
-    y = gemv(x8, codes, scales)   # float32 [M, N]: x8 [M <= 64, K] float8_e4m3fn times W8.T
+    y = gemv(x8, codes, scales)   # float32 [M, N]: x8 [M <= 32, K] float8_e4m3fn times W8.T
     w8 = decode(codes, scales)    # float8_e4m3fn [N, K]: W8
 
 with ``W8 = e4m3(q * s)`` the FireQ INT4 weight's exact FP8 values
@@ -9,7 +9,7 @@ with ``W8 = e4m3(q * s)`` the FireQ INT4 weight's exact FP8 values
 ``scales [N, K/128]`` E4M3). :mod:`jaxlp.quantization.fireq_dispatch` runs a FireQ
 ``QuantizedLinear`` through it (with the activation scales and PTS's ``1/p``). Design
 (``fireq.cu``): ``mma.sync`` m16n8k32 E4M3 with the weights as the register operand (16
-output features per CTA on the MMA's M, the tokens on its N = 8, 2, 4 or 8 token groups past 8), each
+output features per CTA on the MMA's M, the tokens on its N = 8, 2 or 4 token groups past 8), each
 thread loading 32 consecutive K of its rows (16 bytes of codes) and tokens straight into the MMA
 fragments, 1, 2 or 4 windows ahead (``unroll``: fewer registers and more CTAs per SM the fewer), and
 turning each 8 codes into ``e4m3(q * s)`` with FP16 pair
@@ -33,7 +33,7 @@ from jaxlp.ffi import build
 TARGET = "jaxlp_fireq_gemv"
 DECODE_TARGET = "jaxlp_fireq_decode"
 LIBRARY = build.Library("fireq", {TARGET: "JaxlpFireqGemv", DECODE_TARGET: "JaxlpFireqDecode"})
-MAX_TOKENS = 64  # eight token groups of the MMA's N = 8
+MAX_TOKENS = 32  # four token groups of the MMA's N = 8
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 128  # K per warp step: one scale group
 WARPS = 8  # per CTA

@@ -14,6 +14,8 @@ as XLA:CPU computes them:
 * :func:`nestedfp_fp8`: ``jaxlp.quantization.activations.nestedfp_fp8(x.astype(float32))``:
   ``scale = clip(float32(0.7 * 448) / max(amax, 1e-5), 0.1, 50)``, ``codes = e4m3(clip(x * scale,
   -448, 448))``.
+* :func:`fireq_fp8`: ``jaxlp.formats.int4_fp8.quantize_activation_fp8(x)``: ``scale = amax / 448``
+  (BF16), ``codes = e4m3(clip(x / where(scale > 0, scale, 1), -448, 448))``.
 
 where ``amax = max |x|`` over the row in float32. Like XLA:CPU (which runs with denormals
 flushed), a float32-subnormal ``|x|`` (bfloat16 / float32 inputs) counts as 0 in ``amax``, and
@@ -106,14 +108,11 @@ def token_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def fireq_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(codes [M, K] float8_e4m3fn, scale [M, 1] bfloat16)`` of ``x [M, K]``: bit for bit
-    ``jaxlp.formats.int4_fp8.quantize_activation_fp8(x)`` (``scale = amax / 448``, no floor, 0 for
-    a zero row whose codes are ``x / 1``; ``codes = e4m3(clip(x / scale))``, the scale rounded to
-    BF16 after the codes), except rows with ``amax < 448 * 2**-126`` (a float32-subnormal
-    ``amax / 448``, which the kernel keeps). The BF16 rounding is a ``reduce_precision``, which XLA
-    does not drop."""
+    ``jaxlp.formats.int4_fp8.quantize_activation_fp8(x)`` as XLA:CPU computes it (module doc): the
+    codes divided by 1 where the float32 scale is not positive there (a zero or NaN row, or a
+    float32-subnormal ``amax / 448``, which XLA:CPU flushes), then the scale rounded to BF16."""
     m, _ = _check(x, "fireq_fp8")
     codes, scale = _call(TARGETS["fireq"], x, (m,))
-    scale = jax.lax.reduce_precision(scale, exponent_bits=8, mantissa_bits=7)
     return codes, scale.astype(jnp.bfloat16)[:, None]
 
 

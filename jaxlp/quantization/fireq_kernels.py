@@ -3,7 +3,7 @@
 ``(x8 @ e4m3(q * s).T) * s_x * out_scale`` (``out_scale``: PTS's ``1/p``), the FP8 weight decoded in
 registers, never in memory:
 
-- ``implementation="fireq_cuda"`` (:mod:`jaxlp.ffi.fireq`): 1..16 tokens, and up to 64 where the
+- ``implementation="fireq_cuda"`` (:mod:`jaxlp.ffi.fireq`): 1..16 tokens, and up to 32 where the
   GEMM's tiles would not fill the GPU (:func:`gemv_tokens`), a CUDA GEMV streaming the 4-bit
   weights through ``mma.sync`` E4M3 MMAs;
 - ``implementation="fireq_pallas"``: any number of tokens, by ``design`` (:data:`GEMM_DESIGNS`):
@@ -38,10 +38,15 @@ GEMV_TOKENS = 16  # the GEMV takes this many tokens on any layer
 DECODED_FROM_TOKENS = 512  # H100, docs/perf.md "session 20": the decoded design from here on
 
 
-def default_design(tokens: int) -> str:
-    """The GEMM design for ``tokens`` tokens: ``"decoded"`` from :data:`DECODED_FROM_TOKENS` on
-    where the CUDA library is available, else ``"in_kernel"``."""
-    return "decoded" if tokens >= DECODED_FROM_TOKENS and gemv_kernel.available() else "in_kernel"
+def default_design(tokens: int, n: int, num_sms: int = 132) -> str:
+    """The GEMM design for ``tokens`` tokens and ``n`` output features, where the CUDA library is
+    available (else ``"in_kernel"``): ``"decoded"`` from :data:`DECODED_FROM_TOKENS` tokens on, and
+    wherever the in-kernel GEMM's 128-row CTA tiles would not fill the SMs (its FP8 GEMM splits
+    its tiles finer); ``"in_kernel"`` otherwise (H100: 4096 x 14336 at 256 tokens 81 vs 97 us,
+    28672 x 4096 121.7 vs 154.2)."""
+    if not gemv_kernel.available():
+        return "in_kernel"
+    return "decoded" if tokens >= DECODED_FROM_TOKENS or -(-n // 128) < num_sms else "in_kernel"
 
 
 def layer_reason(layer, x: jax.Array) -> str | None:
@@ -64,7 +69,7 @@ def layer_reason(layer, x: jax.Array) -> str | None:
 def gemv_tokens(n: int, num_sms: int = 132) -> int:
     """The most tokens the GEMV takes on a layer of ``n`` output features: :data:`GEMV_TOKENS`, and
     up to ``jaxlp.ffi.fireq.MAX_TOKENS`` where the GEMM's 128-row CTA tiles would not fill the
-    SMs (there the GEMM has no split over K: 4096 x 14336 at 64 tokens runs 32 CTAs)."""
+    SMs (there the GEMM has no split over K: 4096 x 14336 at 32 tokens runs 32 CTAs)."""
     return gemv_kernel.MAX_TOKENS if -(-n // 128) < num_sms else GEMV_TOKENS
 
 
@@ -105,7 +110,7 @@ def _quantized_tokens(layer, x):
 
 
 def matmul_gemv(layer, x: jax.Array, *, unroll: int | None = None) -> jax.Array:
-    """The layer's product before bias through the CUDA GEMV (1..64 tokens); ``unroll``: its K
+    """The layer's product before bias through the CUDA GEMV (1..32 tokens); ``unroll``: its K
     windows per pipelined step (default ``jaxlp.ffi.fireq.DEFAULT_UNROLL``)."""
     w = layer.weight.get_value()
     lead, x8, x_scale = _quantized_tokens(layer, x)
@@ -121,7 +126,7 @@ def matmul_gemm(layer, x: jax.Array, *, design: str | None = None, config=None) 
     (:class:`jaxlp.pallas.int4_fp8_matmul.MatmulConfig` or :class:`jaxlp.pallas.fp8_matmul.MatmulConfig`)."""
     w = layer.weight.get_value()
     lead, x8, x_scale = _quantized_tokens(layer, x)
-    design = design or default_design(x8.shape[0])
+    design = design or default_design(x8.shape[0], w.shape[0])
     if design not in GEMM_DESIGNS:
         raise ValueError(f"unknown FireQ GEMM design {design!r}; the designs are {GEMM_DESIGNS}")
     token_scale = x_scale * layer.out_scale
