@@ -37,7 +37,7 @@ MAX_TOKENS = 32  # four token groups of the MMA's N = 8
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 128  # K per warp step: one scale group
 WARPS = 8  # per CTA
-TARGET_CTAS = 2 * 132  # with 2-4 windows of loads in flight per warp: enough to stream the weights
+TARGET_CTAS = 132  # one per SM at least: more splits measured slower (H100, docs/perf.md "session 20")
 UNROLLS = (1, 2, 4)
 DEFAULT_UNROLL = 1  # the fastest at 1..16 tokens (H100, docs/perf.md "session 20")
 
@@ -48,8 +48,9 @@ def available() -> bool:
 
 
 def default_splits(n: int, k: int) -> int:
-    """K splits per block of 16 rows: about :data:`TARGET_CTAS` CTAs in all, each warp left with
-    at least two K windows."""
+    """K splits per block of 16 rows: 1 where there are :data:`TARGET_CTAS` blocks or more (every
+    split of 28672 x 4096, 6144 x 4096, 4096 x 4096 and 4096 x 14336 measured slower than none at 1
+    and 16 tokens), else about that many CTAs in all, each warp left with at least two K windows."""
     windows = k // WINDOW
     return max(1, min(math.ceil(TARGET_CTAS / max(n // ROWS, 1)), windows // (2 * WARPS)))
 

@@ -43,8 +43,10 @@ def layer(w, implementation="fireq_cuda", out_scale=1.0):
 
 
 def test_default_splits_fill_the_gpu_and_leave_each_warp_work():
-    assert cuda.default_splits(4096, 4096) == 2  # 256 blocks x 2 >= 264; 32 windows: 2 per warp
-    assert cuda.default_splits(1024, 14336) == 5  # 64 blocks: 5 wanted, 112 windows allow 7
+    assert cuda.default_splits(4096, 4096) == 1  # 256 blocks >= 132 SMs
+    assert cuda.default_splits(4096, 14336) == 1
+    assert cuda.default_splits(1024, 14336) == 3  # 64 blocks: 3 for 132 CTAs, 112 windows allow 7
+    assert cuda.default_splits(1024, 256) == 1  # 2 windows: none to split
     assert cuda.default_splits(28672, 4096) == 1
     for n in (16, 1024, 4096, 14336):
         for k in (128, 1024, 4096, 14336):
