@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from fireq_operands import rel
 from jaxlp.formats import int4_fp8
 from jaxlp.pallas import int4_fp8_matmul as im
 from jaxlp.pallas.wgmma_tiles import SMEM_LIMIT
@@ -107,11 +108,6 @@ def operands(rng, m, n, k):
 def float64_product(w, x8, ts):
     w64 = np.asarray(w.fp8_values()).astype(np.float64)
     return (x8.astype(np.float64) @ w64.T) * ts[:, None].astype(np.float64)
-
-
-def rel(y, ref):
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,133 @@
+"""FireQ W4A8 layer products on the kernels (``jaxlp.quantization.fireq_kernels``): the CUDA GEMV
+(``"fireq_cuda"``) and the Pallas GEMMs (``"fireq_pallas"``, both designs): what they take and
+refuse, the GEMM design and dispatch rules, the lowering (CPU), and on a GPU the products against
+float64 NumPy of the exactly decoded E4M3 weights and the quantized activations (``ml_dtypes``), with
+the format's edge values, PTS's ``1/p``, XLA's FP8 dot beside them, and ``"auto"``'s choice."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fireq_operands import rel, weights
+from jaxlp.ffi import fireq as cuda
+from jaxlp.formats import int4_fp8, nestedfp
+from jaxlp.quantization import fireq_kernels
+from jaxlp.quantization.linear import QuantizedLinear
+
+ON_GPU = jax.default_backend() == "gpu"
+# relative to float64 (FP32 sums of exact products, summation order only, then the one rounding to
+# the output: FP16 within 1e-3, BF16 within half its epsilon)
+TOL = {jnp.dtype(jnp.float16): 1e-3, jnp.dtype(jnp.bfloat16): float(jnp.finfo(jnp.bfloat16).eps) / 2}
+
+
+def layer(w, implementation="fireq_cuda", out_scale=1.0):
+    return QuantizedLinear(int4_fp8.quantize(jnp.asarray(w)), activation="fireq_fp8", out_scale=out_scale,
+                           implementation=implementation)
+
+
+def test_why_not_names_what_does_not_fit():
+    rng = np.random.default_rng(0)
+    lay = layer(weights(rng, 48, 256))
+    x = jnp.ones((2, 256), jnp.bfloat16)
+    if not ON_GPU:
+        assert "not available" in fireq_kernels.why_not_gemv(lay, x)
+        assert "needs a GPU" in fireq_kernels.why_not_gemm(lay, x)
+    assert "tokens" in fireq_kernels.why_not_gemv(lay, jnp.ones((33, 256), jnp.bfloat16))
+    assert "tokens" in fireq_kernels.why_not_gemv(lay, jnp.ones((3, 11, 256), jnp.bfloat16))
+    wide = layer(weights(rng, 132 * 128, 128))  # its GEMM tiles fill the SMs: the GEMV stops at 16
+    assert "tokens" in fireq_kernels.why_not_gemv(wide, jnp.ones((17, 128), jnp.bfloat16))
+    assert fireq_kernels.gemv_tokens(4096) == 32 and fireq_kernels.gemv_tokens(28672) == 16
+    assert "multiple of 16" in fireq_kernels.why_not_gemv(layer(weights(rng, 40, 256)), x)
+    assert "bfloat16 or float16" in fireq_kernels.why_not_gemm(lay, x.astype(jnp.float32))
+    assert "no tokens" in fireq_kernels.why_not_gemm(lay, jnp.ones((0, 256), jnp.bfloat16))
+    w4a16 = QuantizedLinear(int4_fp8.quantize(jnp.ones((48, 256))), implementation="auto")
+    assert "fireq_fp8" in fireq_kernels.why_not_gemv(w4a16, x)
+    nested = QuantizedLinear(nestedfp.quantize(jnp.ones((48, 256), jnp.float16)), implementation="auto")
+    assert "format" in fireq_kernels.why_not_gemm(nested, x)
+    groups64 = QuantizedLinear(int4_fp8.quantize(jnp.ones((48, 256)), group_size=64), activation="fireq_fp8")
+    assert "groups of 128" in fireq_kernels.why_not_gemm(groups64, x)
+
+
+def test_gemm_design_is_checked():
+    lay = layer(weights(np.random.default_rng(0), 64, 256), "fireq_pallas")
+    with pytest.raises(ValueError, match="unknown FireQ GEMM design"):
+        fireq_kernels.matmul_gemm(lay, jnp.ones((4, 256), jnp.bfloat16), design="xla")
+    assert fireq_kernels.default_design(4, 28672) == "in_kernel"
+    available = cuda.available()
+    assert fireq_kernels.default_design(4096, 28672) == ("decoded" if available else "in_kernel")
+    assert fireq_kernels.default_design(64, 4096) == ("decoded" if available else "in_kernel")
+
+
+def test_layer_product_lowers_to_the_gemv_for_cuda():
+    lay = layer(weights(np.random.default_rng(2), 64, 256), out_scale=0.25)
+    x = jnp.ones((2, 3, 256), jnp.bfloat16)
+    f = jax.jit(lambda x: fireq_kernels.matmul_gemv(lay, x))
+    assert f.eval_shape(x).shape == (2, 3, 64) and f.eval_shape(x).dtype == jnp.bfloat16
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") == 1 and cuda.TARGET in text
+
+
+def numpy_reference(w, x, out_scale=1.0):
+    """float64 product of the values the kernels multiply: ``e4m3(q * s)`` and the quantized
+    activations, times the BF16 activation scale and ``out_scale``."""
+    wq = int4_fp8.quantize(jnp.asarray(w))
+    w8 = np.asarray(wq.fp8_values()).astype(np.float64)
+    x8, scale = int4_fp8.quantize_activation_fp8(jnp.asarray(x))
+    x8 = np.asarray(x8).astype(np.float64)
+    return (x8 @ w8.T) * np.asarray(scale.astype(jnp.float32), np.float64) * out_scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("implementation", ["fireq_cuda", "fireq_pallas"])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 128), (3, 48, 1024), (8, 4096, 4096), (9, 1024, 4224), (16, 14336, 512),
+                                   (13, 4096, 14336), (17, 4096, 1024), (32, 1024, 14336)])
+def test_gpu_matches_float64(implementation, m, n, k):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    w = weights(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32) * np.exp(rng.uniform(-3, 3, (m, 1)))
+    x[0] = 0.0 if m > 1 else x[0]  # an all-zero token
+    lay = layer(w, implementation, out_scale=0.5)
+    xin = jnp.asarray(x, jnp.float16 if m % 2 else jnp.bfloat16)  # odd M: an FP16 model
+    why_not = fireq_kernels.why_not_gemv if implementation == "fireq_cuda" else fireq_kernels.why_not_gemm
+    assert why_not(lay, xin) is None
+    y = jax.jit(lambda x: lay(x))(xin)
+    ref = numpy_reference(w, xin.astype(jnp.float32), 0.5)
+    assert y.dtype == xin.dtype and y.shape == (m, n)
+    assert rel(np.asarray(y, np.float32), ref) <= TOL[y.dtype]
+    if m > 1:
+        assert not np.asarray(y[0], np.float32).any()
+    # the same as XLA's FP8 dot of the materialized FP8 weight (summation order and rounding)
+    native = jax.jit(lambda x: layer(w, "xla_native", 0.5)(x))(xin)
+    assert rel(np.asarray(y, np.float32), np.asarray(native, np.float32)) <= 2 * TOL[y.dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("design", ["in_kernel", "decoded"])
+@pytest.mark.parametrize("m", [40, 700])
+def test_gpu_gemm_designs_match_float64(design, m):
+    rng = np.random.default_rng(m)
+    w = weights(rng, 640, 1024)
+    lay = layer(w, "fireq_pallas", out_scale=0.25)
+    xin = jnp.asarray(rng.standard_normal((m, 1024)), jnp.float16)
+    y = jax.jit(lambda x: fireq_kernels.matmul_gemm(lay, x, design=design))(xin)
+    assert y.dtype == jnp.float16 and y.shape == (m, 640)
+    assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), 0.25)) <= TOL[y.dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_auto_takes_the_gemv_for_few_tokens_then_the_gemm():
+    rng = np.random.default_rng(1)
+    w = weights(rng, 256, 512)
+    lay = layer(w, "auto")
+    for m in (1, 16, 17, 32, 33, 300):
+        xin = jnp.asarray(rng.standard_normal((m, 512)), jnp.float16)
+        text = jax.jit(lambda x: lay(x)).lower(xin).as_text()
+        assert (cuda.TARGET in text) == (m <= 32) and (("mosaic_gpu" in text) == (m > 32))
+        y = jax.jit(lambda x: lay(x))(xin)
+        assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32))) <= TOL[y.dtype]

@@ -1,0 +1,48 @@
+"""scripts/bench_fireq.py: its products, floor, table and plot on the CPU (the timed run needs a GPU:
+its kernels are CUDA and Mosaic GPU ones)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import load_script
+from jaxlp.formats import int4_fp8
+
+
+def test_xla_products_are_the_layers():
+    """``bf16`` is the BF16 dot; ``xla_fp8`` the FireQ layer's own math (its pure-JAX reference)."""
+    from jaxlp.quantization import QuantizedLinear
+
+    bench = load_script("bench_fireq")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 256)).astype(np.float32) * 0.05
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
+    y = np.asarray(bench.product("bf16")(x, jnp.asarray(w, jnp.bfloat16)), np.float64)
+    want = np.asarray(x, np.float64) @ np.asarray(jnp.asarray(w, jnp.bfloat16), np.float64).T
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-2
+    q = int4_fp8.quantize(jnp.asarray(w))
+    y = np.asarray(bench.product("xla_fp8")(x, q), np.float64)
+    want = np.asarray(QuantizedLinear(q, activation="fireq_fp8")(x), np.float64)
+    assert y.shape == (5, 48) and np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-2
+    with pytest.raises(KeyError):
+        bench.product("fireq_triton")
+
+
+def test_floor_is_bytes_or_flops():
+    bench = load_script("bench_fireq")
+    n, k = 28672, 4096
+    bytes_one = n * k // 2 + n * k // 128 + 2 * (k + n)  # codes, scales, 16-bit activations in and out
+    assert bench.floor_us(1, n, k, 3.0, 1000.0) == pytest.approx(bytes_one / 3e12 * 1e6)
+    assert bench.floor_us(8192, n, k, 3.0, 1000.0) == pytest.approx(2 * 8192 * n * k / 2e15 * 1e6)
+
+
+def test_table_and_plot(tmp_path, capsys):
+    bench = load_script("bench_fireq")
+    rows = [dict(layer="ffn", m=m, floor_us=10.0, us=dict(bf16=100.0, xla_fp8=400.0, auto=a)) for m, a in ((1, 50.0),
+                                                                                                     (16, 80.0))]
+    result = dict(device="cpu", rows=rows)
+    bench.table(result)
+    text = capsys.readouterr().out
+    assert "| ffn | 1 | 10.0 | 100.0 | 400.0 |" in text and "| 2.00 | 8.00 |" in text and "| 1.25 | 5.00 |" in text
+    bench.plot(result, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
