@@ -17,8 +17,15 @@ bytes (INT4 codes, scales, 16-bit activations in and out) / copy bandwidth and 2
 measured dense BF16 rate). Method: scripts/bench_nvfp4.py's (imported): weights cycled through
 buffers > 4x the L2 so they stream from HBM, device time from a profiler trace.
 
+``--e2e``: instead, a Llama-3.1-8B-shaped model (``--layers`` layers, random BF16 weights, BF16 KV
+cache) end to end in BF16 and quantized with the ``w4a8-fireq`` recipe (PTS, CAS; ``lm_head`` BF16)
+under ``implementation="auto"``: the prompt forward pass of each ``--prefill BxS`` (ms and tokens/s;
+the issue's figure: batch 16 x 1K / 2K / 4K) and decode ms per token at ``--decode-batches`` with a
+``--context``-token cache (:mod:`bench_nestedfp`'s and :mod:`bench_kvcache`'s timers).
+
     python scripts/bench_fireq.py --out docs/bench_fireq_h100.json --plot docs/bench_fireq_h100.png
     python scripts/bench_fireq.py --ms 1,16,2048 --variants bf16,fireq_pallas
+    python scripts/bench_fireq.py --e2e --layers 8 --prefill 16x1024,16x2048,16x4096 --decode-batches 1,16
 """
 
 from __future__ import annotations
@@ -85,7 +92,15 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--plot", default=None, help="PNG: FFN speed-up over BF16 per M")
+    ap.add_argument("--e2e", action="store_true", help="the model end to end instead of the FFN GEMMs (module doc)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prefill", default="16x1024,16x2048,16x4096", help="BxS list (--e2e)")
+    ap.add_argument("--decode-batches", default="1,16", help="comma list (--e2e)")
+    ap.add_argument("--context", type=int, default=1024, help="decode cache tokens (--e2e)")
+    ap.add_argument("--tiny", action="store_true", help="a small model of the same family (CPU smoke runs)")
     args = ap.parse_args(argv)
+    if args.e2e:
+        return end_to_end(args, argv)
     ms = [int(v) for v in args.ms.split(",")]
     variants = args.variants.split(",")
     if unknown := sorted(set(variants) - set(VARIANTS)):
@@ -131,6 +146,61 @@ def main(argv=None):
     table(result)
     if args.plot:
         plot(result, args.plot)
+
+
+def end_to_end(args, argv):
+    """``--e2e``: rows of prefill and decode times, BF16 then W4A8-FireQ (module doc)."""
+    import types
+
+    from bench_decode import build_model
+    from bench_kvcache import decode_ms
+    from bench_nestedfp import LLAMA_31_8B, TINY, prefill_ms
+
+    from jaxlp import kvcache
+    from jaxlp.evals import harness
+    from jaxlp.models import from_hf_config
+    from jaxlp.quantization import quantize_model, set_implementation
+
+    try:
+        prefills = [tuple(int(v) for v in bs.split("x")) for bs in args.prefill.split(",") if bs]
+        batches = [int(b) for b in args.decode_batches.split(",") if b]
+    except ValueError:
+        raise ValueError(f"--prefill must be BxS,BxS and --decode-batches a comma list, got {args.prefill!r} and "
+                         f"{args.decode_batches!r}") from None
+    config = from_hf_config(dict(LLAMA_31_8B, num_hidden_layers=args.layers, **(TINY if args.tiny else {})))
+    timing = types.SimpleNamespace(n1=8, n2=24, repeats=args.reps, compiler_options=None)
+    cache = kvcache.get("bf16")
+    model = build_model(config, dtype=jnp.bfloat16)
+    rows = []
+
+    def measure(variant):
+        for batch, length in prefills:
+            ms = prefill_ms(model, cache, batch, length, args.reps)
+            rows.append(dict(variant=variant, part="prefill", batch=batch, tokens=length, ms=ms,
+                             tokens_per_s=batch * length / ms * 1e3))
+            print(rows[-1], flush=True)
+        for batch in batches:
+            ms = decode_ms(model, cache, batch, args.context, timing)
+            rows.append(dict(variant=variant, part="decode", batch=batch, tokens=args.context, ms=ms,
+                             tokens_per_s=batch / ms * 1e3))
+            print(rows[-1], flush=True)
+
+    measure("bf16")
+    quantize_model(model, "w4a8-fireq", inplace=True)
+    set_implementation(model, "auto")
+    measure("w4a8-fireq")
+    base = {(r["part"], r["batch"], r["tokens"]): r["ms"] for r in rows if r["variant"] == "bf16"}
+    print(f"\n## {jax.devices()[0].device_kind}, Llama-3.1-8B shape, {args.layers} layers (prefill: ms per prompt "
+          f"batch; decode: ms per token, {args.context}-token cache)")
+    print("| variant | part | batch | tokens | ms | tokens/s | x BF16 |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        r["x_bf16"] = base[r["part"], r["batch"], r["tokens"]] / r["ms"]
+        print(f"| {r['variant']} | {r['part']} | {r['batch']} | {r['tokens']} | {r['ms']:.3f} | "
+              f"{r['tokens_per_s']:.0f} | {r['x_bf16']:.2f} |")
+    if args.out:
+        harness.write_json(args.out, dict(harness.run_metadata(argv), model=f"Llama-3.1-8B shape, {args.layers} "
+                                          "layers, random BF16 weights", rows=rows))
+    return rows
 
 
 def table(result):

@@ -46,3 +46,17 @@ def test_table_and_plot(tmp_path, capsys):
     assert "| ffn | 1 | 10.0 | 100.0 | 400.0 |" in text and "| 2.00 | 8.00 |" in text and "| 1.25 | 5.00 |" in text
     bench.plot(result, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_end_to_end_on_a_tiny_model(tmp_path):
+    """``--e2e``: BF16 then W4A8-FireQ rows for each prefill and decode point, JSON written."""
+    bench = load_script("bench_fireq")
+    out = tmp_path / "e2e.json"
+    rows = bench.main(["--e2e", "--tiny", "--layers", "1", "--prefill", "2x32", "--decode-batches", "1",
+                       "--context", "32", "--reps", "1", "--out", str(out)])
+    assert [(r["variant"], r["part"]) for r in rows] == [("bf16", "prefill"), ("bf16", "decode"),
+                                                          ("w4a8-fireq", "prefill"), ("w4a8-fireq", "decode")]
+    assert all(r["ms"] > 0 and r["x_bf16"] > 0 for r in rows) and rows[0]["x_bf16"] == 1.0
+    assert out.stat().st_size > 0
+    with pytest.raises(ValueError, match="BxS"):
+        bench.main(["--e2e", "--prefill", "16-1024"])
