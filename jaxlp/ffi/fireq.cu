@@ -32,9 +32,12 @@
 #include <string>
 
 #include "launch.cuh"
+#include "mma_sync.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxlp::ldg16;
+using jaxlp::mma_e4m3;
 
 namespace jaxlp_fireq {
 
@@ -51,17 +54,6 @@ struct Params {
   float* part;            // [S, M, N]
   int m, n, k, splits;
 };
-
-__device__ __forceinline__ uint4 ldg16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // (s, s) and (s / 16, s / 16) as FP16 pairs from an E4M3 scale byte (both exact).
 __device__ __forceinline__ void scale_pairs(uint32_t s8, uint32_t& s_even, uint32_t& s_odd) {

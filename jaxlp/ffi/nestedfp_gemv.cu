@@ -24,9 +24,12 @@
 #include <string>
 
 #include "launch.cuh"
+#include "mma_sync.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxlp::ldg16;
+using jaxlp::mma_e4m3;
 
 namespace jaxlp_nestedfp {
 
@@ -43,8 +46,6 @@ struct Params {
   int m, n, k, splits;
 };
 
-__device__ __forceinline__ uint4 ldg16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
 // Four FP16 weights (two half2 words) from four upper and four lower bytes (file head).
 __device__ __forceinline__ void merge4(uint32_t u, uint32_t l, uint32_t& w01, uint32_t& w23) {
   const uint32_t t = (((u - ((l & 0x80808080u) >> 7)) >> 1) & 0x3F3F3F3Fu) | (u & 0x80808080u);
@@ -56,15 +57,6 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1,
                                         uint32_t b0, uint32_t b1) {
   asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));

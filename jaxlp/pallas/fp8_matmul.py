@@ -157,17 +157,7 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
                     y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
                     wgmma_tiles.store_transposed(y, out_smem.at[wg], y_dst, epi)
 
-                if cfg.promote:
-                    epilogue(eval_pipeline(zeros()))
-                else:
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
-                    def _acc(acc_ref):
-                        eval_pipeline(acc_ref)
-                        plgpu.wgmma_wait(0)
-                        epilogue(acc_ref[...])
-
-            def zeros():
-                return plgpu.layout_cast(jnp.full((tn, tm), 0, jnp.float32), plgpu.Layout.WGMMA)
+                wgmma_tiles.accumulate(cfg.promote, (tn, tm), eval_pipeline, epilogue)
 
             def mma_body(_, w_smem, x_smem, carry):
                 if cfg.promote:  # this step's sums from zero, added to the FP32 total
@@ -175,7 +165,7 @@ def _kernel_call(x8, w8, token_scale, channel_scale, *, out_dtype, config: Matmu
                         w, x = w_smem.at[wg_n], x_smem.at[wg_m]
                         for k0 in range(0, tk, half):  # tile_k 256: two 128-wide halves, one wait
                             plgpu.wgmma(part_ref, w.at[:, pl.ds(k0, half)], x.at[:, pl.ds(k0, half)].T)
-                    return carry + pl.run_state(step)(plgpu.ACC.init(zeros()))
+                    return wgmma_tiles.promoted_step(carry, step)
                 plgpu.wgmma(carry, w_smem.at[wg_n], x_smem.at[wg_m].T)
                 plgpu.wgmma_wait(1)  # the previous step's WGMMA: its buffers are released next
                 return carry

@@ -234,17 +234,7 @@ def _kernel_call(x8, codes, scales_t, token_scale, *, out_dtype, config: MatmulC
                     y_dst = y_gmem.at[cta_m, cta_n].at[wg_m, wg_n]
                     wgmma_tiles.store_transposed(y, out_smem.at[wg], y_dst, epi)
 
-                if cfg.promote:
-                    epilogue(eval_pipeline(zeros()))
-                else:
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
-                    def _acc(acc_ref):
-                        eval_pipeline(acc_ref)
-                        plgpu.wgmma_wait(0)
-                        epilogue(acc_ref[...])
-
-            def zeros():
-                return plgpu.layout_cast(jnp.full((tn, tm), 0, jnp.float32), plgpu.Layout.WGMMA)
+                wgmma_tiles.accumulate(cfg.promote, (tn, tm), eval_pipeline, epilogue)
 
             def mma_body(idx, c_smem, s_smem, x_smem, carry):
                 codes = plgpu.layout_cast(c_smem.at[wg_n][...], plgpu.Layout.WGMMA_8BIT)
@@ -255,9 +245,7 @@ def _kernel_call(x8, codes, scales_t, token_scale, *, out_dtype, config: MatmulC
                 plgpu.commit_smem()
                 x = x_smem.at[wg_m].T
                 if cfg.promote:  # this step's sums from zero, added to the FP32 total
-                    def step(part_ref):
-                        plgpu.wgmma(part_ref, w_tile, x)
-                    return carry + pl.run_state(step)(plgpu.ACC.init(zeros()))
+                    return wgmma_tiles.promoted_step(carry, lambda part_ref: plgpu.wgmma(part_ref, w_tile, x))
                 plgpu.wgmma(carry, w_tile, x)
                 plgpu.wgmma_wait(1)  # the previous step's WGMMA: its buffers are released next
                 return carry

@@ -130,6 +130,45 @@ def persistent_tiles(cfg: Tiles, get_pipeline, operands, m_iters: int, n_iters: 
             tile(wg, tile_slices(cfg, info.index[0], m_iters, n_iters, wg), allocs)
 
 
+def zeros(shape) -> jax.Array:
+    """FP32 zeros ``shape`` in the WGMMA accumulator layout (inside a kernel)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.numpy as jnp
+
+    return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def accumulate(promote: bool, shape, eval_pipeline, epilogue) -> None:
+    """Runs a K pipeline whose steps accumulate ``shape`` FP32 sums, then ``epilogue(sums)``: with
+    ``promote`` the sums are registers the steps carry (each adds its own WGMMA sums,
+    :func:`promoted_step`), else one WGMMA accumulator the steps' WGMMAs add into (waited for
+    before the epilogue)."""
+    import functools
+
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.numpy as jnp
+
+    if promote:
+        epilogue(eval_pipeline(zeros(shape)))
+        return
+
+    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(shape, jnp.float32))
+    def _acc(acc_ref):
+        eval_pipeline(acc_ref)
+        plgpu.wgmma_wait(0)
+        epilogue(acc_ref[...])
+
+
+def promoted_step(carry: jax.Array, issue) -> jax.Array:
+    """``carry`` plus this step's sums: ``issue(acc_ref)`` issues the step's WGMMAs into an
+    accumulator that starts from zero (the tensor cores' FP8 sums stay within one step)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return carry + pl.run_state(issue)(plgpu.ACC.init(zeros(carry.shape)))
+
+
 def store_transposed(y, out_smem, y_dst, chunk: int) -> None:
     """``y [rows, tokens]`` (registers, the swapped operands' accumulator layout) to ``y_dst
     [tokens, rows]`` (GMEM) as ``y^T``, ``chunk`` tokens at a time through ``out_smem [chunk, rows]``."""
