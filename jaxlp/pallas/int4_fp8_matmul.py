@@ -41,9 +41,9 @@ CODE_BYTES = GROUP_SIZE // 2  # bytes of codes per row and K step
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig(Tiles):
     """Tiling of :func:`int4_fp8_matmul` (:class:`~jaxlp.pallas.wgmma_tiles.Tiles`): tile_k is one
-    scale group (128); tile_m a multiple of 8 in [8, 256] (<= 128 with ``promote``); the CTA's weight
-rows (``cta_tile_n``) a multiple of 128 (each step's scales: one 128-byte aligned copy). promote: each
-    step's FP8 WGMMA sums start from zero and are added to FP32 registers (as
+    scale group (128); tile_m a multiple of 8 in [8, 256] (<= 128 with ``promote``); the CTA's
+    weight rows (``cta_tile_n``) a multiple of 128 (each step's scales: one 128-byte aligned copy).
+    promote: each step's FP8 WGMMA sums start from zero and are added to FP32 registers (as
     :class:`jaxlp.pallas.fp8_matmul.MatmulConfig`)."""
 
     tile_k: int = GROUP_SIZE

@@ -10,7 +10,8 @@ registers, never in memory:
   ``"in_kernel"`` (:mod:`jaxlp.pallas.int4_fp8_matmul`: a Pallas Mosaic GPU FP8 WGMMA GEMM decoding
   the weight tiles in registers) or ``"decoded"`` (the CUDA decode writes the E4M3 weight, then the
   Pallas FP8 GEMM of :mod:`jaxlp.pallas.fp8_matmul` reads it: one more pass over the weight, which
-  pays where many tokens share it); the default by tokens (:func:`default_design`).
+  pays where many tokens share it); the default by tokens and the layer's width
+  (:func:`default_design`).
 
 ``"auto"`` tries them in that order on a GPU (so the GEMV for few tokens, the GEMM past them),
 before XLA's FP8 dot on the materialized FP8 weight (:mod:`jaxlp.quantization.native_dot`). The
@@ -30,6 +31,7 @@ from jaxlp.ffi import fp8_activations as quantize_cuda
 from jaxlp.formats import int4_fp8
 from jaxlp.pallas import fp8_matmul as fp8_kernel
 from jaxlp.pallas import int4_fp8_matmul as gemm_kernel
+from jaxlp.pallas import wgmma_tiles
 
 GEMV_IMPLEMENTATION = "fireq_cuda"
 GEMM_IMPLEMENTATION = "fireq_pallas"
@@ -38,7 +40,7 @@ GEMV_TOKENS = 16  # the GEMV takes this many tokens on any layer
 DECODED_FROM_TOKENS = 512  # H100, docs/perf.md "session 20": the decoded design from here on
 
 
-def default_design(tokens: int, n: int, num_sms: int = 132) -> str:
+def default_design(tokens: int, n: int, num_sms: int | None = None) -> str:
     """The GEMM design for ``tokens`` tokens and ``n`` output features, where the CUDA library is
     available (else ``"in_kernel"``): ``"decoded"`` from :data:`DECODED_FROM_TOKENS` tokens on, and
     wherever the in-kernel GEMM's 128-row CTA tiles would not fill the SMs (its FP8 GEMM splits
@@ -46,7 +48,8 @@ def default_design(tokens: int, n: int, num_sms: int = 132) -> str:
     28672 x 4096 121.7 vs 154.2)."""
     if not gemv_kernel.available():
         return "in_kernel"
-    return "decoded" if tokens >= DECODED_FROM_TOKENS or -(-n // 128) < num_sms else "in_kernel"
+    narrow = -(-n // 128) < (num_sms or wgmma_tiles.num_sms())
+    return "decoded" if tokens >= DECODED_FROM_TOKENS or narrow else "in_kernel"
 
 
 def layer_reason(layer, x: jax.Array) -> str | None:
@@ -66,11 +69,12 @@ def layer_reason(layer, x: jax.Array) -> str | None:
     return None
 
 
-def gemv_tokens(n: int, num_sms: int = 132) -> int:
+def gemv_tokens(n: int, num_sms: int | None = None) -> int:
     """The most tokens the GEMV takes on a layer of ``n`` output features: :data:`GEMV_TOKENS`, and
     up to ``jaxlp.ffi.fireq.MAX_TOKENS`` where the GEMM's 128-row CTA tiles would not fill the
-    SMs (there the GEMM has no split over K: 4096 x 14336 at 32 tokens runs 32 CTAs)."""
-    return gemv_kernel.MAX_TOKENS if -(-n // 128) < num_sms else GEMV_TOKENS
+    ``num_sms`` SMs (default: the device's; the GEMM has no split over K: 4096 x 14336 at 32
+    tokens runs 32 CTAs)."""
+    return gemv_kernel.MAX_TOKENS if -(-n // 128) < (num_sms or wgmma_tiles.num_sms()) else GEMV_TOKENS
 
 
 def why_not_gemv(layer, x: jax.Array) -> str | None:
