@@ -212,7 +212,8 @@ def table(result):
         best = us.get("auto")
         x_bf16 = f"{us['bf16'] / best:.2f}" if best and us.get("bf16") else ""
         x_fp8 = f"{us['xla_fp8'] / best:.2f}" if best and us.get("xla_fp8") else ""
-        print(f"| {row['layer']} | {row['m']} | {row['floor_us']:.1f} | " + " | ".join(cells) + f" | {x_bf16} | {x_fp8} |")
+        print(f"| {row['layer']} | {row['m']} | {row['floor_us']:.1f} | " + " | ".join(cells)
+              + f" | {x_bf16} | {x_fp8} |")
 
 
 def plot(result, path):
@@ -223,10 +224,11 @@ def plot(result, path):
 
     rows = [r for r in result["rows"] if r["layer"] == "ffn" and r["us"].get("bf16")]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("xla_fp8", "auto"):
+    labels = {"auto": "FireQ W4A8 (jaxlp kernels)", "xla_fp8": "W4A8, XLA FP8 dot"}
+    for name, label in labels.items():
         pts = [(r["m"], r["us"]["bf16"] / r["us"][name]) for r in rows if r["us"].get(name)]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label={"auto": "FireQ W4A8 (jaxlp kernels)", "xla_fp8": "W4A8, XLA FP8 dot"}[name])
+            ax.plot(*zip(*pts), marker="o", label=label)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens (M)")

@@ -5,10 +5,10 @@
 //            codes[m, k] = e4m3(clip(x[m, k] / scale[m], -448, 448))    granularity="token")
 //   nested:  scale[m] = clip(313.6f / max(amax, 1e-5f), 0.1, 50)       (jaxlp.quantization.
 //            codes[m, k] = e4m3(clip(x[m, k] * scale[m], -448, 448))    activations.nestedfp_fp8)
-//   fireq:   scale[m] = amax / 448; the codes' divisor 1 where it is     (jaxlp.formats.int4_fp8.
-//            not positive (zero, NaN, float32-subnormal: flushed, as XLA:CPU)
-//            codes[m, k] = e4m3(clip(x[m, k] / scale[m], -448, 448))    quantize_activation_fp8,
-//                                                                        before its BF16 scale)
+//   fireq:   scale[m] = amax / 448                                       (jaxlp.formats.int4_fp8.
+//            codes[m, k] = e4m3(clip(x[m, k] / d[m], -448, 448))         quantize_activation_fp8,
+//            d = scale where XLA:CPU sees it positive, else 1 (zero,     before its BF16 scale)
+//            NaN, and float32-subnormal scales, which it flushes)
 //
 // with amax = max_k |x[m, k]| in float32, x bfloat16, float16 or float32, bit for bit what XLA:CPU
 // computes for the references (their divisions are IEEE-correctly rounded there: exact_divide, and

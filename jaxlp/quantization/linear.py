@@ -15,8 +15,8 @@ tokens through a Pallas WGMMA GEMM that rebuilds the FP16 weight inside the GEMM
 :mod:`jaxlp.quantization.fp8_gemm`, NestedFP's FP8 mode and W8A8-FP8 through a Pallas FP8 GEMM with
 the scales in its epilogue, ``"fp8_pallas_fast"`` the same without promoting its FP8 sums, explicit
 only; ``"fireq_cuda"`` / ``"fireq_pallas"``: :mod:`jaxlp.quantization.fireq_kernels`, FireQ W4A8
-through a CUDA GEMV for 1..16 tokens and a Pallas FP8 WGMMA GEMM, the INT4 weight decoded to FP8
-in registers); ``"auto"``
+through a CUDA GEMV for 1..16 tokens (32 on narrow layers) and Pallas FP8 WGMMA GEMMs, the INT4
+weight decoded to FP8 in registers or by a CUDA pass); ``"auto"``
 takes the first that supports the layer and the input, else ``"xla"``.
 
 Tensor parallelism (:func:`jaxlp.models.shard_model` calls :meth:`QuantizedLinear.set_parallel`):
@@ -80,7 +80,8 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({
     nestedfp_dispatch.IMPLEMENTATION: Kernel(nestedfp_dispatch.why_not, nestedfp_dispatch.matmul),
     nestedfp_gemm.IMPLEMENTATION: Kernel(nestedfp_gemm.why_not, nestedfp_gemm.matmul),  # FP16 mode past 8 tokens
     fp8_gemm.IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul),  # NestedFP8 past 8 tokens, W8A8
-    fireq_kernels.GEMV_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemv, fireq_kernels.matmul_gemv),  # 1..16 tokens
+    # FireQ W4A8: the GEMV for 1..16 tokens (32 on narrow layers), the GEMMs past them
+    fireq_kernels.GEMV_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemv, fireq_kernels.matmul_gemv),
     fireq_kernels.GEMM_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemm, fireq_kernels.matmul_gemm),
     native_dot.IMPLEMENTATION: Kernel(native_dot.why_not, native_dot.matmul),
     fp8_gemm.FAST_IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul_fast),  # explicit: FP8 sums unpromoted
