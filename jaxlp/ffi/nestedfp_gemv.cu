@@ -30,6 +30,7 @@
 namespace ffi = xla::ffi;
 using jaxlp::ldg16;
 using jaxlp::mma_e4m3;
+using jaxlp::mma_f16;
 
 namespace jaxlp_nestedfp {
 
@@ -51,15 +52,6 @@ __device__ __forceinline__ void merge4(uint32_t u, uint32_t l, uint32_t& w01, ui
   const uint32_t t = (((u - ((l & 0x80808080u) >> 7)) >> 1) & 0x3F3F3F3Fu) | (u & 0x80808080u);
   w01 = __byte_perm(l, t, 0x5140);
   w23 = __byte_perm(l, t, 0x7362);
-}
-
-__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // One thread's share of a 64-wide K window: 16 K of rows g and g + 8 (upper bytes, and lower
