@@ -49,7 +49,7 @@ import bench_nvfp4 as bn  # noqa: E402
 from jaxlp.ffi import fireq as fireq_cuda  # noqa: E402
 from jaxlp.formats import int4_fp8  # noqa: E402
 from jaxlp.progress import Reporter  # noqa: E402
-from jaxlp.quantization import fireq_kernels, native_dot  # noqa: E402
+from jaxlp.quantization import fireq_kernels, linear, native_dot  # noqa: E402
 
 FFN_SHAPES = (("gate_up", 28672, 4096), ("down", 4096, 14336))
 TARGET_BYTES = 220 << 20  # BF16 weight buffers per shape: > 4x the 50 MB L2
@@ -64,9 +64,8 @@ def layer_view(w):
 
 
 def auto(layer, x):
-    if fireq_kernels.why_not_gemv(layer, x) is None:
-        return fireq_kernels.matmul_gemv(layer, x)
-    return fireq_kernels.matmul_gemm(layer, x)
+    """What ``QuantizedLinear``'s ``"auto"`` runs: the first kernel of ``linear.KERNELS`` that takes it."""
+    return next(k for k in linear.KERNELS.values() if k.why_not(layer, x) is None).matmul(layer, x)
 
 
 def product(name: str):

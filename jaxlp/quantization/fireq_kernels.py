@@ -101,7 +101,7 @@ def why_not_gemm(layer, x: jax.Array) -> str | None:
     return None
 
 
-def _quantized_tokens(layer, x):
+def _quantized_tokens(x):
     """``(lead shape, x8 [T, K], s_x [T] float32)``: the ``fireq_fp8`` codes and their BF16 scale,
     by the one-pass CUDA quantizer where its library is available (:func:`jaxlp.ffi.fp8_activations.fireq_fp8`:
     the XLA quantizer's bits), else by XLA. The scale's rounding is a ``reduce_precision``: XLA on a
@@ -117,7 +117,7 @@ def matmul_gemv(layer, x: jax.Array, *, unroll: int | None = None) -> jax.Array:
     """The layer's product before bias through the CUDA GEMV (1..32 tokens); ``unroll``: its K
     windows per pipelined step (default ``jaxlp.ffi.fireq.DEFAULT_UNROLL``)."""
     w = layer.weight.get_value()
-    lead, x8, x_scale = _quantized_tokens(layer, x)
+    lead, x8, x_scale = _quantized_tokens(x)
     y = gemv_kernel.gemv(x8, w.codes, w.scales, unroll=unroll or gemv_kernel.DEFAULT_UNROLL) * x_scale[:, None]
     if layer.out_scale != 1.0:
         y = y * layer.out_scale
@@ -129,7 +129,7 @@ def matmul_gemm(layer, x: jax.Array, *, design: str | None = None, config=None) 
     :data:`GEMM_DESIGNS` (default :func:`default_design`), ``config`` its kernel's tiling
     (:class:`jaxlp.pallas.int4_fp8_matmul.MatmulConfig` or :class:`jaxlp.pallas.fp8_matmul.MatmulConfig`)."""
     w = layer.weight.get_value()
-    lead, x8, x_scale = _quantized_tokens(layer, x)
+    lead, x8, x_scale = _quantized_tokens(x)
     design = design or default_design(x8.shape[0], w.shape[0])
     if design not in GEMM_DESIGNS:
         raise ValueError(f"unknown FireQ GEMM design {design!r}; the designs are {GEMM_DESIGNS}")
