@@ -7,6 +7,7 @@ lengths). First the plain FP16 model (XLA's FP16 dots); then the same weights qu
 ``nestedfp`` recipe (``lm_head`` stays FP16) under ``implementation="auto"`` in FP16 mode and in
 FP8 mode (``set_mode``: the same stored bytes). On a GPU, ``auto`` runs ``jaxlp.ffi.nestedfp`` for
 batches of at most 8 tokens and the Pallas GEMMs above (``nestedfp_pallas``, ``fp8_pallas``).
+``--fused``: q/k/v and gate/up as one linear each in every model (:func:`jaxlp.models.fuse_projections`).
 ``--prefill BxS`` (e.g. ``1x2048``) also times the prompt forward pass into an empty cache (one
 jitted call, median of ``--repeats`` after a warm-up; 0 tokens: skipped). ``--switch`` also
 times the per-step precision switch (:mod:`jaxlp.quantization.precision`): one compiled decode
@@ -26,6 +27,7 @@ Prints a table; ``--out`` writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -71,6 +73,8 @@ def main(argv=None):
     p.add_argument("--generate", default="", help="comma list of GENERATE_POLICIES names: time jaxlp.generate")
     p.add_argument("--compiler-options", type=compiler_options, default={},
                    help="XLA options for the decode programs, e.g. xla_gpu_enable_command_buffer=+CONDITIONAL")
+    p.add_argument("--fused", action="store_true",
+                   help="fused q/k/v and gate/up projections (jaxlp.models.fuse_projections), FP16 included")
     p.add_argument("--tiny", action="store_true", help="a small model of the same family (CPU smoke runs)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -83,7 +87,7 @@ def main(argv=None):
     if unknown:
         raise ValueError(f"--generate: unknown precision {unknown}; choose from {sorted(GENERATE_POLICIES)}")
     cfg = dict(LLAMA_31_8B, num_hidden_layers=args.layers, **(TINY if args.tiny else {}))
-    config = from_hf_config(cfg)
+    config = dataclasses.replace(from_hf_config(cfg), fused_projections=args.fused)
     timing = types.SimpleNamespace(n1=args.n1, n2=args.n2, repeats=args.repeats, compiler_options=args.compiler_options)
     cache = kvcache.get("fp16")
     model = build_model(config, dtype=jnp.float16)
@@ -120,13 +124,13 @@ def main(argv=None):
     for r in rows:
         r["x_fp16"] = base[r["part"], r["batch"]] / r["ms"]
     print(f"\n## ms (prefill: per prompt; decode: per token), {jax.devices()[0].device_kind}, Llama-3.1-8B shape, "
-          f"{args.layers} layers, decode context {args.context}")
+          f"{args.layers} layers" + (", fused projections" if args.fused else "") + f", decode context {args.context}")
     print(f"{'variant':14s} {'part':8s} {'batch':>5s} {'tokens':>6s} {'ms':>9s} {'x fp16':>7s}")
     for r in rows:
         print(f"{r['variant']:14s} {r['part']:8s} {r['batch']:5d} {r['context']:6d} {r['ms']:9.3f} {r['x_fp16']:7.2f}")
     if args.out:
         harness.write_json(args.out, dict(harness.run_metadata(argv), model=f"Llama-3.1-8B shape, {args.layers} "
-                                          "layers, random FP16 weights", rows=rows))
+                                          "layers, random FP16 weights", fused_projections=args.fused, rows=rows))
     return rows
 
 

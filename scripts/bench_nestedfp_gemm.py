@@ -13,8 +13,10 @@ side in one run, by ``--mode``:
   in the call) through the same layer product.
 
 ``--configs``: the Pallas kernel's tilings (``default``: the kernel's default of M, or
-``MatmulConfig`` names) and ``xla``: the same layer through XLA's own dots
-(:mod:`jaxlp.quantization.native_dot`: merge-then-dot in FP16 mode, the FP8 dot then a scale pass).
+``MatmulConfig`` names), ``xla``: the same layer through XLA's own dots
+(:mod:`jaxlp.quantization.native_dot`: merge-then-dot in FP16 mode, the FP8 dot then a scale pass),
+and for 1..8 tokens ``gemv`` / ``gemvU<unroll>S<splits>`` (``S0``: the default splits): the CUDA
+GEMV of :mod:`jaxlp.ffi.nestedfp` through the layer product (:mod:`jaxlp.quantization.nestedfp_dispatch`).
 Per GEMM: us of device time, the ratio ``baseline / best`` (> 1: faster than the baseline) and
 the floor of ours (the larger of its bytes (stored weight, 16-bit activations in and out) / copy
 bandwidth and 2MNK / the measured dense BF16 rate, FP8 modes twice that rate). Summary: the mean and worst gap per shape and over all
@@ -28,6 +30,7 @@ flushes caches), every call with its own activations; device time from a profile
     python scripts/bench_nestedfp_gemm.py --mode fp8 --shapes 12288x4096 --ms 256,2048 --configs default,xla
     python scripts/bench_nestedfp_gemm.py --shapes 12288x4096 --ms 128,512,2048 \\
         --configs default,N64M128K64S4nm8s,N64M256K64S3nm8   # a tile sweep
+    python scripts/bench_nestedfp_gemm.py --mode fp8 --shapes 28672x4096 --ms 1,8 --configs gemv,gemvU1S1,gemvU2S0
 """
 
 from __future__ import annotations
@@ -48,11 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_nvfp4 as bn  # noqa: E402
 
+from jaxlp.ffi import nestedfp as cuda_nestedfp  # noqa: E402
 from jaxlp.formats import fp8, nestedfp  # noqa: E402
 from jaxlp.pallas import fp8_matmul as fm  # noqa: E402
 from jaxlp.pallas import nestedfp_matmul as nm  # noqa: E402
 from jaxlp.progress import Reporter  # noqa: E402
-from jaxlp.quantization import fp8_gemm, native_dot  # noqa: E402
+from jaxlp.quantization import fp8_gemm, native_dot, nestedfp_dispatch  # noqa: E402
 
 # (model, layer, N, K): each model's qkv, o, gate_up, down.
 PAPER_SHAPES = (
@@ -71,12 +75,18 @@ MODES = ("fp16", "fp8", "w8a8")
 
 
 def parse_config(name: str, mode: str = "fp16"):
-    """``default`` (None: the kernel's default of M), ``xla`` (XLA's dots) or a kernel config name:
+    """``default`` (None: the kernel's default of M), ``xla`` (XLA's dots), ``gemv[U<u>S<s>]`` (the
+    GEMV's keywords) or a kernel config name:
     :attr:`nestedfp_matmul.MatmulConfig.name` in FP16 mode (``N64M256K64S3nm8``, ``...s`` for the
     weight tile through shared memory, ``...-jnp`` for the array-op merge), else
     :attr:`fp8_matmul.MatmulConfig.name` (``N64M128K128S5nm8p``, ``p``: step sums promoted)."""
     if name in ("default", "xla"):
         return None
+    if gemv := re.fullmatch(r"gemv(?:U([124])S(\d+))?", name):
+        if mode == "w8a8":
+            raise ValueError("the NestedFP GEMV configs take --mode fp16 or fp8")
+        unroll, splits = gemv.groups()
+        return dict(unroll=int(unroll) if unroll else None, splits=int(splits or 0) or None)
     m = re.fullmatch(r"N(\d+)M(\d+)K(\d+)S(\d+)([nm])([nm])(\d+)([sp]?)(?:-(\w+))?", name)
     if not m:
         raise ValueError(f"config {name!r} is not 'default', 'xla' or a MatmulConfig name like N64M128K64S4nm8")
@@ -100,6 +110,8 @@ def product(mode: str, name: str, cfg):
     """``fn(x, w)`` of one variant."""
     if name == "xla":
         return lambda x, w: native_dot.matmul(layer_view(w, mode), x)
+    if name.startswith("gemv"):
+        return lambda x, w: nestedfp_dispatch.matmul(layer_view(w, mode), x, **cfg)
     if mode == "fp16":
         return lambda x, w: nm.nestedfp_matmul(x, w, config=cfg)
     return lambda x, w: fp8_gemm.matmul(layer_view(w, mode), x, config=cfg)  # quantizer + FP8 GEMM
@@ -125,7 +137,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="paper", help="'paper' (the 14 shapes) or NxK,NxK")
     ap.add_argument("--ms", default="32:2048:32", help="token counts: start:stop:step or a comma list")
     ap.add_argument("--configs", default="default",
-                    help="comma-separated: 'default', 'xla' and/or MatmulConfig names")
+                    help="comma-separated: 'default', 'xla', 'gemv[U<unroll>S<splits>]' and/or MatmulConfig names")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
     ap.add_argument("--out", default=None, help="JSON file")
@@ -169,6 +181,8 @@ def main(argv=None):
                 jobs.add("base", lambda x, w: jnp.dot(x, w.T),  # 16-bit out (FP32 sums inside cuBLAS)
                          w16, m, k, base_dtype)
                 for name, cfg in configs:
+                    if name.startswith("gemv") and m > cuda_nestedfp.MAX_TOKENS:
+                        continue
                     jobs.add(name, product(mode, name, cfg), ours, m, k, base_dtype)
                 times = {kk: bn._pick(t) for kk, t in jobs.run().items()}
                 rate = result["fp16_tflops"] * (1 if mode == "fp16" else 2)

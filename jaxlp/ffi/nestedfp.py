@@ -2,14 +2,16 @@
 
     y = gemv(x, upper, lower)   # float32 [M, N]: x [M <= 8, K] float16 times merge(upper, lower).T
     y = gemv(x8, upper, None)   # x8 [M, K] float8_e4m3fn times e4m3(upper).T (FP8 mode)
+    y = gemv(x8, upper, None, divisor=s, multiplier=2**-8, out_dtype=jnp.float16)  # (x8 @ W8.T / s) * 2**-8
 
 :mod:`jaxlp.quantization.nestedfp_dispatch` runs a NestedFP ``QuantizedLinear`` through it (with
 the FP8 mode's activation scales). Design (``nestedfp_gemv.cu``): ``mma.sync`` with the weights as
 the register operand (16 output features per CTA on the MMA's M, the tokens on its N = 8), each
-thread loading 16 consecutive K of its rows and token straight into the MMA fragments, a few
-windows ahead; FP16 mode rebuilds the FP16 weights in registers (never in memory), FP8 mode reads
-the upper bytes alone. The K range is split over ``splits`` CTAs per row block (8 warps each)
-whose float32 partial sums XLA adds. Shapes: ``N`` a multiple of 16, ``K`` a multiple of 64. The
+thread loading 16 consecutive K of its rows and token straight into the MMA fragments, 1, 2 or 4
+windows ahead (``unroll``: fewer registers and more CTAs per SM the fewer); FP16 mode rebuilds the FP16 weights in registers (never in memory), FP8 mode reads
+the upper bytes alone. The K range is split over ``splits`` (1..8) CTAs per row block (8 warps
+each), one thread-block cluster whose first CTA adds the others' FP32 sums through distributed
+shared memory and writes the scaled product in the output dtype: one kernel per product. Shapes: ``N`` a multiple of 16, ``K`` a multiple of 64. The
 library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
 
@@ -19,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlp.ffi import build
 
@@ -26,10 +29,16 @@ TARGETS = {"fp16": "jaxlp_nestedfp16_gemv", "fp8": "jaxlp_nestedfp8_gemv"}
 LIBRARY = build.Library("nestedfp_gemv",
                         {TARGETS["fp16"]: "JaxlpNestedFP16Gemv", TARGETS["fp8"]: "JaxlpNestedFP8Gemv"})
 MAX_TOKENS = 8  # the MMA's N
+MAX_SPLITS = 8  # CTAs per cluster (the portable cluster size)
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 64  # K per warp step
 WARPS = 8  # per CTA
-TARGET_CTAS = 2 * 132  # with 2-4 windows of loads in flight per warp: enough to stream the weights
+SMS = 132  # H100 SXM
+UNROLLS = (1, 2, 4)
+# Windows in flight per warp by mode, for a grid that fits one wave at 3 CTAs per SM and for a
+# larger one (H100, docs/perf.md "session 21": fewer registers win while every CTA is resident).
+DEFAULT_UNROLL = {"fp16": (1, 2), "fp8": (2, 4)}
+OUT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
 def available() -> bool:
@@ -38,18 +47,41 @@ def available() -> bool:
 
 
 def default_splits(n: int, k: int) -> int:
-    """K splits per block of 16 rows: about :data:`TARGET_CTAS` CTAs in all, each warp left with
-    at least two K windows."""
-    windows = k // WINDOW
-    return max(1, min(math.ceil(TARGET_CTAS / max(n // ROWS, 1)), windows // (2 * WARPS)))
+    """K splits per block of 16 rows: 1 where the blocks give every SM one CTA (clusters of more
+    CTAs measured slower there), else about two CTAs per SM in all, at most :data:`MAX_SPLITS`,
+    each warp left with at least two K windows."""
+    blocks, windows = max(n // ROWS, 1), k // WINDOW
+    if blocks >= SMS:
+        return 1
+    return max(1, min(math.ceil(2 * SMS / blocks), windows // (2 * WARPS), MAX_SPLITS))
 
 
-def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int | None = None) -> jax.Array:
-    """The kernel's float32 ``[M, N]`` product of ``x [M, K]`` (float16: FP16 mode with ``lower``;
-    float8_e4m3fn: FP8 mode on ``upper`` alone, ``lower`` None) and the ``[N, K]`` weight bytes."""
+def default_unroll(mode: str, n: int, splits: int) -> int:
+    """K windows per pipelined step (:data:`DEFAULT_UNROLL`): the first where the grid of ``n / 16``
+    row blocks x ``splits`` fits one wave at 3 CTAs per SM, else the second."""
+    return DEFAULT_UNROLL[mode][0 if (n // ROWS) * splits <= 3 * SMS else 1]
+
+
+def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int | None = None,
+         unroll: int | None = None, divisor: jax.Array | None = None, multiplier: float = 1.0,
+         out_dtype=jnp.float32) -> jax.Array:
+    """``((x @ W.T) / divisor[:, None]) * multiplier`` in ``out_dtype`` (float32, float16 or
+    bfloat16; FP32 sums) for ``x [M, K]`` (float16: FP16 mode, ``W = merge(upper, lower)``;
+    float8_e4m3fn: FP8 mode, ``W = e4m3(upper)``, ``lower`` None) and the ``[N, K]`` weight bytes.
+    divisor: float32 per token ``[M]`` (or ``[M, 1]``; default none); splits: CTAs per 16 rows
+    along K (1..8, default :func:`default_splits`); unroll: K windows per pipelined step (1, 2 or
+    4; default :func:`default_unroll`)."""
     m, k = x.shape
     n = upper.shape[0]
     fp8 = lower is None
+    splits = splits or default_splits(n, k)
+    unroll = unroll or default_unroll("fp8" if fp8 else "fp16", n, splits)
+    if unroll not in UNROLLS:
+        raise ValueError(f"nestedfp gemv: unroll must be one of {UNROLLS}, got {unroll!r}")
+    if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in OUT_DTYPES]:
+        raise ValueError(f"nestedfp gemv: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    if divisor is not None and divisor.size != m:
+        raise ValueError(f"nestedfp gemv: divisor must hold one value per token ({m}), got shape {divisor.shape}")
     want = jnp.float8_e4m3fn if fp8 else jnp.float16
     if jnp.dtype(x.dtype) != jnp.dtype(want):
         mode = "FP8" if fp8 else "FP16"
@@ -61,8 +93,11 @@ def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int
     if not 1 <= m <= MAX_TOKENS or n % ROWS or k % WINDOW:
         raise ValueError(f"nestedfp gemv: takes 1..{MAX_TOKENS} tokens, N a multiple of {ROWS}, K of {WINDOW}; "
                          f"got M={m}, N={n}, K={k}")
-    splits = splits or default_splits(n, k)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"nestedfp gemv: splits must be 1..{MAX_SPLITS}, got {splits}")
     if build.on_gpu():
         LIBRARY.load()
-    call = jax.ffi.ffi_call(TARGETS["fp8" if fp8 else "fp16"], jax.ShapeDtypeStruct((splits, m, n), jnp.float32))
-    return call(x, upper, upper if fp8 else lower).sum(axis=0)
+    div = jnp.ones((m,), jnp.float32) if divisor is None else divisor.reshape(m).astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGETS["fp8" if fp8 else "fp16"], jax.ShapeDtypeStruct((m, n), out_dtype))
+    return call(x, upper, upper if fp8 else lower, div, splits=np.int32(splits), unroll=np.int32(unroll),
+                multiplier=np.float32(multiplier))

@@ -1,10 +1,11 @@
 // NestedFP products for a few tokens (M = 1..8) on tensor cores (XLA FFI custom call, sm_90);
 // Python side: jaxlp/ffi/nestedfp.py.
 //
-//   FP16 mode:  part[s, m, n] = sum_k x[m, k] * merge(upper, lower)[n, k]   (x FP16)
-//   FP8 mode:   part[s, m, n] = sum_k x8[m, k] * e4m3(upper)[n, k]           (x8 E4M3 codes)
+//   FP16 mode:  acc[s, m, n] = sum_k x[m, k] * merge(upper, lower)[n, k]   (x FP16)
+//   FP8 mode:   acc[s, m, n] = sum_k x8[m, k] * e4m3(upper)[n, k]           (x8 E4M3 codes)
 //
-// over split s's share of K, in FP32 (the caller sums the splits and applies the scales). The
+// over split s's share of K, in FP32; out[m, n] = (sum_s acc[s, m, n] / divisor[m]) * multiplier in
+// the output's dtype (float32, float16 or bfloat16), the splits added in rank order. The
 // weights are the register operand of `mma.sync` with the operands swapped (W x^T: 16 output
 // features on the MMA's M, the tokens on its N = 8), so the weight bytes go from global memory
 // into registers once and are never staged. Each thread loads 16 consecutive K of its two rows
@@ -15,18 +16,25 @@
 //   t = (((U - ((L & 0x80808080) >> 7)) >> 1) & 0x3F3F3F3F) | (U & 0x80808080),
 //   (w0, w1) = prmt(L, t, 0x5140), (w2, w3) = prmt(L, t, 0x7362).
 // FP8 mode reads the upper bytes only (half the bytes): m16n8k32 E4M3 MMAs.
-// A CTA of 8 warps owns 16 output rows; its warps take K windows in turn (2 (FP16) or 4 (FP8)
-// windows' loads in flight per warp) and add their accumulators through shared memory.
+// A CTA of 8 warps owns 16 output rows and its split's share of K; its warps take K windows in
+// turn (1, 2 or 4 windows' loads in flight per warp: `unroll`, fewer registers and more CTAs per SM
+// the fewer) and add their accumulators through shared memory; a row block's splits (1..8 CTAs) are
+// one thread-block cluster whose rank 0 adds the others' sums through distributed shared memory
+// and writes the output: one kernel, nothing in global memory but the output.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "launch.cuh"
 #include "mma_sync.cuh"
 #include "xla/ffi/api/ffi.h"
 
+namespace cg = cooperative_groups;
 namespace ffi = xla::ffi;
 using jaxlp::ldg16;
 using jaxlp::mma_e4m3;
@@ -38,14 +46,28 @@ constexpr int kWarps = 8;
 constexpr int kRows = 16;     // output features per CTA (the MMA's M)
 constexpr int kWindow = 64;   // K per warp step: 4 threads x 16 consecutive K
 constexpr int kMaxTokens = 8; // the MMA's N
+constexpr int kMaxSplits = 8; // CTAs per cluster (the portable cluster size)
 
 struct Params {
-  const uint8_t* upper;  // [N, K]
-  const uint8_t* lower;  // [N, K] (FP16 mode)
-  const uint8_t* x;      // [M, K]: FP16 (FP16 mode) or E4M3 codes (FP8 mode)
-  float* part;           // [S, M, N]
+  const uint8_t* upper;   // [N, K]
+  const uint8_t* lower;   // [N, K] (FP16 mode)
+  const uint8_t* x;       // [M, K]: FP16 (FP16 mode) or E4M3 codes (FP8 mode)
+  void* out;              // [M, N] (file head)
+  const float* divisor;   // [M]
+  float multiplier;
   int m, n, k, splits;
 };
+
+template <typename TOut>
+__device__ __forceinline__ TOut to_out(float v) {
+  if constexpr (std::is_same_v<TOut, __half>) {
+    return __float2half_rn(v);
+  } else if constexpr (std::is_same_v<TOut, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
+  } else {
+    return v;
+  }
+}
 
 // Four FP16 weights (two half2 words) from four upper and four lower bytes (file head).
 __device__ __forceinline__ void merge4(uint32_t u, uint32_t l, uint32_t& w01, uint32_t& w23) {
@@ -97,12 +119,17 @@ struct Window {
   }
 };
 
-template <bool kFp8>
-__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Params p) {
+// kUnroll: windows per pipelined step (loads in flight per warp); kMinBlocks: CTAs per SM the
+// register budget is held to (ptxas -v, sm_90, no spills: FP16 mode unroll 1 / 2 / 4 72 / 124 / 225
+// registers, FP8 mode 54 / 76 / 128).
+// TOut: the output's element type (float for the sums of several splits).
+template <bool kFp8, int kUnroll, int kMinBlocks, typename TOut>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gemv_kernel(Params p) {
   __shared__ float red[kWarps][32][4];
+  __shared__ float gather[kMaxSplits][32][4];  // rank 0's: the cluster's CTA sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tg = lane & 3;  // mma fragment coordinates
-  const int row0 = blockIdx.x * kRows, split = blockIdx.y;
+  const int row0 = blockIdx.y * kRows, split = blockIdx.x;
   const long ka = static_cast<long>(p.k);
   const uint8_t* up0 = p.upper + (row0 + g) * ka + tg * 16;
   const uint8_t* up1 = up0 + 8 * ka;
@@ -115,7 +142,6 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Params p) {
   const int windows = p.k / kWindow, stride = kWarps * p.splits;
   // Steps of kUnroll windows, software-pipelined: a step's loads are issued before the MMAs of the
   // step loaded the iteration before. Windows past K load window `first` again and feed zeros.
-  constexpr int kUnroll = kFp8 ? 4 : 2;
   const int first = split * kWarps + warp;
   Window<kFp8> cur[kUnroll], next[kUnroll];
   uint32_t keep_next[kUnroll];
@@ -150,13 +176,31 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(Params p) {
       for (int v = 0; v < kWarps; ++v) acc += red[v][lane][i];
       c[i] = acc;
     }
-    // c0, c1: row g, tokens 2tg, 2tg + 1; c2, c3: row g + 8.
-    float* out = p.part + static_cast<long>(split) * p.m * p.n;
+  }
+  if (p.splits > 1) {  // the cluster's CTAs hand their sums to rank 0's shared memory
+    cg::cluster_group cluster = cg::this_cluster();
+    if (warp == 0) {
+      float* slot = cluster.map_shared_rank(&gather[split][lane][0], 0);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) slot[i] = c[i];
+    }
+    cluster.sync();
+    if (split != 0 || warp != 0) return;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int m = 2 * tg + (i & 1), n = row0 + g + 8 * (i >> 1);
-      if (m < p.m) out[static_cast<long>(m) * p.n + n] = c[i];
+      float acc = 0.f;
+      for (int r = 0; r < p.splits; ++r) acc += gather[r][lane][i];  // in rank order: deterministic
+      c[i] = acc;
     }
+  } else if (warp != 0) {
+    return;
+  }
+  // c0, c1: row g, tokens 2tg, 2tg + 1; c2, c3: row g + 8.
+  TOut* out = static_cast<TOut*>(p.out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = 2 * tg + (i & 1), n = row0 + g + 8 * (i >> 1);
+    if (m < p.m) out[static_cast<long>(m) * p.n + n] = to_out<TOut>((c[i] / p.divisor[m]) * p.multiplier);
   }
 }
 
@@ -167,12 +211,28 @@ inline ffi::Error bad(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp nestedfp gemv: " + msg);
 }
 
+// CTAs per SM each unroll is compiled for (FP16 mode holds twice the bytes per window).
+// The grid: (split, row block), each row block's splits one cluster.
+template <bool kFp8, typename TOut>
+cudaError_t launch(int unroll, cudaStream_t stream, const Params& p) {
+  const dim3 grid(p.splits, p.n / kRows), block(kWarps * 32);
+  switch (unroll) {
+    case 1:
+      return jaxlp::launch_kernel(gemv_kernel<kFp8, 1, kFp8 ? 4 : 3, TOut>, grid, block, 0, stream, p.splits, false, p);
+    case 2:
+      return jaxlp::launch_kernel(gemv_kernel<kFp8, 2, kFp8 ? 3 : 2, TOut>, grid, block, 0, stream, p.splits, false, p);
+    default:
+      return jaxlp::launch_kernel(gemv_kernel<kFp8, 4, kFp8 ? 2 : 1, TOut>, grid, block, 0, stream, p.splits, false, p);
+  }
+}
+
 template <bool kFp8>
 ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> upper, ffi::Buffer<ffi::U8> lower,
-                ffi::Result<ffi::Buffer<ffi::F32>> part) {
-  auto xd = x.dimensions(), wd = upper.dimensions(), ld = lower.dimensions(), pd = part->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || pd.size() != 3) return bad("expected x [M, K], upper [N, K], part [S, M, N]");
-  const int64_t m = xd[0], k = xd[1], n = wd[0], s = pd[0];
+                ffi::Buffer<ffi::F32> divisor, ffi::Result<ffi::AnyBuffer> out, int32_t splits, int32_t unroll,
+                float multiplier) {
+  auto xd = x.dimensions(), wd = upper.dimensions(), ld = lower.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return bad("expected x [M, K] and upper [N, K]");
+  const int64_t m = xd[0], k = xd[1], n = wd[0];
   const auto want = kFp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::F16;
   if (x.element_type() != want) return bad(kFp8 ? "FP8 mode takes float8_e4m3fn activations" : "FP16 mode takes float16 activations");
   if (wd[1] != k) return bad("upper bytes [N, K] do not match x's K");
@@ -180,19 +240,29 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> uppe
   if (m < 1 || m > kMaxTokens) return bad("1 to 8 tokens, got " + std::to_string(m));
   if (n % kRows) return bad("N must be a multiple of 16, got " + std::to_string(n));
   if (k % kWindow) return bad("K must be a multiple of 64, got " + std::to_string(k));
-  if (pd[1] != m || pd[2] != n || s < 1) return bad("partial sums must be float32 [S, M, N]");
+  if (divisor.dimensions().size() != 1 || divisor.dimensions()[0] != m) return bad("divisor must be float32 [M]");
+  const auto ot = out->element_type();
+  if (od.size() != 2 || od[0] != m || od[1] != n ||
+      (ot != ffi::DataType::F32 && ot != ffi::DataType::F16 && ot != ffi::DataType::BF16))
+    return bad("out must be [M, N] in float32, float16 or bfloat16");
+  if (splits < 1 || splits > kMaxSplits) return bad("splits must be 1 to 8, got " + std::to_string(splits));
+  if (n / kRows > 65535) return bad("N must be at most 16 * 65535, got " + std::to_string(n));
+  if (unroll != 1 && unroll != 2 && unroll != 4) return bad("unroll must be 1, 2 or 4, got " + std::to_string(unroll));
   Params p;
   p.upper = upper.typed_data();
   p.lower = kFp8 ? upper.typed_data() : lower.typed_data();
   p.x = static_cast<const uint8_t*>(x.untyped_data());
-  p.part = part->typed_data();
+  p.out = out->untyped_data();
+  p.divisor = divisor.typed_data();
+  p.multiplier = multiplier;
   p.m = static_cast<int>(m);
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
-  p.splits = static_cast<int>(s);
+  p.splits = splits;
   if (n == 0) return ffi::Error::Success();
-  const cudaError_t e = jaxlp::launch_kernel(gemv_kernel<kFp8>, dim3(n / kRows, s), dim3(kWarps * 32), 0, stream,
-                                             1, false, p);
+  const cudaError_t e = ot == ffi::DataType::F16    ? launch<kFp8, __half>(unroll, stream, p)
+                        : ot == ffi::DataType::BF16 ? launch<kFp8, __nv_bfloat16>(unroll, stream, p)
+                                                    : launch<kFp8, float>(unroll, stream, p);
   if (e != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp nestedfp gemv launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
@@ -206,7 +276,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNestedFP16Gemv, jaxlp_nestedfp::Impl<false>,
                                   .Arg<ffi::AnyBuffer>()         // x [M, K] float16
                                   .Arg<ffi::Buffer<ffi::U8>>()   // upper [N, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // lower [N, K]
-                                  .Ret<ffi::Buffer<ffi::F32>>(), // part [S, M, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // divisor [M]
+                                  .Ret<ffi::AnyBuffer>()         // out [M, N]
+                                  .Attr<int32_t>("splits")       // CTAs per row block along K: 1..8
+                                  .Attr<int32_t>("unroll")       // windows per pipelined step: 1, 2, 4
+                                  .Attr<float>("multiplier"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNestedFP8Gemv, jaxlp_nestedfp::Impl<true>,
@@ -215,5 +289,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNestedFP8Gemv, jaxlp_nestedfp::Impl<true>,
                                   .Arg<ffi::AnyBuffer>()         // x [M, K] float8_e4m3fn
                                   .Arg<ffi::Buffer<ffi::U8>>()   // upper [N, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // upper again (no lower bytes read)
-                                  .Ret<ffi::Buffer<ffi::F32>>(), // part [S, M, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // divisor [M]
+                                  .Ret<ffi::AnyBuffer>()         // out [M, N]
+                                  .Attr<int32_t>("splits")       // CTAs per row block along K: 1..8
+                                  .Attr<int32_t>("unroll")       // windows per pipelined step: 1, 2, 4
+                                  .Attr<float>("multiplier"),
                               {ffi::Traits::kCmdBufferCompatible});

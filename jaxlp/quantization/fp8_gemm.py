@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxlp.ffi import fp8_activations as quantize_cuda
 from jaxlp.formats import fp8, nestedfp
 from jaxlp.pallas import fp8_matmul as kernel
-from jaxlp.quantization import activations
+from jaxlp.quantization import nestedfp_dispatch
 
 IMPLEMENTATION = "fp8_pallas"
 FAST_IMPLEMENTATION = "fp8_pallas_fast"  # the tensor cores' own FP8 sums: faster, less exact (module doc)
@@ -87,10 +87,7 @@ def _matmul(layer, x, config):
         y = kernel.fp8_matmul(x8, w.data, x_scale, channel * layer.out_scale, out_dtype=x.dtype,
                                config=config)
     else:
-        if quantize_cuda.available():
-            x8, scale = quantize_cuda.nestedfp_fp8(x2)
-        else:
-            x8, scale = activations.nestedfp_fp8(x2.astype(jnp.float32))
+        x8, scale = nestedfp_dispatch.fp8_tokens(x2)
         token = nestedfp.FP8_SCALE * layer.out_scale / scale[:, 0]
         y = kernel.fp8_matmul(x8, w.upper_as_fp8(), token, jnp.ones((n,), jnp.float32), out_dtype=x.dtype,
                                config=config)

@@ -18,6 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxlp.ffi import fp8_activations as quantize_cuda
 from jaxlp.ffi import nestedfp as kernel
 from jaxlp.formats import nestedfp
 from jaxlp.quantization import activations
@@ -55,17 +56,26 @@ def why_not(layer, x: jax.Array) -> str | None:
     return None
 
 
-def matmul(layer, x: jax.Array) -> jax.Array:
+def matmul(layer, x: jax.Array, *, splits: int | None = None, unroll: int | None = None) -> jax.Array:
     """The layer's product before bias (``QuantizedLinear.reference``'s math), in x's dtype, for a
-    layer :func:`why_not` accepts."""
+    layer :func:`why_not` accepts; ``splits`` and ``unroll``: the kernel's (:func:`jaxlp.ffi.nestedfp.gemv`),
+    its defaults when None."""
     w = layer.weight.get_value()
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    options = dict(splits=splits, unroll=unroll, out_dtype=x.dtype)
     if layer.mode == "fp8":
-        x8, scale = activations.nestedfp_fp8(x2.astype(jnp.float32))
-        y = kernel.gemv(x8, w.upper, None) / scale * nestedfp.FP8_SCALE
+        x8, scale = fp8_tokens(x2)
+        y = kernel.gemv(x8, w.upper, None, divisor=scale, multiplier=nestedfp.FP8_SCALE * layer.out_scale, **options)
     else:
-        y = kernel.gemv(x2, w.upper, w.lower)
-    if layer.out_scale != 1.0:
-        y = y * layer.out_scale
-    return y.reshape(*lead, w.shape[0]).astype(x.dtype)
+        y = kernel.gemv(x2, w.upper, w.lower, multiplier=layer.out_scale, **options)
+    return y.reshape(*lead, w.shape[0])
+
+
+def fp8_tokens(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(codes [T, K], scale [T, 1] float32)``: the ``nestedfp_fp8`` activations of ``x2 [T, K]``
+    by the one-pass CUDA quantizer where its library is available (the same bits,
+    :func:`jaxlp.ffi.fp8_activations.nestedfp_fp8`), else by XLA."""
+    if quantize_cuda.available():
+        return quantize_cuda.nestedfp_fp8(x2)
+    return activations.nestedfp_fp8(x2.astype(jnp.float32))

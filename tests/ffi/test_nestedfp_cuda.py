@@ -63,14 +63,23 @@ def test_merge_words_rebuild_every_eligible_fp16_word():
 
 
 def test_default_splits_fill_the_gpu_and_leave_each_warp_work():
-    assert cuda.default_splits(4096, 4096) == 2  # 256 row blocks x 2 = 512 CTAs >= 264
-    assert cuda.default_splits(1024, 4096) == 4  # 64 blocks: 5 wanted, 4 leave each warp 2 windows
+    assert cuda.default_splits(4096, 4096) == 1  # 256 row blocks >= 132
+    assert cuda.default_splits(1024, 4096) == 4  # 64 blocks: 5 for two CTAs per SM, 4 leave each warp 2 windows
+    assert cuda.default_splits(128, 1 << 16) == cuda.MAX_SPLITS
+    assert cuda.default_splits(1024, 512) == 1  # 8 windows: 1 per warp
     assert cuda.default_splits(28672, 4096) == 1
     assert cuda.default_splits(4096, 64) == 1
     for n in (16, 1024, 4096, 14336):
         for k in (64, 1024, 4096, 14336 // 64 * 64):
             s = cuda.default_splits(n, k)
-            assert s >= 1 and (s == 1 or (k // cuda.WINDOW) // s >= 2 * cuda.WARPS)
+            assert 1 <= s <= cuda.MAX_SPLITS and (s == 1 or (k // cuda.WINDOW) // s >= 2 * cuda.WARPS)
+
+
+def test_default_unroll_by_waves():
+    """Fewer windows in flight (registers) while the grid fits one wave at 3 CTAs per SM."""
+    assert cuda.default_unroll("fp16", 6144, 1) == 1 and cuda.default_unroll("fp16", 14336, 1) == 2
+    assert cuda.default_unroll("fp8", 4096, 1) == 2 and cuda.default_unroll("fp8", 28672, 1) == 4
+    assert cuda.default_unroll("fp16", 1024, 4) == 1  # 256 CTAs
 
 
 @pytest.mark.parametrize("mode", ["fp16", "fp8"])
@@ -103,6 +112,14 @@ def test_gemv_refuses_bad_operands():
         cuda.gemv(jnp.ones((9, 128), jnp.float16), u, u)
     with pytest.raises(ValueError, match="N a multiple"):
         cuda.gemv(x, u[:40], u[:40])
+    with pytest.raises(ValueError, match="unroll"):
+        cuda.gemv(x, u, u, unroll=3)
+    with pytest.raises(ValueError, match="out_dtype"):
+        cuda.gemv(x, u, u, out_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="one value per token"):
+        cuda.gemv(x, u, u, divisor=jnp.ones((3,), jnp.float32))
+    with pytest.raises(ValueError, match="splits"):
+        cuda.gemv(x, u, u, splits=9)
 
 
 @pytest.mark.parametrize("mode", ["fp16", "fp8"])
@@ -110,10 +127,26 @@ def test_lowers_to_one_custom_call_for_cuda(mode):
     """The wrapper's operands lower for CUDA on any machine (no kernel runs)."""
     x = jnp.ones((3, 256), jnp.float16 if mode == "fp16" else jnp.float8_e4m3fn)
     u = jnp.zeros((64, 256), jnp.uint8)
-    f = jax.jit(lambda x, u: cuda.gemv(x, u, None if mode == "fp8" else u, splits=2))
+    f = jax.jit(lambda x, u: cuda.gemv(x, u, None if mode == "fp8" else u, splits=2, unroll=1))
     text = f.trace(x, u).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call") == 1 and cuda.TARGETS[mode] in text
-    assert "tensor<2x3x64xf32>" in text  # the splits' partial sums, added by XLA
+    assert "-> tensor<3x64xf32>" in text  # the splits added inside the kernel
+    assert "splits = 2 : i32" in text and "unroll = 1 : i32" in text
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_kernel_writes_the_scaled_product_itself(splits):
+    """One custom call whose result is the [M, N] product in the output dtype (no sum, no scale
+    pass, no convert); the divisor per token and the multiplier are its operand and attribute."""
+    x = jnp.ones((3, 256), jnp.float8_e4m3fn)
+    u = jnp.zeros((64, 256), jnp.uint8)
+    f = jax.jit(lambda x, u, d: cuda.gemv(x, u, None, splits=splits, divisor=d, multiplier=0.5,
+                                          out_dtype=jnp.bfloat16))
+    lowered = f.trace(x, u, jnp.ones((3, 1), jnp.float32)).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("stablehlo.custom_call") == 1 and "-> tensor<3x64xbf16>" in text
+    assert "multiplier = 5.000000e-01 : f32" in text
+    assert "stablehlo.reduce" not in text and "stablehlo.divide" not in text
 
 
 @pytest.mark.parametrize("mode", ["fp16", "fp8"])
@@ -176,3 +209,50 @@ def test_gpu_auto_takes_the_kernel_up_to_8_tokens_then_xla():
         assert (cuda.TARGETS["fp16"] in text) == (m <= 8)
         y = jax.jit(lambda x: lay(x))(xin)
         assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), "fp16")) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("mode", ["fp16", "fp8"])
+@pytest.mark.parametrize("unroll", cuda.UNROLLS)
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_gpu_every_unroll_and_split_count(mode, unroll, splits):
+    """K = 4160 (65 windows): each unroll's last step past K, with 1, 3 and 8 CTAs (a cluster) per
+    row block."""
+    m, n, k = 7, 96, 4160
+    rng = np.random.default_rng(unroll * 10 + splits)
+    w = weights(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    lay = layer(w, mode)
+    f = jax.jit(lambda x: nestedfp_dispatch.matmul(lay, x, splits=splits, unroll=unroll))
+    y = f(jnp.asarray(x, jnp.float16))
+    assert rel(np.asarray(y, np.float32), numpy_reference(w, jnp.asarray(x, jnp.float16).astype(jnp.float32), mode)) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("mode", ["fp16", "fp8"])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_gpu_scaled_product_one_split_and_several(mode, out_dtype):
+    """``(x @ W.T / divisor) * multiplier`` written by the kernel, with one split and with three
+    (a cluster adding its CTAs' sums): the float64 value rounded once to the output dtype."""
+    m, n, k = 6, 160, 2048
+    rng = np.random.default_rng(5)
+    w = weights(rng, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16)
+    upper, lower = nestedfp.split(jnp.asarray(w, jnp.float16))
+    if mode == "fp8":
+        x, lower = x.astype(jnp.float8_e4m3fn), None
+        wv = np.asarray(upper).view(E4M3).astype(np.float64)
+    else:
+        wv = np.asarray(w, np.float16).astype(np.float64)
+    divisor = jnp.asarray(rng.uniform(0.5, 4.0, (m, 1)), jnp.float32)
+    ref = (np.asarray(x, np.float64) @ wv.T) / np.asarray(divisor, np.float64) * 0.375
+    magnitude = (np.abs(np.asarray(x, np.float64)) @ np.abs(wv).T) / np.asarray(divisor, np.float64) * 0.375
+    for splits in (1, 3):
+        y = jax.jit(lambda x: cuda.gemv(x, upper, lower, splits=splits, divisor=divisor, multiplier=0.375,
+                                        out_dtype=out_dtype))(x)
+        assert y.dtype == out_dtype and y.shape == (m, n)
+        # one rounding to the output dtype, plus float32 summation (bounded by the sum of |terms|)
+        assert np.all(np.abs(np.asarray(y, np.float64) - ref) <= float(jnp.finfo(out_dtype).eps) / 2 * np.abs(ref)
+                      + 2.0**-16 * magnitude)
