@@ -3,7 +3,8 @@
 Times causal self-attention of full-length prompts (``lengths = S``) under jit, for each batch
 and sequence length: ``xla`` (blockwise flash in pure JAX), ``cudnn``, ``mosaic`` (jax's Pallas
 Mosaic GPU FA3-style kernel), ``fp8`` (:func:`jaxlp.pallas.fp8_attention.fp8_attention`, FireQ's
-FP8 attention, its per-head quantization of q, k, v included; floor at twice the dense rate) and
+FP8 attention, its per-head quantization of q, k, v included; floor at twice the dense rate;
+``fp8_unpromoted``: the same with the whole row's PV accumulated in the tensor cores) and
 ``reference`` (``causal_attention``, which materialises the float32 scores; skipped where they
 would not fit in half the device memory). Warm-up calls,
 then the median of ``--repeats`` calls (``jax.block_until_ready``). Each row has the FLOP floor:
@@ -25,9 +26,10 @@ import numpy as np
 from jaxlp.attention.prefill import prefill_attention
 from jaxlp.attention.reference import causal_attention
 from jaxlp.evals.harness import run_metadata, time_call, write_json
-from jaxlp.pallas.fp8_attention import fp8_attention
+from jaxlp.pallas.fp8_attention import AttentionConfig, fp8_attention
 
-IMPLS = ("xla", "cudnn", "mosaic", "fp8", "reference")
+IMPLS = ("xla", "cudnn", "mosaic", "fp8", "fp8_unpromoted", "reference")
+FP8_IMPLS = {"fp8": AttentionConfig(), "fp8_unpromoted": AttentionConfig(promote_pv=False)}
 
 
 def parse_args(argv=None):
@@ -69,8 +71,8 @@ def attention_fn(impl, args, scale):
             pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
             return causal_attention(q, k, v, pos, pos, scale=scale, window=args.window)
         return jax.jit(ref)
-    if impl == "fp8":
-        return jax.jit(lambda q, k, v, n: fp8_attention(q, k, v, scale=scale))
+    if impl in FP8_IMPLS:
+        return jax.jit(lambda q, k, v, n: fp8_attention(q, k, v, scale=scale, config=FP8_IMPLS[impl]))
     return jax.jit(lambda q, k, v, n: prefill_attention(q, k, v, n, scale=scale, window=args.window, implementation=impl,
                                                         block_q=args.block_q, block_k=args.block_k))
 
@@ -88,14 +90,14 @@ def main(args) -> list[dict]:
             flops = 4 * b * h * s * s * d / 2
             baseline = None
             for impl in args.implementations:
-                rate = peak * (2 if impl == "fp8" else 1)  # FP8 tensor cores: twice the BF16 rate
+                rate = peak * (2 if impl in FP8_IMPLS else 1)  # FP8 tensor cores: twice the BF16 rate
                 row = dict(batch=b, seq=s, heads=h, kv_heads=kvh, head_dim=d, window=args.window, implementation=impl,
                            causal_tflop=flops / 1e12, flop_floor_ms=flops / (rate * 1e12) * 1e3)
                 rows.append(row)
                 if impl == "reference" and 3 * b * h * s * s * 4 > device_bytes() / 2:
                     row["skipped"] = "scores do not fit in memory"
                     continue
-                if impl in ("mosaic", "fp8") and args.window is not None and args.window < s:
+                if impl in ("mosaic", *FP8_IMPLS) and args.window is not None and args.window < s:
                     row["skipped"] = "no sliding window"
                     continue
                 try:

@@ -2,11 +2,12 @@
 // tokens (M = 1..32) on tensor cores, and the INT4 weight decoded to its E4M3 values in memory (for
 // the FP8 GEMM of many tokens).
 //
-//   gemv:    part[s, m, n] = sum_k x8[m, k] * e4m3(q[n, k] * scale[n, k / 128])
+//   gemv:    out[m, n] = (sum_k x8[m, k] * e4m3(q[n, k] * scale[n, k / 128])) * token_scale[m] * multiplier
 //   decode:  w8[n, k] = e4m3(q[n, k] * scale[n, k / 128])
 //
-// over split s's share of K, in FP32 (the caller sums the splits and applies the activation
-// scale and PTS's 1/p). q: INT4 codes two per byte (element 2i in the low nibble, two's
+// with FP32 sums (each of `splits` CTAs one share of K, added in rank order) and the output in its
+// dtype (float32, float16 or bfloat16): the activation scale per token, PTS's 1/p in the
+// multiplier. q: INT4 codes two per byte (element 2i in the low nibble, two's
 // complement), scale: E4M3 per group of 128 K (jaxlp.formats.int4_fp8). The weights are the
 // register operand of `mma.sync` m16n8k32 E4M3 with the operands swapped (W x^T: 16 output
 // features on the MMA's M, the tokens on its N = 8; 2 or 4 token groups past 8 tokens), so the 4-bit
@@ -21,9 +22,9 @@
 //   (odd k); minus 1032 (1152) gives q (16q) exactly, times s (s / 16) gives q * s exactly (at most
 //   7 significant bits, |q * s| <= 3584), and cvt.rn.satfinite.e4m3x2.f16x2 rounds it to E4M3;
 //   two byte permutes put the 8 codes back in k order.
-// A CTA of 8 warps owns 16 output rows; its warps take K windows in turn (1, 2 or 4 windows' loads
-// in flight per warp: `unroll`, fewer registers and more CTAs per SM the fewer) and add their
-// accumulators through shared memory.
+// A CTA of 8 warps owns 16 output rows and its split's share of K; its warps take K windows in
+// turn (1, 2 or 4 windows' loads in flight per warp: `unroll`, fewer registers and more CTAs per SM
+// the fewer); a row block's splits are one thread-block cluster (gemv_epilogue.cuh).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -31,6 +32,7 @@
 #include <cstdint>
 #include <string>
 
+#include "gemv_epilogue.cuh"
 #include "launch.cuh"
 #include "mma_sync.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -51,7 +53,9 @@ struct Params {
   const uint8_t* codes;   // [N, K / 2]
   const uint8_t* scales;  // [N, K / 128] E4M3
   const uint8_t* x;       // [M, K] E4M3
-  float* part;            // [S, M, N]
+  void* out;              // [M, N]
+  const float* token_scale;  // [M]
+  float multiplier;
   int m, n, k, splits;
 };
 
@@ -137,16 +141,17 @@ struct Window {
 };
 
 // kUnroll: windows per pipelined step (loads in flight per warp); kMinBlocks: CTAs per SM the
-// register budget is held to (ptxas -v, sm_90, <kGroups, kUnroll>: <1, 1> 77 registers, <1, 2> 128,
-// <1, 4> 247, <2, 1> 113, <2, 2> 209, <2, 4> 255 and 36 bytes of spills; 17..32 tokens run
-// <4, 1>, 189, unroll ignored; eight groups (64 tokens, 255 and spills) measured slower than the
+// register budget is held to (ptxas -v, sm_90, <kGroups, kUnroll>: <1, 1> 77 registers, <1, 2> 126,
+// <1, 4> 246, <2, 1> 116, <2, 2> 212, <2, 4> 255 and 32 bytes of stack; 17..32 tokens run
+// <4, 1>, 191, unroll ignored; eight groups (64 tokens, 255 and spills) measured slower than the
 // GEMMs: 104.8 us on 4096 x 14336 against 83.1).
-template <int kGroups, int kUnroll, int kMinBlocks>
+// TOut: the output's element type.
+template <int kGroups, int kUnroll, int kMinBlocks, typename TOut>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gemv_kernel(Params p) {
-  __shared__ float red[kWarps][32][kGroups * 4];
+  __shared__ jaxlp::SplitSums<kWarps, kGroups * 4> sums;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tg = lane & 3;  // mma fragment coordinates
-  const int row0 = blockIdx.x * kRows, split = blockIdx.y;
+  const int row0 = blockIdx.y * kRows, split = blockIdx.x;
   const long half_k = static_cast<long>(p.k) / 2, groups = static_cast<long>(p.k) / kWindow;
   const uint8_t* row_a = p.codes + (row0 + g) * half_k + tg * 16;
   const uint8_t* row_b = row_a + 8 * half_k;
@@ -190,24 +195,20 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gemv_kernel(Params p)
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) cur[j].mma(c, keep_cur[j]);
   }
+  float sum[kGroups * 4];  // c flat: 4 per token group
 #pragma unroll
   for (int t = 0; t < kGroups; ++t)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][lane][4 * t + i] = c[t][i];
-  __syncthreads();
-  if (warp == 0) {
-    float* out = p.part + static_cast<long>(split) * p.m * p.n;
+    for (int i = 0; i < 4; ++i) sum[4 * t + i] = c[t][i];
+  if (!jaxlp::split_sums(sum, sums, warp, lane, p.splits)) return;
+  TOut* out = static_cast<TOut*>(p.out);
 #pragma unroll
-    for (int t = 0; t < kGroups; ++t) {
+  for (int t = 0; t < kGroups; ++t) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float acc = 0.f;
-#pragma unroll
-        for (int v = 0; v < kWarps; ++v) acc += red[v][lane][4 * t + i];
-        // c0, c1: row g, tokens 2tg, 2tg + 1 of the group; c2, c3: row g + 8.
-        const int m = kTokenGroup * t + 2 * tg + (i & 1), n = row0 + g + 8 * (i >> 1);
-        if (m < p.m) out[static_cast<long>(m) * p.n + n] = acc;
-      }
+    for (int i = 0; i < 4; ++i) {
+      // c0, c1: row g, tokens 2tg, 2tg + 1 of the group; c2, c3: row g + 8.
+      const int m = kTokenGroup * t + 2 * tg + (i & 1), n = row0 + g + 8 * (i >> 1);
+      if (m < p.m) out[static_cast<long>(m) * p.n + n] = jaxlp::to_out<TOut>((sum[4 * t + i] * p.token_scale[m]) * p.multiplier);
     }
   }
 }
@@ -242,31 +243,42 @@ inline ffi::Error bad(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp fireq gemv: " + msg);
 }
 
-template <int kGroups>
-cudaError_t launch(int unroll, dim3 grid, cudaStream_t stream, const Params& p) {
-  const dim3 block(kWarps * 32);
+// The grid: (split, row block), each row block's splits one cluster.
+template <int kGroups, typename TOut>
+cudaError_t launch(int unroll, cudaStream_t stream, const Params& p) {
+  const dim3 grid(p.splits, p.n / kRows), block(kWarps * 32);
+  const int c = p.splits;
   if constexpr (kGroups > 2) {  // 17..32 tokens: one window at a time (the tokens' loads fill the registers)
-    return jaxlp::launch_kernel(gemv_kernel<kGroups, 1, 1>, grid, block, 0, stream, 1, false, p);
+    return jaxlp::launch_kernel(gemv_kernel<kGroups, 1, 1, TOut>, grid, block, 0, stream, c, false, p);
   } else {
     switch (unroll) {
       case 1:
-        return jaxlp::launch_kernel(gemv_kernel<kGroups, 1, kGroups == 1 ? 3 : 2>, grid, block, 0, stream, 1, false,
-                                    p);
+        return jaxlp::launch_kernel(gemv_kernel<kGroups, 1, kGroups == 1 ? 3 : 2, TOut>, grid, block, 0, stream, c,
+                                    false, p);
       case 2:
-        return jaxlp::launch_kernel(gemv_kernel<kGroups, 2, kGroups == 1 ? 2 : 1>, grid, block, 0, stream, 1, false,
-                                    p);
+        return jaxlp::launch_kernel(gemv_kernel<kGroups, 2, kGroups == 1 ? 2 : 1, TOut>, grid, block, 0, stream, c,
+                                    false, p);
       default:
-        return jaxlp::launch_kernel(gemv_kernel<kGroups, 4, 1>, grid, block, 0, stream, 1, false, p);
+        return jaxlp::launch_kernel(gemv_kernel<kGroups, 4, 1, TOut>, grid, block, 0, stream, c, false, p);
     }
   }
 }
 
+template <typename TOut>
+cudaError_t launch_groups(int unroll, cudaStream_t stream, const Params& p) {
+  const int groups = (p.m + kTokenGroup - 1) / kTokenGroup;
+  return groups == 1   ? launch<1, TOut>(unroll, stream, p)
+         : groups == 2 ? launch<2, TOut>(unroll, stream, p)
+                       : launch<4, TOut>(unroll, stream, p);
+}
+
 ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
-                ffi::Result<ffi::Buffer<ffi::F32>> part, int32_t unroll) {
-  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), pd = part->dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || pd.size() != 3)
-    return bad("expected x [M, K], codes [N, K / 2], scales [N, K / 128], part [S, M, N]");
-  const int64_t m = xd[0], k = xd[1], n = cd[0], s = pd[0];
+                ffi::Buffer<ffi::F32> token_scale, ffi::Result<ffi::AnyBuffer> out, int32_t splits, int32_t unroll,
+                float multiplier) {
+  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
+    return bad("expected x [M, K], codes [N, K / 2], scales [N, K / 128]");
+  const int64_t m = xd[0], k = xd[1], n = cd[0];
   if (x.element_type() != ffi::DataType::F8E4M3FN || scales.element_type() != ffi::DataType::F8E4M3FN)
     return bad("x and scales must be float8_e4m3fn");
   if (m < 1 || m > kMaxTokens) return bad("1 to 32 tokens, got " + std::to_string(m));
@@ -274,23 +286,29 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> code
   if (cd[1] * 2 != k) return bad("codes [N, K / 2] do not match x's K");
   if (sd[0] != n || sd[1] * kWindow != k) return bad("scales must be [N, K / 128]");
   if (n % kRows) return bad("N must be a multiple of 16, got " + std::to_string(n));
-  if (pd[1] != m || pd[2] != n || s < 1) return bad("partial sums must be float32 [S, M, N]");
+  if (n / kRows > 65535) return bad("N must be at most 16 * 65535, got " + std::to_string(n));
+  if (token_scale.dimensions().size() != 1 || token_scale.dimensions()[0] != m) return bad("token_scale must be float32 [M]");
+  const auto ot = out->element_type();
+  if (od.size() != 2 || od[0] != m || od[1] != n ||
+      (ot != ffi::DataType::F32 && ot != ffi::DataType::F16 && ot != ffi::DataType::BF16))
+    return bad("out must be [M, N] in float32, float16 or bfloat16");
+  if (splits < 1 || splits > jaxlp::kMaxClusterSplits) return bad("splits must be 1 to 8, got " + std::to_string(splits));
   if (unroll != 1 && unroll != 2 && unroll != 4) return bad("unroll must be 1, 2 or 4, got " + std::to_string(unroll));
   Params p;
   p.codes = codes.typed_data();
   p.scales = reinterpret_cast<const uint8_t*>(scales.untyped_data());
   p.x = reinterpret_cast<const uint8_t*>(x.untyped_data());
-  p.part = part->typed_data();
+  p.out = out->untyped_data();
+  p.token_scale = token_scale.typed_data();
+  p.multiplier = multiplier;
   p.m = static_cast<int>(m);
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
-  p.splits = static_cast<int>(s);
+  p.splits = splits;
   if (n == 0) return ffi::Error::Success();
-  const dim3 grid(n / kRows, s);
-  const int groups = static_cast<int>((m + kTokenGroup - 1) / kTokenGroup);
-  const cudaError_t e = groups == 1   ? launch<1>(unroll, grid, stream, p)
-                        : groups == 2 ? launch<2>(unroll, grid, stream, p)
-                                      : launch<4>(unroll, grid, stream, p);
+  const cudaError_t e = ot == ffi::DataType::F16    ? launch_groups<__half>(unroll, stream, p)
+                        : ot == ffi::DataType::BF16 ? launch_groups<__nv_bfloat16>(unroll, stream, p)
+                                                    : launch_groups<float>(unroll, stream, p);
   if (e != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp fireq gemv launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
@@ -325,8 +343,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqGemv, jaxlp_fireq::Impl,
                                   .Arg<ffi::AnyBuffer>()          // x8 [M, K] float8_e4m3fn
                                   .Arg<ffi::Buffer<ffi::U8>>()    // codes [N, K / 2]
                                   .Arg<ffi::AnyBuffer>()          // scales [N, K / 128] float8_e4m3fn
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // part [S, M, N]
-                                  .Attr<int32_t>("unroll"),       // windows per pipelined step: 1, 2, 4
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // token_scale [M]
+                                  .Ret<ffi::AnyBuffer>()          // out [M, N]
+                                  .Attr<int32_t>("splits")        // CTAs per row block along K: 1..8
+                                  .Attr<int32_t>("unroll")        // windows per pipelined step: 1, 2, 4
+                                  .Attr<float>("multiplier"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqDecode, jaxlp_fireq::DecodeImpl,

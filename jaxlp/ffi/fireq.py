@@ -2,6 +2,7 @@
 decoded to E4M3 in memory (sm_90).
 
     y = gemv(x8, codes, scales)   # float32 [M, N]: x8 [M <= 32, K] float8_e4m3fn times W8.T
+    y = gemv(x8, codes, scales, token_scale=s, multiplier=1 / p, out_dtype=jnp.bfloat16)  # (x8 @ W8.T) * s * (1/p)
     w8 = decode(codes, scales)    # float8_e4m3fn [N, K]: W8
 
 with ``W8 = e4m3(q * s)`` the FireQ INT4 weight's exact FP8 values
@@ -14,8 +15,9 @@ thread loading 32 consecutive K of its rows (16 bytes of codes) and tokens strai
 fragments, 1, 2 or 4 windows ahead (``unroll``: fewer registers and more CTAs per SM the fewer), and
 turning each 8 codes into ``e4m3(q * s)`` with FP16 pair
 arithmetic (exact) and one rounding conversion per pair; the FP8 weight never exists in memory.
-The K range is split over ``splits`` CTAs per row block (8 warps each) whose float32 partial sums
-XLA adds. Shapes: ``N`` a multiple of 16, ``K`` of 128 (the scale group). :func:`decode` writes
+The K range is split over ``splits`` (1..8) CTAs per row block (8 warps each), one thread-block
+cluster whose first CTA adds the others' FP32 sums through distributed shared memory and writes the
+scaled product in the output dtype (``jaxlp/ffi/gemv_epilogue.cuh``): one kernel per product. Shapes: ``N`` a multiple of 16, ``K`` of 128 (the scale group). :func:`decode` writes
 ``W8`` with the same arithmetic, 32 K per thread (the FP8 GEMM of many tokens reads it). The
 library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
@@ -34,6 +36,8 @@ TARGET = "jaxlp_fireq_gemv"
 DECODE_TARGET = "jaxlp_fireq_decode"
 LIBRARY = build.Library("fireq", {TARGET: "JaxlpFireqGemv", DECODE_TARGET: "JaxlpFireqDecode"})
 MAX_TOKENS = 32  # four token groups of the MMA's N = 8
+MAX_SPLITS = 8  # CTAs per cluster (the portable cluster size)
+OUT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 128  # K per warp step: one scale group
 WARPS = 8  # per CTA
@@ -52,16 +56,20 @@ def default_splits(n: int, k: int) -> int:
     split of 28672 x 4096, 6144 x 4096, 4096 x 4096 and 4096 x 14336 measured slower than none at 1
     and 16 tokens), else about that many CTAs in all, each warp left with at least two K windows."""
     windows = k // WINDOW
-    return max(1, min(math.ceil(TARGET_CTAS / max(n // ROWS, 1)), windows // (2 * WARPS)))
+    return max(1, min(math.ceil(TARGET_CTAS / max(n // ROWS, 1)), windows // (2 * WARPS), MAX_SPLITS))
 
 
 def gemv(x8: jax.Array, codes: jax.Array, scales: jax.Array, *, splits: int | None = None,
-         unroll: int = DEFAULT_UNROLL) -> jax.Array:
-    """The kernel's float32 ``[M, N]`` product ``x8 @ e4m3(q * s).T`` (no activation scale).
-    splits: CTAs per 16 rows along K (default :func:`default_splits`); unroll: K windows per
-    pipelined step (1, 2 or 4; past 16 tokens always 1)."""
+         unroll: int = DEFAULT_UNROLL, token_scale: jax.Array | None = None, multiplier: float = 1.0,
+         out_dtype=jnp.float32) -> jax.Array:
+    """``((x8 @ e4m3(q * s).T) * token_scale[:, None]) * multiplier`` in ``out_dtype`` (float32,
+    float16 or bfloat16; FP32 sums). token_scale: float32 per token ``[M]`` (or ``[M, 1]``; default
+    none); splits: CTAs per 16 rows along K (1..8, default :func:`default_splits`); unroll: K
+    windows per pipelined step (1, 2 or 4; past 16 tokens always 1)."""
     if unroll not in UNROLLS:
         raise ValueError(f"fireq gemv: unroll must be one of {UNROLLS}, got {unroll!r}")
+    if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in OUT_DTYPES]:
+        raise ValueError(f"fireq gemv: out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     if x8.ndim != 2 or codes.ndim != 2 or scales.ndim != 2:
         raise ValueError(f"fireq gemv: x8 [M, K], codes [N, K/2] and scales [N, K/128] must be 2-D, got "
                          f"{x8.shape}, {codes.shape}, {scales.shape}")
@@ -77,11 +85,17 @@ def gemv(x8: jax.Array, codes: jax.Array, scales: jax.Array, *, splits: int | No
     if codes.shape != (n, k // 2) or scales.shape != (n, k // WINDOW):
         raise ValueError(f"fireq gemv: codes must be [N, K/2] = [{n}, {k // 2}] and scales [N, K/128] = "
                          f"[{n}, {k // WINDOW}] for x8's K = {k}, got {codes.shape} and {scales.shape}")
+    if token_scale is not None and token_scale.size != m:
+        raise ValueError(f"fireq gemv: token_scale must hold one value per token ({m}), got shape {token_scale.shape}")
     splits = splits or default_splits(n, k)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"fireq gemv: splits must be 1..{MAX_SPLITS}, got {splits}")
     if build.on_gpu():
         LIBRARY.load()
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((splits, m, n), jnp.float32))
-    return call(x8, codes, scales, unroll=np.int32(unroll)).sum(axis=0)
+    ts = jnp.ones((m,), jnp.float32) if token_scale is None else token_scale.reshape(m).astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
+    return call(x8, codes, scales, ts, splits=np.int32(splits), unroll=np.int32(unroll),
+                multiplier=np.float32(multiplier))
 
 
 def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:

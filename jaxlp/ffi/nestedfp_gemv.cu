@@ -21,20 +21,18 @@
 // the fewer) and add their accumulators through shared memory; a row block's splits (1..8 CTAs) are
 // one thread-block cluster whose rank 0 adds the others' sums through distributed shared memory
 // and writes the output: one kernel, nothing in global memory but the output.
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
+#include "gemv_epilogue.cuh"
 #include "launch.cuh"
 #include "mma_sync.cuh"
 #include "xla/ffi/api/ffi.h"
 
-namespace cg = cooperative_groups;
 namespace ffi = xla::ffi;
 using jaxlp::ldg16;
 using jaxlp::mma_e4m3;
@@ -46,7 +44,6 @@ constexpr int kWarps = 8;
 constexpr int kRows = 16;     // output features per CTA (the MMA's M)
 constexpr int kWindow = 64;   // K per warp step: 4 threads x 16 consecutive K
 constexpr int kMaxTokens = 8; // the MMA's N
-constexpr int kMaxSplits = 8; // CTAs per cluster (the portable cluster size)
 
 struct Params {
   const uint8_t* upper;   // [N, K]
@@ -57,17 +54,6 @@ struct Params {
   float multiplier;
   int m, n, k, splits;
 };
-
-template <typename TOut>
-__device__ __forceinline__ TOut to_out(float v) {
-  if constexpr (std::is_same_v<TOut, __half>) {
-    return __float2half_rn(v);
-  } else if constexpr (std::is_same_v<TOut, __nv_bfloat16>) {
-    return __float2bfloat16_rn(v);
-  } else {
-    return v;
-  }
-}
 
 // Four FP16 weights (two half2 words) from four upper and four lower bytes (file head).
 __device__ __forceinline__ void merge4(uint32_t u, uint32_t l, uint32_t& w01, uint32_t& w23) {
@@ -125,8 +111,7 @@ struct Window {
 // TOut: the output's element type (float for the sums of several splits).
 template <bool kFp8, int kUnroll, int kMinBlocks, typename TOut>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gemv_kernel(Params p) {
-  __shared__ float red[kWarps][32][4];
-  __shared__ float gather[kMaxSplits][32][4];  // rank 0's: the cluster's CTA sums
+  __shared__ jaxlp::SplitSums<kWarps, 4> sums;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tg = lane & 3;  // mma fragment coordinates
   const int row0 = blockIdx.y * kRows, split = blockIdx.x;
@@ -165,42 +150,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gemv_kernel(Params p)
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) cur[j].mma(c, keep_cur[j]);
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) red[warp][lane][i] = c[i];
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float acc = 0.f;
-#pragma unroll
-      for (int v = 0; v < kWarps; ++v) acc += red[v][lane][i];
-      c[i] = acc;
-    }
-  }
-  if (p.splits > 1) {  // the cluster's CTAs hand their sums to rank 0's shared memory
-    cg::cluster_group cluster = cg::this_cluster();
-    if (warp == 0) {
-      float* slot = cluster.map_shared_rank(&gather[split][lane][0], 0);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) slot[i] = c[i];
-    }
-    cluster.sync();
-    if (split != 0 || warp != 0) return;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float acc = 0.f;
-      for (int r = 0; r < p.splits; ++r) acc += gather[r][lane][i];  // in rank order: deterministic
-      c[i] = acc;
-    }
-  } else if (warp != 0) {
-    return;
-  }
+  if (!jaxlp::split_sums(c, sums, warp, lane, p.splits)) return;
   // c0, c1: row g, tokens 2tg, 2tg + 1; c2, c3: row g + 8.
   TOut* out = static_cast<TOut*>(p.out);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int m = 2 * tg + (i & 1), n = row0 + g + 8 * (i >> 1);
-    if (m < p.m) out[static_cast<long>(m) * p.n + n] = to_out<TOut>((c[i] / p.divisor[m]) * p.multiplier);
+    if (m < p.m) out[static_cast<long>(m) * p.n + n] = jaxlp::to_out<TOut>((c[i] / p.divisor[m]) * p.multiplier);
   }
 }
 
@@ -245,7 +201,7 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> uppe
   if (od.size() != 2 || od[0] != m || od[1] != n ||
       (ot != ffi::DataType::F32 && ot != ffi::DataType::F16 && ot != ffi::DataType::BF16))
     return bad("out must be [M, N] in float32, float16 or bfloat16");
-  if (splits < 1 || splits > kMaxSplits) return bad("splits must be 1 to 8, got " + std::to_string(splits));
+  if (splits < 1 || splits > jaxlp::kMaxClusterSplits) return bad("splits must be 1 to 8, got " + std::to_string(splits));
   if (n / kRows > 65535) return bad("N must be at most 16 * 65535, got " + std::to_string(n));
   if (unroll != 1 && unroll != 2 && unroll != 4) return bad("unroll must be 1, 2 or 4, got " + std::to_string(unroll));
   Params p;

@@ -118,10 +118,9 @@ def matmul_gemv(layer, x: jax.Array, *, unroll: int | None = None) -> jax.Array:
     windows per pipelined step (default ``jaxlp.ffi.fireq.DEFAULT_UNROLL``)."""
     w = layer.weight.get_value()
     lead, x8, x_scale = _quantized_tokens(x)
-    y = gemv_kernel.gemv(x8, w.codes, w.scales, unroll=unroll or gemv_kernel.DEFAULT_UNROLL) * x_scale[:, None]
-    if layer.out_scale != 1.0:
-        y = y * layer.out_scale
-    return y.reshape(*lead, w.shape[0]).astype(x.dtype)
+    y = gemv_kernel.gemv(x8, w.codes, w.scales, unroll=unroll or gemv_kernel.DEFAULT_UNROLL, token_scale=x_scale,
+                         multiplier=layer.out_scale, out_dtype=x.dtype)
+    return y.reshape(*lead, w.shape[0])
 
 
 def matmul_gemm(layer, x: jax.Array, *, design: str | None = None, config=None) -> jax.Array:

@@ -45,6 +45,12 @@ def test_gemv_refuses_bad_operands():
         cuda.gemv(x8, w.codes[:, :64], w.scales)
     with pytest.raises(ValueError, match="2-D"):
         cuda.gemv(x8[0], w.codes, w.scales)
+    with pytest.raises(ValueError, match="out_dtype"):
+        cuda.gemv(x8, w.codes, w.scales, out_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="one value per token"):
+        cuda.gemv(x8, w.codes, w.scales, token_scale=jnp.ones((3,), jnp.float32))
+    with pytest.raises(ValueError, match="splits"):
+        cuda.gemv(x8, w.codes, w.scales, splits=9)
 
 
 def test_decode_refuses_bad_operands_and_lowers_to_one_custom_call():
@@ -63,10 +69,13 @@ def test_gemv_lowers_to_one_custom_call_for_cuda():
     """The wrapper's operands lower for CUDA on any machine (no kernel runs)."""
     w = int4_fp8.quantize(jnp.ones((64, 256)))
     x8 = jnp.ones((11, 256), jnp.float8_e4m3fn)
-    f = jax.jit(lambda x8, c, s: cuda.gemv(x8, c, s, splits=2))
-    text = f.trace(x8, w.codes, w.scales).lower(lowering_platforms=("cuda",)).as_text()
+    f = jax.jit(lambda x8, c, s, t: cuda.gemv(x8, c, s, splits=2, token_scale=t, multiplier=0.25,
+                                              out_dtype=jnp.bfloat16))
+    text = f.trace(x8, w.codes, w.scales, jnp.ones((11, 1))).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call") == 1 and cuda.TARGET in text
-    assert "tensor<2x11x64xf32>" in text  # the splits' partial sums, added by XLA
+    assert "-> tensor<11x64xbf16>" in text  # the splits added and the product scaled inside the kernel
+    assert "splits = 2 : i32" in text and "multiplier = 2.500000e-01 : f32" in text
+    assert "stablehlo.reduce" not in text and "stablehlo.multiply" not in text
 
 
 @pytest.mark.gpu
@@ -90,3 +99,26 @@ def test_gpu_gemv_unrolls_agree_with_float64(unroll, m):
     y = jax.jit(lambda x8: cuda.gemv(x8, w.codes, w.scales, unroll=unroll, splits=3))(x8)
     want = np.asarray(x8).astype(np.float64) @ np.asarray(w.fp8_values()).astype(np.float64).T
     assert rel(y, want) <= 1e-5  # FP32 sums of exact products
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gpu_gemv_writes_the_scaled_product(out_dtype, splits):
+    """``(x8 @ W8.T) * token_scale * multiplier`` rounded once to the output dtype, with one split
+    and with a cluster of four."""
+    rng = np.random.default_rng(splits)
+    m, n, k = 12, 160, 4096
+    w = int4_fp8.quantize(jnp.asarray(weights(rng, n, k)))
+    x8 = jnp.asarray((rng.standard_normal((m, k)) * 50).clip(-448, 448).astype(E4M3))
+    wv = np.asarray(w.fp8_values()).astype(np.float64)
+    raw = np.asarray(x8).astype(np.float64) @ wv.T
+    ts = jnp.asarray(rng.uniform(0.5, 2.0, (m,)) / np.abs(raw).max(), jnp.float32)  # outputs within FP16's range
+    y = jax.jit(lambda x8: cuda.gemv(x8, w.codes, w.scales, splits=splits, token_scale=ts, multiplier=0.75,
+                                     out_dtype=out_dtype))(x8)
+    assert y.dtype == out_dtype and y.shape == (m, n)
+    want = raw * np.asarray(ts, np.float64)[:, None] * 0.75
+    magnitude = (np.abs(np.asarray(x8).astype(np.float64)) @ np.abs(wv).T) * np.asarray(ts, np.float64)[:, None] * 0.75
+    assert np.all(np.abs(np.asarray(y, np.float64) - want) <= float(jnp.finfo(out_dtype).eps) / 2 * np.abs(want)
+                  + 2.0**-16 * magnitude)

@@ -136,10 +136,12 @@ def test_config_and_shapes_are_checked():
         fa.fp8_attention(q, q[:, :, :3], q[:, :, :3], scale=1.0)
 
 
-def test_lowers_for_cuda_on_any_machine():
+@pytest.mark.parametrize("promote_pv", [True, False])
+def test_lowers_for_cuda_on_any_machine(promote_pv):
     q = jnp.zeros((2, 300, 8, 128), jnp.bfloat16)
     k = jnp.zeros((2, 300, 2, 128), jnp.bfloat16)
-    text = jax.jit(lambda q, k, v: fa.fp8_attention(q, k, v, scale=0.088)).trace(q, k, k).lower(
+    cfg = fa.AttentionConfig(promote_pv=promote_pv)
+    text = jax.jit(lambda q, k, v: fa.fp8_attention(q, k, v, scale=0.088, config=cfg)).trace(q, k, k).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
