@@ -2,7 +2,8 @@
 // tokens (M = 1..32) on tensor cores, and the INT4 weight decoded to its E4M3 values in memory (for
 // the FP8 GEMM of many tokens).
 //
-//   gemv:    out[m, n] = (sum_k x8[m, k] * e4m3(q[n, k] * scale[n, k / 128])) * token_scale[m] * multiplier
+//   gemv:    out[m, n] = (sum_k x8[m, k] * e4m3(q[n, k] * scale[n, k / 128])) * t[m] * multiplier
+//            (t = token_scale, or its BF16 rounding with bf16_token_scale: FireQ's stored scale)
 //   decode:  w8[n, k] = e4m3(q[n, k] * scale[n, k / 128])
 //
 // with FP32 sums (each of `splits` CTAs one share of K, added in rank order) and the output in its
@@ -56,6 +57,7 @@ struct Params {
   void* out;              // [M, N]
   const float* token_scale;  // [M]
   float multiplier;
+  bool bf16_token_scale;  // round token_scale to BF16 first
   int m, n, k, splits;
 };
 
@@ -208,7 +210,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gemv_kernel(Params p)
     for (int i = 0; i < 4; ++i) {
       // c0, c1: row g, tokens 2tg, 2tg + 1 of the group; c2, c3: row g + 8.
       const int m = kTokenGroup * t + 2 * tg + (i & 1), n = row0 + g + 8 * (i >> 1);
-      if (m < p.m) out[static_cast<long>(m) * p.n + n] = jaxlp::to_out<TOut>((sum[4 * t + i] * p.token_scale[m]) * p.multiplier);
+      if (m < p.m) {
+        float ts = p.token_scale[m];
+        if (p.bf16_token_scale) ts = __bfloat162float(__float2bfloat16_rn(ts));
+        out[static_cast<long>(m) * p.n + n] = jaxlp::to_out<TOut>((sum[4 * t + i] * ts) * p.multiplier);
+      }
     }
   }
 }
@@ -274,7 +280,7 @@ cudaError_t launch_groups(int unroll, cudaStream_t stream, const Params& p) {
 
 ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
                 ffi::Buffer<ffi::F32> token_scale, ffi::Result<ffi::AnyBuffer> out, int32_t splits, int32_t unroll,
-                float multiplier) {
+                float multiplier, int32_t bf16_token_scale) {
   auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
     return bad("expected x [M, K], codes [N, K / 2], scales [N, K / 128]");
@@ -301,6 +307,7 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> code
   p.out = out->untyped_data();
   p.token_scale = token_scale.typed_data();
   p.multiplier = multiplier;
+  p.bf16_token_scale = bf16_token_scale != 0;
   p.m = static_cast<int>(m);
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
@@ -347,7 +354,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqGemv, jaxlp_fireq::Impl,
                                   .Ret<ffi::AnyBuffer>()          // out [M, N]
                                   .Attr<int32_t>("splits")        // CTAs per row block along K: 1..8
                                   .Attr<int32_t>("unroll")        // windows per pipelined step: 1, 2, 4
-                                  .Attr<float>("multiplier"),
+                                  .Attr<float>("multiplier")
+                                  .Attr<int32_t>("bf16_token_scale"),  // 1: round token_scale to BF16 first
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqDecode, jaxlp_fireq::DecodeImpl,

@@ -61,10 +61,11 @@ def default_splits(n: int, k: int) -> int:
 
 def gemv(x8: jax.Array, codes: jax.Array, scales: jax.Array, *, splits: int | None = None,
          unroll: int = DEFAULT_UNROLL, token_scale: jax.Array | None = None, multiplier: float = 1.0,
-         out_dtype=jnp.float32) -> jax.Array:
+         bf16_token_scale: bool = False, out_dtype=jnp.float32) -> jax.Array:
     """``((x8 @ e4m3(q * s).T) * token_scale[:, None]) * multiplier`` in ``out_dtype`` (float32,
     float16 or bfloat16; FP32 sums). token_scale: float32 per token ``[M]`` (or ``[M, 1]``; default
-    none); splits: CTAs per 16 rows along K (1..8, default :func:`default_splits`); unroll: K
+    none), rounded to BF16 by the kernel first with ``bf16_token_scale`` (FireQ's stored scale);
+    splits: CTAs per 16 rows along K (1..8, default :func:`default_splits`); unroll: K
     windows per pipelined step (1, 2 or 4; past 16 tokens always 1)."""
     if unroll not in UNROLLS:
         raise ValueError(f"fireq gemv: unroll must be one of {UNROLLS}, got {unroll!r}")
@@ -95,7 +96,7 @@ def gemv(x8: jax.Array, codes: jax.Array, scales: jax.Array, *, splits: int | No
     ts = jnp.ones((m,), jnp.float32) if token_scale is None else token_scale.reshape(m).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
     return call(x8, codes, scales, ts, splits=np.int32(splits), unroll=np.int32(unroll),
-                multiplier=np.float32(multiplier))
+                multiplier=np.float32(multiplier), bf16_token_scale=np.int32(bf16_token_scale))
 
 
 def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:

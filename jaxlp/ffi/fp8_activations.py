@@ -106,14 +106,16 @@ def token_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _call(TARGETS["token"], x, (m,))
 
 
-def fireq_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def fireq_fp8(x: jax.Array, *, bf16_scale: bool = True) -> tuple[jax.Array, jax.Array]:
     """``(codes [M, K] float8_e4m3fn, scale [M, 1] bfloat16)`` of ``x [M, K]``: bit for bit
     ``jaxlp.formats.int4_fp8.quantize_activation_fp8(x)`` as XLA:CPU computes it (module doc): the
     codes divided by 1 where the float32 scale is not positive there (a zero or NaN row, or a
-    float32-subnormal ``amax / 448``, which XLA:CPU flushes), then the scale rounded to BF16."""
+    float32-subnormal ``amax / 448``, which XLA:CPU flushes), then the scale rounded to BF16.
+    ``bf16_scale=False``: the float32 scale ``[M]`` before that rounding, as the kernel writes it
+    (for a consumer that rounds it itself: no XLA conversion between the two kernels)."""
     m, _ = _check(x, "fireq_fp8")
     codes, scale = _call(TARGETS["fireq"], x, (m,))
-    return codes, scale.astype(jnp.bfloat16)[:, None]
+    return (codes, scale.astype(jnp.bfloat16)[:, None]) if bf16_scale else (codes, scale)
 
 
 def nestedfp_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:

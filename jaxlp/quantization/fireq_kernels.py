@@ -117,9 +117,14 @@ def matmul_gemv(layer, x: jax.Array, *, unroll: int | None = None) -> jax.Array:
     """The layer's product before bias through the CUDA GEMV (1..32 tokens); ``unroll``: its K
     windows per pipelined step (default ``jaxlp.ffi.fireq.DEFAULT_UNROLL``)."""
     w = layer.weight.get_value()
-    lead, x8, x_scale = _quantized_tokens(x)
-    y = gemv_kernel.gemv(x8, w.codes, w.scales, unroll=unroll or gemv_kernel.DEFAULT_UNROLL, token_scale=x_scale,
-                         multiplier=layer.out_scale, out_dtype=x.dtype)
+    options = dict(unroll=unroll or gemv_kernel.DEFAULT_UNROLL, multiplier=layer.out_scale, out_dtype=x.dtype)
+    if quantize_cuda.available():  # the quantizer's float32 scale straight to the GEMV, which rounds it to BF16
+        lead, k = x.shape[:-1], x.shape[-1]
+        x8, x_scale = quantize_cuda.fireq_fp8(x.reshape(-1, k), bf16_scale=False)
+        y = gemv_kernel.gemv(x8, w.codes, w.scales, token_scale=x_scale, bf16_token_scale=True, **options)
+    else:
+        lead, x8, x_scale = _quantized_tokens(x)
+        y = gemv_kernel.gemv(x8, w.codes, w.scales, token_scale=x_scale, **options)
     return y.reshape(*lead, w.shape[0])
 
 

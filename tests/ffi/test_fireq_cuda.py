@@ -122,3 +122,28 @@ def test_gpu_gemv_writes_the_scaled_product(out_dtype, splits):
     magnitude = (np.abs(np.asarray(x8).astype(np.float64)) @ np.abs(wv).T) * np.asarray(ts, np.float64)[:, None] * 0.75
     assert np.all(np.abs(np.asarray(y, np.float64) - want) <= float(jnp.finfo(out_dtype).eps) / 2 * np.abs(want)
                   + 2.0**-16 * magnitude)
+
+
+def test_gemv_bf16_token_scale_is_an_attribute():
+    w = int4_fp8.quantize(jnp.ones((64, 256)))
+    x8 = jnp.ones((3, 256), jnp.float8_e4m3fn)
+    f = jax.jit(lambda x8, t: cuda.gemv(x8, w.codes, w.scales, token_scale=t, bf16_token_scale=True))
+    text = f.trace(x8, jnp.ones((3,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "bf16_token_scale = 1 : i32" in text and text.count("stablehlo.custom_call") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_bf16_token_scale_rounds_like_the_format():
+    """The kernel's BF16 rounding of the token scale is the format's: the same bits as passing the
+    BF16-rounded scale; and the layer product through the CUDA quantizer's float32 scale is the
+    XLA-quantized path's."""
+    rng = np.random.default_rng(11)
+    m, n, k = 5, 256, 1024
+    w = int4_fp8.quantize(jnp.asarray(weights(rng, n, k)))
+    x8 = jnp.asarray((rng.standard_normal((m, k)) * 50).clip(-448, 448).astype(E4M3))
+    ts = jnp.asarray(rng.uniform(1e-4, 1e-3, (m,)), jnp.float32)
+    rounded = ts.astype(jnp.bfloat16).astype(jnp.float32)
+    a = jax.jit(lambda x8: cuda.gemv(x8, w.codes, w.scales, token_scale=ts, bf16_token_scale=True))(x8)
+    b = jax.jit(lambda x8: cuda.gemv(x8, w.codes, w.scales, token_scale=rounded))(x8)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
