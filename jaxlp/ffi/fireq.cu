@@ -281,7 +281,7 @@ cudaError_t launch_groups(int unroll, cudaStream_t stream, const Params& p) {
 ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
                 ffi::Buffer<ffi::F32> token_scale, ffi::Result<ffi::AnyBuffer> out, int32_t splits, int32_t unroll,
                 float multiplier, int32_t bf16_token_scale) {
-  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), od = out->dimensions();
+  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
     return bad("expected x [M, K], codes [N, K / 2], scales [N, K / 128]");
   const int64_t m = xd[0], k = xd[1], n = cd[0];
@@ -292,13 +292,9 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> code
   if (cd[1] * 2 != k) return bad("codes [N, K / 2] do not match x's K");
   if (sd[0] != n || sd[1] * kWindow != k) return bad("scales must be [N, K / 128]");
   if (n % kRows) return bad("N must be a multiple of 16, got " + std::to_string(n));
-  if (n / kRows > 65535) return bad("N must be at most 16 * 65535, got " + std::to_string(n));
-  if (token_scale.dimensions().size() != 1 || token_scale.dimensions()[0] != m) return bad("token_scale must be float32 [M]");
-  const auto ot = out->element_type();
-  if (od.size() != 2 || od[0] != m || od[1] != n ||
-      (ot != ffi::DataType::F32 && ot != ffi::DataType::F16 && ot != ffi::DataType::BF16))
-    return bad("out must be [M, N] in float32, float16 or bfloat16");
-  if (splits < 1 || splits > jaxlp::kMaxClusterSplits) return bad("splits must be 1 to 8, got " + std::to_string(splits));
+  if (token_scale.dimensions().size() != 1 || token_scale.dimensions()[0] != m)
+    return bad("token_scale must be float32 [M]");
+  if (const char* e = jaxlp::output_error(out, m, n, splits)) return bad(e);
   if (unroll != 1 && unroll != 2 && unroll != 4) return bad("unroll must be 1, 2 or 4, got " + std::to_string(unroll));
   Params p;
   p.codes = codes.typed_data();
@@ -313,9 +309,9 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> code
   p.k = static_cast<int>(k);
   p.splits = splits;
   if (n == 0) return ffi::Error::Success();
-  const cudaError_t e = ot == ffi::DataType::F16    ? launch_groups<__half>(unroll, stream, p)
-                        : ot == ffi::DataType::BF16 ? launch_groups<__nv_bfloat16>(unroll, stream, p)
-                                                    : launch_groups<float>(unroll, stream, p);
+  const cudaError_t e = jaxlp::with_out_type(out->element_type(), [&](auto out_type) {
+    return launch_groups<decltype(out_type)>(unroll, stream, p);
+  });
   if (e != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp fireq gemv launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
@@ -324,7 +320,8 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> code
 ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
                       ffi::Result<ffi::AnyBuffer> w8) {
   auto cd = codes.dimensions(), sd = scales.dimensions(), wd = w8->dimensions();
-  if (cd.size() != 2 || sd.size() != 2 || wd.size() != 2) return bad("decode: expected codes [N, K / 2], scales [N, K / 128], w8 [N, K]");
+  if (cd.size() != 2 || sd.size() != 2 || wd.size() != 2)
+    return bad("decode: expected codes [N, K / 2], scales [N, K / 128], w8 [N, K]");
   const int64_t n = wd[0], k = wd[1];
   if (scales.element_type() != ffi::DataType::F8E4M3FN || w8->element_type() != ffi::DataType::F8E4M3FN)
     return bad("decode: scales and w8 must be float8_e4m3fn");

@@ -13,13 +13,14 @@ with ``W8 = e4m3(q * s)`` the FireQ INT4 weight's exact FP8 values
 output features per CTA on the MMA's M, the tokens on its N = 8, 2 or 4 token groups past 8), each
 thread loading 32 consecutive K of its rows (16 bytes of codes) and tokens straight into the MMA
 fragments, 1, 2 or 4 windows ahead (``unroll``: fewer registers and more CTAs per SM the fewer), and
-turning each 8 codes into ``e4m3(q * s)`` with FP16 pair
-arithmetic (exact) and one rounding conversion per pair; the FP8 weight never exists in memory.
-The K range is split over ``splits`` (1..8) CTAs per row block (8 warps each), one thread-block
-cluster whose first CTA adds the others' FP32 sums through distributed shared memory and writes the
-scaled product in the output dtype (``jaxlp/ffi/gemv_epilogue.cuh``): one kernel per product. Shapes: ``N`` a multiple of 16, ``K`` of 128 (the scale group). :func:`decode` writes
-``W8`` with the same arithmetic, 32 K per thread (the FP8 GEMM of many tokens reads it). The
-library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
+turning each 8 codes into ``e4m3(q * s)`` with FP16 pair arithmetic (exact) and one rounding
+conversion per pair; the FP8 weight never exists in memory. The K range is split over ``splits``
+(1..8) CTAs per row block (8 warps each), one thread-block cluster whose first CTA adds the others'
+FP32 sums through distributed shared memory and writes the scaled product in the output dtype
+(``jaxlp/ffi/gemv_epilogue.cuh``): one kernel per product. Shapes: ``N`` a multiple of 16, ``K``
+of 128 (the scale group). :func:`decode` writes ``W8`` with the same arithmetic, 32 K per thread
+(the FP8 GEMM of many tokens reads it). The library is compiled by ``nvcc`` on first use
+(:mod:`jaxlp.ffi.build`).
 """
 
 from __future__ import annotations

@@ -2,14 +2,18 @@
 // their accumulator fragments through shared memory, then a row block's K splits -- one
 // thread-block cluster of `splits` CTAs -- add theirs in rank 0's shared memory through
 // distributed shared memory, in rank order (deterministic); the kernel then writes the product
-// in the output's dtype. One kernel per product, nothing in global memory but the output.
+// in the output's dtype. One kernel per product, nothing in global memory but the output. Host
+// side: the output's checks and its element type as a C++ type.
 #pragma once
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
 #include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
 
 namespace jaxlp {
 
@@ -68,6 +72,26 @@ __device__ __forceinline__ bool split_sums(float (&c)[kN], SplitSums<kWarps, kN>
     c[i] = acc;
   }
   return true;
+}
+
+// Host side: why `out` ([M, N]) and `splits` do not suit these GEMVs, or nullptr.
+inline const char* output_error(xla::ffi::Result<xla::ffi::AnyBuffer>& out, int64_t m, int64_t n, int32_t splits) {
+  using xla::ffi::DataType;
+  auto od = out->dimensions();
+  const DataType t = out->element_type();
+  if (od.size() != 2 || od[0] != m || od[1] != n || (t != DataType::F32 && t != DataType::F16 && t != DataType::BF16))
+    return "out must be [M, N] in float32, float16 or bfloat16";
+  if (splits < 1 || splits > kMaxClusterSplits) return "splits must be 1 to 8";
+  if (n / 16 > 65535) return "N must be at most 16 * 65535";
+  return nullptr;
+}
+
+// f(TOut{}) with TOut the C++ type of the output's dtype (float32, float16 or bfloat16).
+template <typename F>
+cudaError_t with_out_type(xla::ffi::DataType t, F&& f) {
+  if (t == xla::ffi::DataType::F16) return f(__half{});
+  if (t == xla::ffi::DataType::BF16) return f(__nv_bfloat16{});
+  return f(float{});
 }
 
 }  // namespace jaxlp

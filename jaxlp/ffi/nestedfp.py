@@ -8,11 +8,12 @@
 the FP8 mode's activation scales). Design (``nestedfp_gemv.cu``): ``mma.sync`` with the weights as
 the register operand (16 output features per CTA on the MMA's M, the tokens on its N = 8), each
 thread loading 16 consecutive K of its rows and token straight into the MMA fragments, 1, 2 or 4
-windows ahead (``unroll``: fewer registers and more CTAs per SM the fewer); FP16 mode rebuilds the FP16 weights in registers (never in memory), FP8 mode reads
-the upper bytes alone. The K range is split over ``splits`` (1..8) CTAs per row block (8 warps
-each), one thread-block cluster whose first CTA adds the others' FP32 sums through distributed
-shared memory and writes the scaled product in the output dtype: one kernel per product. Shapes: ``N`` a multiple of 16, ``K`` a multiple of 64. The
-library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
+windows ahead (``unroll``: fewer registers and more CTAs per SM the fewer); FP16 mode rebuilds the
+FP16 weights in registers (never in memory), FP8 mode reads the upper bytes alone. The K range is
+split over ``splits`` (1..8) CTAs per row block (8 warps each), one thread-block cluster whose
+first CTA adds the others' FP32 sums through distributed shared memory and writes the scaled
+product in the output dtype: one kernel per product. Shapes: ``N`` a multiple of 16, ``K`` a
+multiple of 64. The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
 
 from __future__ import annotations

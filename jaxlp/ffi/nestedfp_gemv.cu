@@ -186,23 +186,19 @@ template <bool kFp8>
 ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> upper, ffi::Buffer<ffi::U8> lower,
                 ffi::Buffer<ffi::F32> divisor, ffi::Result<ffi::AnyBuffer> out, int32_t splits, int32_t unroll,
                 float multiplier) {
-  auto xd = x.dimensions(), wd = upper.dimensions(), ld = lower.dimensions(), od = out->dimensions();
+  auto xd = x.dimensions(), wd = upper.dimensions(), ld = lower.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return bad("expected x [M, K] and upper [N, K]");
   const int64_t m = xd[0], k = xd[1], n = wd[0];
   const auto want = kFp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::F16;
-  if (x.element_type() != want) return bad(kFp8 ? "FP8 mode takes float8_e4m3fn activations" : "FP16 mode takes float16 activations");
+  if (x.element_type() != want)
+    return bad(kFp8 ? "FP8 mode takes float8_e4m3fn activations" : "FP16 mode takes float16 activations");
   if (wd[1] != k) return bad("upper bytes [N, K] do not match x's K");
   if (!kFp8 && (ld.size() != 2 || ld[0] != n || ld[1] != k)) return bad("lower bytes must match upper [N, K]");
   if (m < 1 || m > kMaxTokens) return bad("1 to 8 tokens, got " + std::to_string(m));
   if (n % kRows) return bad("N must be a multiple of 16, got " + std::to_string(n));
   if (k % kWindow) return bad("K must be a multiple of 64, got " + std::to_string(k));
   if (divisor.dimensions().size() != 1 || divisor.dimensions()[0] != m) return bad("divisor must be float32 [M]");
-  const auto ot = out->element_type();
-  if (od.size() != 2 || od[0] != m || od[1] != n ||
-      (ot != ffi::DataType::F32 && ot != ffi::DataType::F16 && ot != ffi::DataType::BF16))
-    return bad("out must be [M, N] in float32, float16 or bfloat16");
-  if (splits < 1 || splits > jaxlp::kMaxClusterSplits) return bad("splits must be 1 to 8, got " + std::to_string(splits));
-  if (n / kRows > 65535) return bad("N must be at most 16 * 65535, got " + std::to_string(n));
+  if (const char* e = jaxlp::output_error(out, m, n, splits)) return bad(e);
   if (unroll != 1 && unroll != 2 && unroll != 4) return bad("unroll must be 1, 2 or 4, got " + std::to_string(unroll));
   Params p;
   p.upper = upper.typed_data();
@@ -216,9 +212,9 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> uppe
   p.k = static_cast<int>(k);
   p.splits = splits;
   if (n == 0) return ffi::Error::Success();
-  const cudaError_t e = ot == ffi::DataType::F16    ? launch<kFp8, __half>(unroll, stream, p)
-                        : ot == ffi::DataType::BF16 ? launch<kFp8, __nv_bfloat16>(unroll, stream, p)
-                                                    : launch<kFp8, float>(unroll, stream, p);
+  const cudaError_t e = jaxlp::with_out_type(out->element_type(), [&](auto out_type) {
+    return launch<kFp8, decltype(out_type)>(unroll, stream, p);
+  });
   if (e != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp nestedfp gemv launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();

@@ -225,8 +225,8 @@ def test_gpu_every_unroll_and_split_count(mode, unroll, splits):
     x = rng.standard_normal((m, k)).astype(np.float32)
     lay = layer(w, mode)
     f = jax.jit(lambda x: nestedfp_dispatch.matmul(lay, x, splits=splits, unroll=unroll))
-    y = f(jnp.asarray(x, jnp.float16))
-    assert rel(np.asarray(y, np.float32), numpy_reference(w, jnp.asarray(x, jnp.float16).astype(jnp.float32), mode)) <= TOL
+    x16 = jnp.asarray(x, jnp.float16)
+    assert rel(np.asarray(f(x16), np.float32), numpy_reference(w, x16.astype(jnp.float32), mode)) <= TOL
 
 
 @pytest.mark.gpu
