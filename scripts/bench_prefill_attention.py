@@ -4,7 +4,7 @@ Times causal self-attention of full-length prompts (``lengths = S``) under jit, 
 and sequence length: ``xla`` (blockwise flash in pure JAX), ``cudnn``, ``mosaic`` (jax's Pallas
 Mosaic GPU FA3-style kernel), ``fp8`` (:func:`jaxlp.pallas.fp8_attention.fp8_attention`, FireQ's
 FP8 attention, its per-head quantization of q, k, v included; floor at twice the dense rate;
-``fp8_unpromoted``: the same with the whole row's PV accumulated in the tensor cores) and
+``fp8_promoted``: the same with each key block's PV promoted to FP32, ``AttentionConfig(promote_pv=True)``) and
 ``reference`` (``causal_attention``, which materialises the float32 scores; skipped where they
 would not fit in half the device memory). Warm-up calls,
 then the median of ``--repeats`` calls (``jax.block_until_ready``). Each row has the FLOP floor:
@@ -28,8 +28,8 @@ from jaxlp.attention.reference import causal_attention
 from jaxlp.evals.harness import run_metadata, time_call, write_json
 from jaxlp.pallas.fp8_attention import AttentionConfig, fp8_attention
 
-IMPLS = ("xla", "cudnn", "mosaic", "fp8", "fp8_unpromoted", "reference")
-FP8_IMPLS = {"fp8": AttentionConfig(), "fp8_unpromoted": AttentionConfig(promote_pv=False)}
+IMPLS = ("xla", "cudnn", "mosaic", "fp8", "fp8_promoted", "reference")
+FP8_IMPLS = {"fp8": AttentionConfig(), "fp8_promoted": AttentionConfig(promote_pv=True)}
 
 
 def parse_args(argv=None):

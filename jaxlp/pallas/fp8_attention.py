@@ -38,13 +38,14 @@ class AttentionConfig:
     """block_q: query rows per compute warpgroup (two per CTA); block_kv: keys per step (FP8 rows of
     128 bytes: 128); stages: K / V tiles in flight; promote_pv: each key block's PV product into a
     fresh WGMMA accumulator, added to the FP32 output in registers (FP8 WGMMAs accumulate with
-    fewer bits than FP32: accumulating the whole row's PV in the tensor cores measured 0.9% off
-    float64 at 2048 tokens on the H100, docs/perf.md "session 21")."""
+    fewer bits than FP32), else the whole row's PV accumulated by the tensor cores: on the H100
+    the same error at 256 and 1024 tokens and 2-12% slower at 8K (docs/perf.md "session 21"),
+    so off by default."""
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
-    promote_pv: bool = True
+    promote_pv: bool = False
 
     def __post_init__(self):
         if self.block_q % 64:
