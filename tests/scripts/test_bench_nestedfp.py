@@ -1,4 +1,4 @@
-"""scripts/bench_nestedfp.py on a tiny model (CPU): every variant is timed and written."""
+"""scripts/bench_nestedfp.py on a tiny model (CPU, fused projections): every variant is timed and written."""
 
 import json
 
@@ -11,12 +11,13 @@ def test_tiny_run_times_every_variant_and_writes_json(tmp_path):
     out = tmp_path / "nestedfp.json"
     rows = bench.main(["--tiny", "--layers", "1", "--batches", "2", "--context", "64", "--n1", "1", "--n2", "2",
                        "--repeats", "1", "--prefill", "1x40", "--switch", "--generate", "threshold-fp8",
-                       "--out", str(out)])
+                       "--fused", "--out", str(out)])
     want = [(v, part, b) for v in ("fp16", "nestedfp-fp16", "nestedfp-fp8") for part, b in (("prefill", 1), ("decode", 2))]
     want += [(f"switch-{p}", "decode", 2) for p in ("fp16", "fp8", "alternate", "call-fp16", "call-fp8")]
     want += [("generate-threshold-fp8", "decode", 2)]
     assert [(r["variant"], r["part"], r["batch"]) for r in rows] == want
     saved = json.loads(out.read_text())
+    assert saved["fused_projections"] is True
     assert [(r["variant"], r["part"], r["batch"]) for r in saved["rows"]] == want
     assert all(r["ms"] > 0 for r in saved["rows"] if r["part"] == "prefill")  # one timed call each
     assert all(r["ms"] == r["ms"] and r["x_fp16"] == r["x_fp16"] for r in saved["rows"])  # decode: a difference
