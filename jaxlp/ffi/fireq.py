@@ -42,7 +42,6 @@ OUT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 128  # K per warp step: one scale group
 WARPS = 8  # per CTA
-TARGET_CTAS = 132  # one per SM at least: more splits measured slower (H100, docs/perf.md "session 20")
 UNROLLS = (1, 2, 4)
 DEFAULT_UNROLL = 1  # the fastest at 1..16 tokens (H100, docs/perf.md "session 20")
 
@@ -52,12 +51,13 @@ def available() -> bool:
     return LIBRARY.available()
 
 
-def default_splits(n: int, k: int) -> int:
-    """K splits per block of 16 rows: 1 where there are :data:`TARGET_CTAS` blocks or more (every
-    split of 28672 x 4096, 6144 x 4096, 4096 x 4096 and 4096 x 14336 measured slower than none at 1
-    and 16 tokens), else about that many CTAs in all, each warp left with at least two K windows."""
+def default_splits(n: int, k: int, num_sms: int = 132) -> int:
+    """K splits per block of 16 rows: 1 where there are ``num_sms`` blocks or more (every split of
+    28672 x 4096, 6144 x 4096, 4096 x 4096 and 4096 x 14336 measured slower than none at 1 and 16
+    tokens, H100, docs/perf.md "session 20"), else about one CTA per SM in all, each warp left with
+    at least two K windows."""
     windows = k // WINDOW
-    return max(1, min(math.ceil(TARGET_CTAS / max(n // ROWS, 1)), windows // (2 * WARPS), MAX_SPLITS))
+    return max(1, min(math.ceil(num_sms / max(n // ROWS, 1)), windows // (2 * WARPS), MAX_SPLITS))
 
 
 def gemv(x8: jax.Array, codes: jax.Array, scales: jax.Array, *, splits: int | None = None,

@@ -34,7 +34,6 @@ MAX_SPLITS = 8  # CTAs per cluster (the portable cluster size)
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 64  # K per warp step
 WARPS = 8  # per CTA
-SMS = 132  # H100 SXM
 UNROLLS = (1, 2, 4)
 # Windows in flight per warp by mode, for a grid that fits one wave at 3 CTAs per SM and for a
 # larger one (H100, docs/perf.md "session 21": fewer registers win while every CTA is resident).
@@ -47,20 +46,20 @@ def available() -> bool:
     return LIBRARY.available()
 
 
-def default_splits(n: int, k: int) -> int:
-    """K splits per block of 16 rows: 1 where the blocks give every SM one CTA (clusters of more
-    CTAs measured slower there), else about two CTAs per SM in all, at most :data:`MAX_SPLITS`,
-    each warp left with at least two K windows."""
+def default_splits(n: int, k: int, num_sms: int = 132) -> int:
+    """K splits per block of 16 rows: 1 where the blocks give each of ``num_sms`` SMs a CTA
+    (clusters of more CTAs measured slower there), else about two CTAs per SM in all, at most
+    :data:`MAX_SPLITS`, each warp left with at least two K windows."""
     blocks, windows = max(n // ROWS, 1), k // WINDOW
-    if blocks >= SMS:
+    if blocks >= num_sms:
         return 1
-    return max(1, min(math.ceil(2 * SMS / blocks), windows // (2 * WARPS), MAX_SPLITS))
+    return max(1, min(math.ceil(2 * num_sms / blocks), windows // (2 * WARPS), MAX_SPLITS))
 
 
-def default_unroll(mode: str, n: int, splits: int) -> int:
+def default_unroll(mode: str, n: int, splits: int, num_sms: int = 132) -> int:
     """K windows per pipelined step (:data:`DEFAULT_UNROLL`): the first where the grid of ``n / 16``
-    row blocks x ``splits`` fits one wave at 3 CTAs per SM, else the second."""
-    return DEFAULT_UNROLL[mode][0 if (n // ROWS) * splits <= 3 * SMS else 1]
+    row blocks x ``splits`` fits one wave at 3 CTAs on each of ``num_sms`` SMs, else the second."""
+    return DEFAULT_UNROLL[mode][0 if (n // ROWS) * splits <= 3 * num_sms else 1]
 
 
 def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int | None = None,

@@ -26,6 +26,7 @@ def test_default_splits_fill_the_gpu_and_leave_each_warp_work():
     assert cuda.default_splits(1024, 14336) == 3  # 64 blocks: 3 for 132 CTAs, 112 windows allow 7
     assert cuda.default_splits(1024, 256) == 1  # 2 windows: none to split
     assert cuda.default_splits(28672, 4096) == 1
+    assert cuda.default_splits(1024, 14336, num_sms=64) == 1  # 64 blocks fill a 64-SM GPU
     for n in (16, 1024, 4096, 14336):
         for k in (128, 1024, 4096, 14336):
             s = cuda.default_splits(n, k)

@@ -66,6 +66,7 @@ def test_default_splits_fill_the_gpu_and_leave_each_warp_work():
     assert cuda.default_splits(4096, 4096) == 1  # 256 row blocks >= 132
     assert cuda.default_splits(1024, 4096) == 4  # 64 blocks: 5 for two CTAs per SM, 4 leave each warp 2 windows
     assert cuda.default_splits(128, 1 << 16) == cuda.MAX_SPLITS
+    assert cuda.default_splits(1024, 4096, num_sms=64) == 1  # a smaller GPU: 64 blocks fill it
     assert cuda.default_splits(1024, 512) == 1  # 8 windows: 1 per warp
     assert cuda.default_splits(28672, 4096) == 1
     assert cuda.default_splits(4096, 64) == 1
@@ -80,6 +81,7 @@ def test_default_unroll_by_waves():
     assert cuda.default_unroll("fp16", 6144, 1) == 1 and cuda.default_unroll("fp16", 14336, 1) == 2
     assert cuda.default_unroll("fp8", 4096, 1) == 2 and cuda.default_unroll("fp8", 28672, 1) == 4
     assert cuda.default_unroll("fp16", 1024, 4) == 1  # 256 CTAs
+    assert cuda.default_unroll("fp16", 6144, 1, num_sms=114) == 2  # 384 CTAs: more than a wave on 114 SMs
 
 
 @pytest.mark.parametrize("mode", ["fp16", "fp8"])
