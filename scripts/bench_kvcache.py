@@ -48,7 +48,7 @@ from bench_decode import QWEN3_8B, build_model, step_profile  # noqa: E402
 from jaxlp import kvcache  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
 from jaxlp.models import from_hf_config  # noqa: E402
-from jaxlp.ffi import quantized_decode_attention as cuda_units_attention  # noqa: E402
+from jaxlp.kvcache.quantized import cuda_kernel  # noqa: E402
 from jaxlp.pallas import quantized_decode_attention as units_attention  # noqa: E402
 
 FORMATS = ("bf16", "kitty", "kitty-pro", "kivi-k2v2", "kivi-k2v2*", "fireq-int4")
@@ -148,7 +148,8 @@ def units_kernel(inner, num_heads):
     """The packed-unit kernel ``inner.attend`` dispatches to (CUDA, Pallas or its interpreter)."""
     impl = inner._decode_implementation(num_heads)
     if impl == "cuda":
-        return cuda_units_attention.attend_units
+        d = inner.k_ring.shape[-1]
+        return cuda_kernel(inner.k_spec.codec, inner.v_spec.codec, d, num_heads // inner.k_ring.shape[2]).attend_units
     return functools.partial(units_attention.attend_units, interpret=impl != "pallas")
 
 

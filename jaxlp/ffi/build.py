@@ -41,6 +41,8 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "sampling": ("sampling.cu",),  # the fused sampling kernels and their handlers (jaxlp.ffi.sampling)
     # decode attention over packed 2-bit Kitty / KIVI units (jaxlp.ffi.quantized_decode_attention)
     "quantized_decode_attention": ("quantized_decode_attention.cu",),
+    # decode attention over per-token INT4 units, FireQ's cache (jaxlp.ffi.int4_decode_attention)
+    "int4_decode_attention": ("int4_decode_attention.cu",),
     "quantized_cache_store": ("quantized_cache_store.cu",),  # one-token Kitty store (jaxlp.ffi.quantized_cache_store)
     "nestedfp_gemv": ("nestedfp_gemv.cu",),  # NestedFP products for 1..8 tokens (jaxlp.ffi.nestedfp)
     "fireq": ("fireq.cu",),  # FireQ INT4 x FP8 products for 1..16 tokens, INT4 -> FP8 decode (jaxlp.ffi.fireq)

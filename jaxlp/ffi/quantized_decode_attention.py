@@ -183,13 +183,14 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     if sink[0].shape[1] >= BLOCK:
         raise ValueError(f"attend_cache: the sink and the new token must fit one {BLOCK}-token block, "
                          f"got a sink of {sink[0].shape[1]}")
-    k_ring, v_ring = (_fp16(k_ring[0]), k_ring[1].astype(jnp.int32)), (_fp16(v_ring[0]), v_ring[1].astype(jnp.int32))
+    k_ring = fp16_clipped(k_ring[0]), k_ring[1].astype(jnp.int32)
+    v_ring = fp16_clipped(v_ring[0]), v_ring[1].astype(jnp.int32)
     return _call(q, k_store, v_store, k_codec, v_codec, bounds.astype(jnp.int32), k_ring, v_ring,
-                 tuple(map(_fp16, sink)), tuple(map(_fp16, new)), tail=True, scale=scale, softcap=softcap,
-                 splits=splits, packed=packed, staged_splits=staged_splits)
+                 tuple(map(fp16_clipped, sink)), tuple(map(fp16_clipped, new)), tail=True, scale=scale,
+                 softcap=softcap, splits=splits, packed=packed, staged_splits=staged_splits)
 
 
-def _fp16(x):
+def fp16_clipped(x):
     """``x`` as FP16, clipped to its range (no inf from a large BF16 / float32 number)."""
     if x.dtype == jnp.float16:
         return x

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 
 from jaxlp.attention import decode
 from jaxlp.attention.reference import causal_attention
+from jaxlp.ffi import int4_decode_attention as cuda_int4
 from jaxlp.ffi import quantized_cache_store as cuda_store
 from jaxlp.ffi import quantized_decode_attention as cuda_attention
 from jaxlp.kvcache.base import CacheFormat, KVCache, LayerCache, prompt_attention
@@ -163,6 +164,16 @@ def _partial_attention(q, k, v, seen, *, scale, softcap):
     return o.reshape(b, h, d), m.reshape(b, h), l.reshape(b, h)
 
 
+def cuda_kernel(k_codec, v_codec, head_dim: int, group: int):
+    """The CUDA decode-attention module that reads these codecs (2-bit Kitty / KIVI units:
+    :mod:`jaxlp.ffi.quantized_decode_attention`; per-token INT4, FireQ:
+    :mod:`jaxlp.ffi.int4_decode_attention`), or None."""
+    for kernel in (cuda_attention, cuda_int4):
+        if kernel.supports(k_codec, v_codec, head_dim, group):
+            return kernel
+    return None
+
+
 def _merge_partials(parts):
     """Merge softmax partials ``(out normalized, m, l)`` of disjoint key sets into one output."""
     m_all = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
@@ -247,19 +258,27 @@ class QuantizedLayerCache(LayerCache):
         on_gpu = jax.default_backend() == "gpu"
         kc, vc, d = self.k_spec.codec, self.v_spec.codec, self.k_ring.shape[-1]
         group = num_heads // self.k_ring.shape[2]
-        cuda = cuda_attention.supports(kc, vc, d, group)
+        cuda = cuda_kernel(kc, vc, d, group)
         readable = units_attention.supports(kc, vc, d)
         if self.attention == "auto":
             if not on_gpu:
                 return None
-            if cuda and cuda_attention.available():
+            if cuda is not None and cuda.available():
                 return "cuda"
             return "pallas" if readable else None
         if self.attention in ("pallas", "cuda") and not on_gpu:
             raise ValueError(f"the {self.attention} quantized-cache attention kernel needs a GPU "
                              f"(backend {jax.default_backend()!r})")
         if self.attention == "cuda":
-            cuda_attention.layout(kc, vc, d, group)  # raises, naming what the CUDA kernel does not read
+            if cuda is None:  # name what each CUDA kernel does not read
+                reasons = []
+                for check in (lambda: cuda_attention.layout(kc, vc, d, group),
+                              lambda: cuda_int4.check(kc, vc, d, group)):
+                    try:
+                        check()
+                    except ValueError as e:
+                        reasons.append(str(e))
+                raise ValueError("; ".join(reasons))
             return "cuda"
         if not readable:
             raise ValueError(f"the quantized-cache attention kernel does not read {kc!r} / {vc!r} at head_dim {d}; "
@@ -283,26 +302,32 @@ class QuantizedLayerCache(LayerCache):
         hi = jnp.minimum(qk, qv)
         first = jnp.zeros_like(p) if window is None else jnp.maximum(p - window + 1, 0)  # oldest visible position
         implementation = self._decode_implementation(q.shape[1])
-        if implementation == "cuda" and self.k_spec.units and self.v_spec.units and off < cuda_attention.BLOCK:
+        kc, vc = self.k_spec.codec, self.v_spec.codec
+        group = q.shape[1] // self.k_ring.shape[2]
+        kernel = cuda_kernel(kc, vc, q.shape[-1], group) if implementation == "cuda" else None
+        units = self.k_spec.units and self.v_spec.units
+        width = max(self.k_spec.ring, self.v_spec.ring)
+        if kernel is cuda_attention and units and off < cuda_attention.BLOCK:
             # One kernel: units, rings, sink and the new token (the XLA partial below is not built).
             zero = jnp.zeros_like(p)
             bounds = jnp.stack([jnp.clip(first - off, 0, m_tokens), m_tokens, qk, qv, jnp.clip(first, 0, off),
                                 jnp.minimum(start, off), valid.astype(p.dtype), zero], axis=1)
             out, _, _ = cuda_attention.attend_cache(
-                q, self.k_store, self.v_store, self.k_spec.codec, self.v_spec.codec, bounds,
+                q, self.k_store, self.v_store, kc, vc, bounds,
                 (self.k_ring, self.k_ring_pos), (self.v_ring, self.v_ring_pos), (self.sink_k, self.sink_v), (k, v),
                 scale=scale, softcap=softcap, **(cuda_options or {}))
             return out
         parts = []
-        if self.k_spec.units and self.v_spec.units:
+        if units:
             lo = jnp.clip(first - off, 0, hi)
-            args = (q, self.k_store, self.v_store, self.k_spec.codec, self.v_spec.codec, lo, hi)
-            if implementation == "cuda":
-                parts.append(cuda_attention.attend_units(*args, scale=scale, softcap=softcap))
+            args = (q, self.k_store, self.v_store, kc, vc, lo, hi)
+            if kernel is cuda_int4 and not off and not width:  # FireQ: units and the new token are the whole step
+                return cuda_int4.attend_units(*args, scale=scale, softcap=softcap, new=(k, v, valid))[0]
+            if kernel is not None:
+                parts.append(kernel.attend_units(*args, scale=scale, softcap=softcap))
             else:
                 parts.append(units_attention.attend_units(*args, scale=scale, softcap=softcap,
                                                           interpret=self.attention == "interpret"))
-        width = max(self.k_spec.ring, self.v_spec.ring)
         j = hi[:, None] + jnp.arange(width)  # stream indices newer than the kernel's range
         keys = [self.sink_k.astype(jnp.float32), self._window(self.k_spec, self.k_ring, self.k_ring_pos, self.k_store, j, qk),
                 k[:, None].astype(jnp.float32)]

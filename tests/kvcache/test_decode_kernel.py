@@ -181,7 +181,8 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 CUDA_READS = ("kivi-k2v2", "kitty", "kitty-pro")  # 2-bit units: jaxlp.ffi.quantized_decode_attention
-KERNELS = [(n, "pallas") for n in QUANTIZED] + [(n, "cuda") for n in CUDA_READS]
+# FireQ's per-token INT4 units: jaxlp.ffi.int4_decode_attention
+KERNELS = [(n, "pallas") for n in QUANTIZED] + [(n, "cuda") for n in CUDA_READS + ("fireq-int4",)]
 
 
 @pytest.mark.gpu
@@ -235,6 +236,23 @@ def test_gpu_cuda_step_is_one_kernel_over_rings_sink_and_rewound_rows(name):
     step = jax.jit(lambda layer, q, k, v, p: layer.attend(q, k, v, p, scale=0.125, window=None, softcap=None)[0])
     text = step.lower(layer, q, k, v, jnp.asarray(LENGTHS, jnp.int32)[:, None]).as_text()
     assert text.count("jaxlp_quantized_decode_attention") == 1 and "dot_general" not in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("h, kvh, d", [(8, 2, 64), (32, 8, 128), (16, 1, 128)])
+def test_gpu_fireq_cuda_step_is_one_kernel_over_units_and_the_new_token(h, kvh, d):
+    """FireQ's CUDA step (no sink, no ring): the INT4 units and the new token in one kernel, rows at
+    and past chunk edges, short and rewound, with and without a window and a softcap, 4 to 16 query
+    heads per KV head; its program holds one custom call and no XLA attention."""
+    layer = dataclasses.replace(filled_layer("fireq-int4", STORED, 320, h=h, kvh=kvh, seed=h, d=d), attention="cuda")
+    q, k, v = step_inputs(layer, h, h)
+    for kw in (dict(), dict(window=100, softcap=5.0)):
+        got, want = both_compiled(layer, q, k, v, LENGTHS, **kw)
+        assert_rows_close(got, want)
+    step = jax.jit(lambda layer, q, k, v, p: layer.attend(q, k, v, p, scale=0.125, window=None, softcap=None)[0])
+    text = step.lower(layer, q, k, v, jnp.asarray(LENGTHS, jnp.int32)[:, None]).as_text()
+    assert text.count("jaxlp_int4_decode_attention") == 1 and "dot_general" not in text
 
 
 @functools.partial(jax.jit, static_argnames=("window", "softcap", "options"))
