@@ -123,6 +123,33 @@ __device__ __forceinline__ void load_words(const uint8_t* p, uint32_t (&w)[N]) {
   }
 }
 
+// A warp's 32 tokens in registers: key codes of n-tile j (token c0 + 8 j + gid, bytes tig * D/8 on),
+// value codes of k-step i (tokens c0 + 16 i + {2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9}, bytes gid *
+// D/16 on), and lane t's token c0 + t's key scale (byte 0) and value scale (byte 1). Tokens past
+// the split read its last one (masked).
+template <int D>
+struct Chunk {
+  uint32_t k[4][Shape<D>::kKeyWords];
+  uint32_t v[2][4][Shape<D>::kValueWords];
+  uint32_t scales;
+};
+
+template <int D>
+__device__ __forceinline__ void load_chunk(Chunk<D>& c, const uint8_t* kbase, const uint8_t* vbase,
+                                           const uint8_t* ksc, const uint8_t* vsc, size_t stride, int kvh, int c0,
+                                           int last, int lane) {
+  const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) load_words(kbase + min(c0 + 8 * j + gid, last) * stride, c.k[j]);
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      load_words(vbase + min(c0 + 16 * i + 2 * tig + (e & 1) + 8 * (e >> 1), last) * stride, c.v[i][e]);
+  const size_t t = static_cast<size_t>(min(c0 + lane, last)) * kvh;
+  c.scales = __ldg(ksc + t) | (static_cast<uint32_t>(__ldg(vsc + t)) << 8);
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads) int4_tokens_kernel(Params p) {
   using S = Shape<D>;
@@ -135,9 +162,13 @@ __global__ void __launch_bounds__(kThreads) int4_tokens_kernel(Params p) {
   const int t0 = lo + split * per;
   const int t1 = min(t0 + per, hi);
 
-  // Query fragments (rows gid, gid + 8; zero past G), channels as the key fragments take them.
+  // Query fragments (rows gid, gid + 8; zero past G), channels as the key fragments take them,
+  // from a copy of the KV head's queries in shared memory (one coalesced load, no branches).
+  __shared__ float q_sm[kRows][D];
   const float* qh = p.q + (static_cast<size_t>(b) * p.kvh + h) * p.g * D;
-  auto qv = [&](int r, int c) { return r < p.g ? qh[r * D + c] : 0.f; };
+  for (int i = threadIdx.x; i < kRows * D; i += kThreads) (&q_sm[0][0])[i] = i < p.g * D ? __ldg(qh + i) : 0.f;
+  __syncthreads();
+  auto qv = [&](int r, int c) { return q_sm[r][c]; };
   uint32_t qa[S::kSteps][4];
 #pragma unroll
   for (int s = 0; s < S::kSteps; ++s) {
@@ -161,27 +192,22 @@ __global__ void __launch_bounds__(kThreads) int4_tokens_kernel(Params p) {
   const uint8_t* vsc = p.v_scale + head0;
   const float cap = p.softcap, inv_cap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
 
+  const int last = t1 - 1;
   for (int c0 = t0 + warp * kChunk; c0 < t1; c0 += kWarps * kChunk) {
-    const int last = t1 - 1;
-    // Key codes of n-tile j: token c0 + 8 j + gid; value codes of k-step i: tokens c0 + 16 i +
-    // {2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9}. Tokens past the split read its last one (masked).
-    uint32_t kw[4][S::kKeyWords], vw[2][4][S::kValueWords];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) load_words(kbase + min(c0 + 8 * j + gid, last) * stride, kw[j]);
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        load_words(vbase + min(c0 + 16 * i + 2 * tig + (e & 1) + 8 * (e >> 1), last) * stride, vw[i][e]);
-    // Scales of this thread's score columns: n-tile j, tokens c0 + 8 j + 2 tig + {0, 1}.
+    Chunk<D> cur;
+    load_chunk<D>(cur, kbase, vbase, ksc, vsc, stride, p.kvh, c0, last, lane);
+    const auto& kw = cur.k;
+    const auto& vw = cur.v;
+    // Scales of this thread's score columns (n-tile j, tokens c0 + 8 j + 2 tig + {0, 1}) from the
+    // lanes that loaded them (lane t: token c0 + t, key scale in byte 0, value scale in byte 1).
     float ks[4][2], vs[4][2];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const size_t t = static_cast<size_t>(min(c0 + 8 * j + 2 * tig + e, last)) * p.kvh;
-        ks[j][e] = e4m3(__ldg(ksc + t));
-        vs[j][e] = e4m3(__ldg(vsc + t));
+        const uint32_t x = __shfl_sync(0xffffffffu, cur.scales, 8 * j + 2 * tig + e);
+        ks[j][e] = e4m3(static_cast<uint8_t>(x));
+        vs[j][e] = e4m3(static_cast<uint8_t>(x >> 8));
       }
 
     // S = Q K^T.
@@ -260,9 +286,10 @@ __global__ void __launch_bounds__(kThreads) int4_tokens_kernel(Params p) {
     }
   }
 
-  // Merge the warps: row sums over the quad, then the CTA's max and sums in shared memory.
+  // Merge the warps: row sums over the quad; each warp's unnormalized output, max and sum to
+  // shared memory (plain stores), then every row summed over the warps, weighted by exp2(m_w - m).
   __shared__ float m_sm[kWarps][kRows], l_sm[kWarps][kRows];
-  __shared__ float o_sm[kRows][D];
+  __shared__ float o_sm[kWarps][kRows][D];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
@@ -272,24 +299,13 @@ __global__ void __launch_bounds__(kThreads) int4_tokens_kernel(Params p) {
     m_sm[warp][gid] = mrow[0], m_sm[warp][gid + 8] = mrow[1];
     l_sm[warp][gid] = lrow[0], l_sm[warp][gid + 8] = lrow[1];
   }
-  for (int i = threadIdx.x; i < kRows * D; i += kThreads) (&o_sm[0][0])[i] = 0.f;
-  __syncthreads();
-  float wscale[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = gid + 8 * r;
-    float mall = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mall = fmaxf(mall, m_sm[w][row]);
-    wscale[r] = mrow[r] == -INFINITY ? 0.f : fast_exp2(mrow[r] - mall);
-  }
 #pragma unroll
   for (int nt = 0; nt < S::kTiles; ++nt) {
     const int ch = 2 * tig * (D / 16) + (nt >> 1) + (nt & 1) * (D / 2);  // column 2 tig; 2 tig + 1 is D/16 on
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = gid + 8 * (e >> 1);
-      if (row < p.g) atomicAdd(&o_sm[row][ch + (e & 1) * (D / 16)], o[nt][e] * wscale[e >> 1]);
+      if (row < p.g) o_sm[warp][row][ch + (e & 1) * (D / 16)] = o[nt][e];
     }
   }
   __syncthreads();
@@ -297,18 +313,20 @@ __global__ void __launch_bounds__(kThreads) int4_tokens_kernel(Params p) {
   // Rows of the output: warp w takes query heads w, w + 4, ...; the last split adds the new token.
   const bool with_new = split == p.splits - 1 && bounds[2] != 0;
   for (int row = warp; row < p.g; row += kWarps) {
-    float mall = -INFINITY, lall = 0.f;
+    float mall = -INFINITY, lall = 0.f, weight[kWarps];
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mall = fmaxf(mall, m_sm[w][row]);
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w)
-      lall += m_sm[w][row] == -INFINITY ? 0.f : l_sm[w][row] * fast_exp2(m_sm[w][row] - mall);
+    for (int w = 0; w < kWarps; ++w) {
+      weight[w] = m_sm[w][row] == -INFINITY ? 0.f : fast_exp2(m_sm[w][row] - mall);
+      lall += l_sm[w][row] * weight[w];
+    }
     float alpha = 1.f, beta = 0.f;
     const __half* nv = p.new_v + (static_cast<size_t>(b) * p.kvh + h) * D;
     if (with_new) {
       const __half* nk = p.new_k + (static_cast<size_t>(b) * p.kvh + h) * D;
       float s = 0.f;
-      for (int c = lane; c < D; c += 32) s += qh[row * D + c] * __half2float(nk[c]);
+      for (int c = lane; c < D; c += 32) s += q_sm[row][c] * __half2float(nk[c]);
 #pragma unroll
       for (int off = 16; off; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
       if (cap > 0.f) s = cap * tanhf(s * inv_cap);
@@ -320,8 +338,12 @@ __global__ void __launch_bounds__(kThreads) int4_tokens_kernel(Params p) {
       lall = lall * alpha + beta;
     }
     const size_t out = ((static_cast<size_t>(b) * p.kvh + h) * p.splits + split) * p.g + row;
-    for (int c = lane; c < D; c += 32)
-      p.o[out * D + c] = with_new ? o_sm[row][c] * alpha + beta * __half2float(nv[c]) : o_sm[row][c];
+    for (int c = lane; c < D; c += 32) {
+      float x = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) x += o_sm[w][row][c] * weight[w];
+      p.o[out * D + c] = with_new ? x * alpha + beta * __half2float(nv[c]) : x;
+    }
     if (lane == 0) {
       p.m[out] = mall == -INFINITY ? -INFINITY : mall / kLog2e;
       p.l[out] = lall;

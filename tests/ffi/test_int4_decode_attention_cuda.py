@@ -117,10 +117,10 @@ def test_gpu_kernel_matches_float64(d, g, softcap):
         live = want_l > 0
         assert rel(np.asarray(o)[live], want_o[live]) < 2e-3, splits
         assert (np.asarray(o)[~live] == 0).all() and (np.asarray(l)[~live] == 0).all()
+        # m and log(l) + m (l is relative to m) carry the scores' error: FP16 queries, 2^-12 relative
         np.testing.assert_allclose(np.asarray(m)[live], want_m[live], rtol=1e-3, atol=1e-3)
-        # l is relative to m: compare l * exp(m) through the log
         np.testing.assert_allclose(np.log(np.asarray(l)[live]) + np.asarray(m)[live],
-                                   np.log(want_l[live]) + want_m[live], rtol=1e-4, atol=1e-3)
+                                   np.log(want_l[live]) + want_m[live], rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu
