@@ -38,7 +38,8 @@ full-precision ``[B, max_len, KVH, D]`` keys and values with :meth:`dequantize`,
 (the format's ``attention`` field: "auto", "cuda", "pallas", "interpret"; "xla" keeps the
 reference) never build them. CUDA (:func:`jaxlp.ffi.quantized_decode_attention.attend_cache`,
 2-bit Kitty and KIVI units) reads the whole step in one kernel: packed units, the FP16 rings where
-they hold a token, the sink and the new token. Pallas
+they hold a token, the sink and the new token; FireQ's per-token INT4 units and the new token go
+through :func:`jaxlp.ffi.int4_decode_attention.attend_units` (no sink, no ring: one kernel too). Pallas
 (:func:`jaxlp.pallas.quantized_decode_attention.attend_units`, every format) reads the packed units
 that hold both keys and values, XLA attends the sink, the at most ``max(ring)`` newer stream tokens
 and the new token, and the two softmax partials are merged. With the CUDA attention on Kitty pages or
@@ -249,7 +250,7 @@ class QuantizedLayerCache(LayerCache):
 
     def _decode_implementation(self, num_heads: int) -> str | None:
         """The kernel one-token steps run over the packed units (``attention`` field): "cuda"
-        (:mod:`jaxlp.ffi.quantized_decode_attention`, 2-bit Kitty and KIVI units), "pallas" or
+        (:func:`cuda_kernel`: 2-bit Kitty and KIVI units, FireQ's INT4 tokens), "pallas" or
         "interpret" (:mod:`jaxlp.pallas.quantized_decode_attention`, every format); ``None`` for
         the reference ("xla", or "auto" off a GPU). "auto" on a GPU takes CUDA where it reads the
         units, else Pallas where it does."""
@@ -289,7 +290,8 @@ class QuantizedLayerCache(LayerCache):
         """One query per row ``q [B, H, D]`` at position ``p [B]`` (new ``k, v [B, KVH, D]``), never
         building the dequantized cache. CUDA: one kernel reads everything (units, rings where they
         hold a token, sink, new token; :func:`~jaxlp.ffi.quantized_decode_attention.attend_cache`,
-        given ``cuda_options`` as keywords).
+        given ``cuda_options`` as keywords; FireQ without a sink:
+        :func:`~jaxlp.ffi.int4_decode_attention.attend_units` over the units and the new token).
         Pallas: the packed units that hold both keys and values go through the kernel; the sink,
         the window of at most ``max(ring)`` newer stream tokens (ring or units, as :meth:`dequantize`
         reads them) and the new token through XLA; the two softmax partials are merged. Float32 out."""
