@@ -115,6 +115,24 @@ def test_quantize_then_generate_and_info(model_dir, tmp_path, capsys):
     assert "invalid choice: 'w2a2'" in capsys.readouterr().err
 
 
+def test_quantize_with_the_lm_head(model_dir, tmp_path, capsys):
+    """--lm-head quantizes the output projection too (weight-only); a checkpoint that ties it to the
+    embeddings (the shipped reasoner) is refused before anything is loaded."""
+    from importlib.resources import files
+
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(model_dir), "--recipe", "w4a16-nvfp4", "--out", str(out), "--lm-head",
+                 "--dtype", "float32"]) == 0
+    assert "15 layers quantized" in capsys.readouterr().out
+    assert main(["generate", "--model", str(out), "--prompt", "1 + 2 =", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()
+    reasoner = files("jaxlp") / "assets" / "reasoner"
+    assert main(["quantize", "--model", str(reasoner), "--recipe", "w4a16-nvfp4", "--out", str(tmp_path / "r"),
+                 "--lm-head"]) == 2
+    assert "ties its output projection to the embeddings" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_fuse_projections_flags(model_dir, tmp_path, capsys):
     """Fused and unfused generation give the same greedy text; a fused quantized checkpoint loads fused."""
     args = ["generate", "--model", str(model_dir), "--prompt", "7 * 6 =", "--max-new-tokens", "8", "--dtype", "float32"]

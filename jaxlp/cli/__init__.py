@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_d("sequences of offline text for static activation scales (W4A4 recipes), >= 1"))
     q.add_argument("--calibration-length", type=int, metavar="N", default=512,
                    help=_d("tokens per calibration sequence, 1 to the model's context length"))
+    q.add_argument("--lm-head", action="store_true",
+                   help="quantize the output projection too, weight-only, in the recipe's format (not for "
+                        "checkpoints that tie it to the embeddings)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing jaxlp quantized checkpoint at --out")
     q.add_argument("--fuse-projections", action="store_true",
                    help="fuse q/k/v and gate/up before quantizing: one linear and one NVFP4 tensor scale each "

@@ -118,9 +118,12 @@ def cmd_quantize(args) -> int:
     from jaxlp.quantization.saving import check_output_dir
 
     reporter = reporter_for(args)
-    recipe = get_recipe(args.recipe)
+    recipe = get_recipe(args.recipe).replace(lm_head=args.lm_head)
     out = check_output_dir(args.out, overwrite=args.overwrite, source=args.model)
     config = model_config(args.model)
+    if args.lm_head and config.tie_word_embeddings:
+        raise ValueError(f"--lm-head: {args.model} ties its output projection to the embeddings "
+                         "(tie_word_embeddings): there is no separate lm_head to quantize")
     calibrate = recipe.activation in STATIC
     if calibrate:
         check_int(None, "--calibration-length", args.calibration_length, low=1, high=config.max_position_embeddings,

@@ -24,7 +24,7 @@ from jaxlp.models.layers import Linear
 from jaxlp.models.sharding import shard_model
 from jaxlp.quantization.activations import STATIC
 from jaxlp.quantization.linear import QuantizedLinear
-from jaxlp.quantization.recipes import Recipe, get_recipe
+from jaxlp.quantization.recipes import LM_HEAD, Recipe, get_recipe
 
 CAS_CONSTANTS = {"gate_up": 0.0096, "down": 0.015}  # FireQ's reference values for Llama-3-8B
 
@@ -179,13 +179,18 @@ def quantize_model(
     if not inplace:
         model = nnx.clone(model)
     layers = linear_layers(model, recipe)
+    if recipe.lm_head and LM_HEAD not in layers:
+        why = ("the model ties its output projection to the embeddings (tie_word_embeddings)"
+               if getattr(model, "lm_head", None) is None else f"exclude={recipe.exclude!r} removes it")
+        raise ValueError(f"recipe {recipe.name!r} asks for the lm_head (lm_head=True), but {why}")
     if not layers:
         raise ValueError(f"recipe {recipe.name!r} selects no linear layer (include={recipe.include!r})")
     amax = {}
     if recipe.activation in STATIC:
         if calibration is None:
             raise ValueError(f"recipe {recipe.name!r} quantizes activations with a static scale: pass calibration=")
-        amax = collect_activation_amax(model, layers, calibration, batch_size=calibration_batch_size,
+        observed = {p: entry for p, entry in layers.items() if p != LM_HEAD}  # the lm_head is weight-only
+        amax = collect_activation_amax(model, observed, calibration, batch_size=calibration_batch_size,
                                        progress=progress)
 
     weights = {p: lin.weight[...].astype(jnp.float32) for p, (_, _, lin) in layers.items()}
@@ -206,8 +211,8 @@ def quantize_model(
         q = formats.quantize(w * p, recipe.weight_format, **options)
         bias = None if linear.bias is None else linear.bias[...]
         _set(parent, attr, QuantizedLinear(
-            q, bias, activation=recipe.activation, act_amax=amax.get(path), out_scale=float(1.0 / p),
-            implementation=implementation,
+            q, bias, activation=None if path == LM_HEAD else recipe.activation, act_amax=amax.get(path),
+            out_scale=float(1.0 / p), implementation=implementation,
         ))
         quantized.append(path)
         if progress is not None:

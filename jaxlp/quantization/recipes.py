@@ -4,6 +4,10 @@ A recipe names a weight format (``jaxlp.formats``) with its options and an optio
 activation quantizer (:mod:`jaxlp.quantization.activations`). ``include`` / ``exclude`` are
 regular expressions over module paths such as ``layers.3.mlp.down_proj``; by default every
 decoder linear layer is quantized and ``lm_head``, embeddings and norms stay high precision.
+``lm_head=True`` quantizes the output projection too, weight-only (its input, the final norm's
+output, is not quantized even where the recipe quantizes activations), e.g.
+``get_recipe("w4a4-nvfp4").replace(lm_head=True)``; a model whose output projection is tied to
+its embeddings has none to quantize (:func:`jaxlp.quantization.quantize_model` says so).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import dataclasses
 import re
 
 DECODER_LINEARS = r"layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"
+LM_HEAD = "lm_head"  # the output projection's module path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +29,7 @@ class Recipe:
     exclude: str | None = None
     pts: bool = False  # FireQ per-tensor power-of-two weight scaling
     cas: bool = False  # FireQ channel-wise absmean scaling folded into norms / up_proj
+    lm_head: bool = False  # also the output projection, weight-only (module doc)
     description: str = ""
 
     def __post_init__(self):
@@ -39,7 +45,7 @@ class Recipe:
                 raise ValueError(f"Recipe {self.name!r}: {field} must be a regular expression, got {pattern!r} ({e})") from None
 
     def selects(self, path: str) -> bool:
-        if not re.fullmatch(self.include, path):
+        if not (re.fullmatch(self.include, path) or (self.lm_head and path == LM_HEAD)):
             return False
         return not (self.exclude and re.fullmatch(self.exclude, path))
 

@@ -57,6 +57,36 @@ def test_reference_product_against_float64(model):
         np.testing.assert_allclose(np.asarray(layer(x)), expected, rtol=2e-5, atol=2e-5)
 
 
+@jax.default_matmul_precision("highest")
+@pytest.mark.parametrize("name", ["w4a16-nvfp4", "w4a4-nvfp4", "w4a8-fireq"])
+def test_lm_head_option_quantizes_the_output_projection_weight_only(model, name):
+    """``lm_head=True``: the output projection in the recipe's weight format, its input left alone
+    (no activation quantizer, no calibration of it), the decoder layers as without the option; the
+    logits are the float64 product with the dequantized weight (times FireQ's PTS output scale)."""
+    q = quantize_model(model, get_recipe(name).replace(lm_head=True), calibration=ids(1, (4, 32)))
+    assert "lm_head" in q.quantization.quantized and len(q.quantization.quantized) == 15
+    head = q.lm_head
+    assert isinstance(head, QuantizedLinear) and head.activation is None and head.act_amax is None
+    assert head.weight.format == get_recipe(name).weight_format
+    assert q.layers[0].mlp.down_proj.activation == get_recipe(name).activation
+    hidden = jnp.asarray(np.random.default_rng(2).standard_normal((3, 128)), jnp.float32)
+    expected = (np.asarray(hidden, np.float64) @ np.asarray(head.weight.dequantize(jnp.float32), np.float64).T
+                * head.out_scale)
+    np.testing.assert_allclose(np.asarray(q.logits(hidden)), expected, rtol=1e-5, atol=1e-5)
+    assert isinstance(model.lm_head, Linear)  # the original is untouched
+    rel = np.linalg.norm(np.asarray(q.logits(hidden)) - np.asarray(model.logits(hidden)))
+    assert 0 < rel / np.linalg.norm(np.asarray(model.logits(hidden))) < 0.2  # quantized, the same projection
+
+
+def test_lm_head_option_refuses_tied_and_excluded_heads(model):
+    recipe = get_recipe("w4a16-nvfp4").replace(lm_head=True)
+    with pytest.raises(ValueError, match="ties its output projection to the embeddings"):
+        quantize_model(tiny(tie_word_embeddings=True), recipe)
+    with pytest.raises(ValueError, match="exclude='lm_head' removes it"):
+        quantize_model(model, recipe.replace(exclude="lm_head"))
+    assert not get_recipe("w4a16-nvfp4").selects("lm_head") and recipe.selects("lm_head")
+
+
 def test_nvfp4_activations_saturate_at_calibrated_amax():
     x = jnp.asarray([[0.5] * 15 + [100.0]], jnp.float32)
     xq = np.asarray(fake_quantize(x, "nvfp4", jnp.float32(1.0)))

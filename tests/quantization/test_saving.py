@@ -61,3 +61,20 @@ def test_corrupt_and_partial_checkpoints(model, tmp_path):
         jaxlp.from_pretrained(tmp_path / "q")
     with pytest.raises(ValueError, match="quantize_model"):
         save_quantized(model, tmp_path / "plain")
+
+
+def test_round_trip_with_a_quantized_lm_head(model, tmp_path):
+    """``lm_head=True``: the quantized output projection (weight-only, under a W4A4 recipe) is saved
+    and loaded like the decoder layers, bit-exactly."""
+    from jaxlp.quantization import QuantizedLinear, get_recipe
+
+    q = quantize_model(model, get_recipe("w4a4-nvfp4").replace(lm_head=True), calibration=np.arange(64).reshape(2, 32))
+    save_quantized(q, tmp_path / "q")
+    loaded = jaxlp.from_pretrained(tmp_path / "q")
+    assert isinstance(loaded.lm_head, QuantizedLinear) and loaded.lm_head.activation is None
+    assert "lm_head" in loaded.quantization.quantized
+    for u, v in zip(jax.tree.leaves(q.lm_head.weight), jax.tree.leaves(loaded.lm_head.weight)):
+        assert u.dtype == v.dtype and np.array_equal(np.atleast_1d(np.asarray(u)).view(np.uint8),
+                                                     np.atleast_1d(np.asarray(v)).view(np.uint8))
+    ids = jnp.asarray([[3, 4, 5, 6, 7]])
+    np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(q(ids)))
