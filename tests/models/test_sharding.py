@@ -222,3 +222,16 @@ def test_greedy_tokens_under_tp_with_quantized_caches(w4a16_pair, cache):
     prompts = [token_ids(5, (1, 9))[0].tolist(), token_ids(6, (1, 4))[0].tolist()]
     runs = [jaxlp.generate(m, prompts, max_new_tokens=5, kv_cache=cache, stop_tokens=()) for m in (single, sharded)]
     assert runs[1].sequences() == runs[0].sequences()
+
+
+def test_a_quantized_lm_head_is_replicated_and_gives_the_single_device_logits(base):
+    """``lm_head=True``: the quantized output projection stays whole on every device (as the BF16
+    one), beside the sharded decoder layers."""
+    from jaxlp.quantization import get_recipe
+
+    single = quantize_model(base, get_recipe("w4a16-nvfp4").replace(lm_head=True))
+    sharded = shard_model(nnx.clone(single), mesh_of(4))
+    fields = [leaf for leaf in jax.tree.leaves(sharded.lm_head.weight.get_value()) if leaf.ndim == 2]
+    assert fields and all(f.sharding.spec in (P(), P(None, None)) for f in fields)
+    ids = token_ids(0)
+    assert rel(jax.jit(lambda m, x: m(x))(sharded, ids), single(ids)) <= 1e-4
