@@ -273,10 +273,9 @@ class QuantizedLayerCache(LayerCache):
         if self.attention == "cuda":
             if cuda is None:  # name what each CUDA kernel does not read
                 reasons = []
-                for check in (lambda: cuda_attention.layout(kc, vc, d, group),
-                              lambda: cuda_int4.check(kc, vc, d, group)):
+                for explain in (cuda_attention.layout, cuda_int4.check):
                     try:
-                        check()
+                        explain(kc, vc, d, group)
                     except ValueError as e:
                         reasons.append(str(e))
                 raise ValueError("; ".join(reasons))
