@@ -106,7 +106,7 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
     for name, x in (("key", new_k), ("value", new_v)):
         if x.shape != (b, kvh, d):
             raise ValueError(f"attend_units: the new {name} must be [B, KVH, D] = {(b, kvh, d)}, got {x.shape}")
-    splits = splits or default_splits(b, kvh, tokens)
+    splits = default_splits(b, kvh, tokens) if splits is None else splits
     if splits < 1:
         raise ValueError(f"attend_units: splits must be >= 1, got {splits}")
     if build.on_gpu():

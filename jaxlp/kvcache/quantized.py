@@ -290,7 +290,8 @@ class QuantizedLayerCache(LayerCache):
         building the dequantized cache. CUDA: one kernel reads everything (units, rings where they
         hold a token, sink, new token; :func:`~jaxlp.ffi.quantized_decode_attention.attend_cache`,
         given ``cuda_options`` as keywords; FireQ without a sink:
-        :func:`~jaxlp.ffi.int4_decode_attention.attend_units` over the units and the new token).
+        :func:`~jaxlp.ffi.int4_decode_attention.attend_units` over the units and the new token, given
+        them likewise).
         Pallas: the packed units that hold both keys and values go through the kernel; the sink,
         the window of at most ``max(ring)`` newer stream tokens (ring or units, as :meth:`dequantize`
         reads them) and the new token through XLA; the two softmax partials are merged. Float32 out."""
@@ -323,7 +324,8 @@ class QuantizedLayerCache(LayerCache):
             lo = jnp.clip(first - off, 0, hi)
             args = (q, self.k_store, self.v_store, kc, vc, lo, hi)
             if kernel is cuda_int4 and not off and not width:  # FireQ: units and the new token are the whole step
-                return cuda_int4.attend_units(*args, scale=scale, softcap=softcap, new=(k, v, valid))[0]
+                return cuda_int4.attend_units(*args, scale=scale, softcap=softcap, new=(k, v, valid),
+                                              **(cuda_options or {}))[0]
             if kernel is not None:
                 parts.append(kernel.attend_units(*args, scale=scale, softcap=softcap))
             else:

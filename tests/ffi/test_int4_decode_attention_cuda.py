@@ -74,8 +74,9 @@ def test_bad_operands_are_refused():
         cuda.attend_units(q, ks, fireq.Int4Tokens(vs.codes[:, :64], vs.scale), *FIREQ, rows, rows, scale=1.0)
     with pytest.raises(ValueError, match="new key must be"):
         cuda.attend_units(q, ks, vs, *FIREQ, rows, rows, scale=1.0, new=(new[0][:, :1], new[1], rows > 0))
-    with pytest.raises(ValueError, match="splits must be >= 1"):
-        cuda.attend_units(q, ks, vs, *FIREQ, rows, rows, scale=1.0, splits=-1)
+    for splits in (0, -1):
+        with pytest.raises(ValueError, match="splits must be >= 1"):
+            cuda.attend_units(q, ks, vs, *FIREQ, rows, rows, scale=1.0, splits=splits)
     with pytest.raises(ValueError, match="reads per-token INT4 keys"):
         cuda.attend_units(q, ks, vs, *CODECS["kivi-k2v2"], rows, rows, scale=1.0)
 
