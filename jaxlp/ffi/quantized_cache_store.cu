@@ -41,6 +41,7 @@
 // reference's wherever the reference rounds its products and sums separately (module doc of the
 // Python side: XLA:GPU may contract the rule's product and + 0.5 into one FMA).
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -377,6 +378,45 @@ __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
   }
 }
 
+// FireQ (per-token INT4 units, no sink, no ring): one warp per (KV head, row, stream) encodes the
+// new token into unit `position` (jaxlp.kvcache.quant: scale = e4m3(clip(max|x| / 7, 2^-9, 448)),
+// code = clip(round_half_even(x / scale), -8, 7), channel i in the low nibble of byte i, i + D/2
+// in its high nibble); float32 math on the FP16 token, true divisions as the reference writes them.
+struct Int4Params {
+  const int32_t* positions;
+  const __half* x[2];   // new keys, values [B, KVH, D]
+  uint8_t* codes[2];    // [B, T, KVH, D/2]
+  uint8_t* scale[2];    // [B, T, KVH] E4M3
+  int kvh, d, tokens, max_len;
+};
+
+__global__ void __launch_bounds__(32) int4_store_kernel(Int4Params p) {
+  const int h = blockIdx.x, b = blockIdx.y, st = blockIdx.z, lane = threadIdx.x;
+  const int pos = p.positions[b];
+  if (pos < 0 || pos >= p.max_len || pos >= p.tokens) return;
+  const int half = p.d / 2, per = p.d / 64;  // bytes a lane packs (1, 2 or 4)
+  const __half* x = p.x[st] + (static_cast<size_t>(b) * p.kvh + h) * p.d;
+  float lo[4], hi[4], amax = 0.f;
+  for (int i = 0; i < per; ++i) {
+    lo[i] = __half2float(x[lane * per + i]);
+    hi[i] = __half2float(x[lane * per + i + half]);
+    amax = fmaxf(amax, fmaxf(fabsf(lo[i]), fabsf(hi[i])));
+  }
+  for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  float s = amax / 7.f;
+  s = s < 0.001953125f ? 0.001953125f : (s > 448.f ? 448.f : s);  // NaN stays NaN
+  const __nv_fp8_storage_t s8 = __nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3);
+  const float sf = __half2float(__half(__nv_cvt_fp8_to_halfraw(s8, __NV_E4M3)));
+  const size_t unit = static_cast<size_t>(b) * p.tokens + pos;
+  uint8_t* out = p.codes[st] + (unit * p.kvh + h) * half + lane * per;
+  auto code = [&](float v) {
+    const float c = fminf(fmaxf(rintf(v / sf), -8.f), 7.f);
+    return static_cast<uint32_t>(static_cast<int>(c)) & 0xFu;
+  };
+  for (int i = 0; i < per; ++i) out[i] = static_cast<uint8_t>(code(lo[i]) | (code(hi[i]) << 4));
+  if (lane == 0) p.scale[st][unit * p.kvh + h] = s8;
+}
+
 // The FP16 tile [128][D + pad] and the key scratch: Kitty's score, lo, hi, ranks, order (5 x D
 // words), KIVI's lo and rcp [4][D] (8 x D words; its value token's D code bytes fit the tile).
 template <int F>
@@ -526,6 +566,45 @@ ffi::Error StoreKiviImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, f
   return launch<kKivi>(stream, p, batch, kvh);
 }
 
+using F8Out = ffi::Result<ffi::AnyBuffer>;  // E4M3 (a dtype the typed buffers do not name)
+
+ffi::Error StoreInt4Impl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F16> new_k,
+                         ffi::Buffer<ffi::F16> new_v, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                         U8Out k_codes, F8Out k_scale, U8Out v_codes, F8Out v_scale, int64_t max_len) {
+  auto nd = new_k.dimensions();
+  if (nd.size() != 3) return bad("new keys must be FP16 [B, KVH, D]");
+  const int64_t batch = nd[0], kvh = nd[1], d = nd[2];
+  if (d != 64 && d != 128 && d != 256) return bad("head_dim must be 64, 128 or 256, got " + std::to_string(d));
+  if (!shape_is(new_v, {batch, kvh, d})) return bad("new values must be FP16 [B, KVH, D] as the keys");
+  if (!shape_is(positions, {batch})) return bad("positions must be int32 [B]");
+  if (batch > 65535) return bad("at most 65535 rows (the grid's y), got " + std::to_string(batch));
+  const int64_t tokens = dim(*k_codes, 5, 1);
+  if (!shape_is(*k_codes, {batch, tokens, kvh, 1, d / 2}) || !shape_is(*v_codes, {batch, tokens, kvh, 1, d / 2}) ||
+      !shape_is(*k_scale, {batch, tokens, kvh, 1}) || !shape_is(*v_scale, {batch, tokens, kvh, 1}))
+    return bad("INT4 tokens must be codes [B, T, KVH, 1, D/2] and E4M3 scales [B, T, KVH, 1], keys as values");
+  if (k_scale->element_type() != ffi::DataType::F8E4M3FN || v_scale->element_type() != ffi::DataType::F8E4M3FN)
+    return bad("INT4 token scales must be float8_e4m3fn");
+  if (max_len < 1) return bad("max_len must be >= 1");
+  if (batch == 0 || kvh == 0 || tokens == 0) return ffi::Error::Success();
+  Int4Params p;
+  p.positions = positions.typed_data();
+  p.x[0] = reinterpret_cast<const __half*>(new_k.typed_data());
+  p.x[1] = reinterpret_cast<const __half*>(new_v.typed_data());
+  p.codes[0] = k_codes->typed_data();
+  p.codes[1] = v_codes->typed_data();
+  p.scale[0] = reinterpret_cast<uint8_t*>(k_scale->untyped_data());
+  p.scale[1] = reinterpret_cast<uint8_t*>(v_scale->untyped_data());
+  p.kvh = static_cast<int>(kvh);
+  p.d = static_cast<int>(d);
+  p.tokens = static_cast<int>(tokens);
+  p.max_len = static_cast<int>(max_len);
+  int4_store_kernel<<<dim3(static_cast<unsigned>(kvh), static_cast<unsigned>(batch), 2), 32, 0, stream>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp int4 cache store launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxlp_cache_store
 
 // Arguments: positions, new keys, new values, then the 14 state buffers (each aliased to the
@@ -603,4 +682,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedCacheStoreKivi, jaxlp_cache_store::S
                                   .Attr<int64_t>("max_len")
                                   .Attr<int64_t>("k_lag")
                                   .Attr<int64_t>("v_lag"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// FireQ's INT4 tokens: positions, new keys, new values, then the 4 unit buffers (aliased likewise).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedCacheStoreInt4, jaxlp_cache_store::StoreInt4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // positions [B]
+                                  .Arg<ffi::Buffer<ffi::F16>>()        // new keys [B, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::F16>>()        // new values
+                                  .Arg<ffi::AnyBuffer>()               // key codes (aliased to result 0)
+                                  .Arg<ffi::AnyBuffer>()               // key scales
+                                  .Arg<ffi::AnyBuffer>()               // value codes
+                                  .Arg<ffi::AnyBuffer>()               // value scales
+                                  .Ret<ffi::Buffer<ffi::U8>>()         // key codes [B, T, KVH, 1, D/2]
+                                  .Ret<ffi::AnyBuffer>()               // key scales [B, T, KVH, 1] (E4M3)
+                                  .Ret<ffi::Buffer<ffi::U8>>()         // value codes
+                                  .Ret<ffi::AnyBuffer>()               // value scales
+                                  .Attr<int64_t>("max_len"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -7,8 +7,8 @@ slot positions and the packed key and value pages, as :class:`jaxlp.kvcache.quan
 holds them); ``positions [B]`` the one new position per row, ``k, v [B, KVH, D]`` its key and value.
 The result is the state :meth:`QuantizedLayerCache.store <jaxlp.kvcache.quantized.QuantizedLayerCache.store>`
 (the reference, XLA) returns for a one-token call: the token goes to the sink or the ring, and a row
-whose stream completes a unit at this step gets the unit encoded. Two formats (:func:`supports`),
-told apart by the state's key store (one kernel template and one FFI target each):
+whose stream completes a unit at this step gets the unit encoded. Three formats (:func:`supports`),
+told apart by the state's key store (one kernel and one FFI target each):
 
 * Kitty (:mod:`jaxlp.kvcache.kitty`): key and value pages of 128 tokens (keys lag 0, values lag
   128), a page encoded every 128 steps per stream.
@@ -18,6 +18,9 @@ told apart by the state's key store (one kernel template and one FFI target each
   group of 32 channels): from the 129th stream token on, every step quantizes the token leaving the
   128-token value window, read from its ring slot before the new token overwrites that slot (the
   reference's order: units encoded, then the rings written).
+* FireQ (:mod:`jaxlp.kvcache.fireq`, no sink): every step encodes the new key and value as INT4
+  tokens (one FP8 scale each) into their units at the row's position; one warp per (KV head, row,
+  stream).
 
 Every state buffer is aliased to the kernel's output of the same name, so under ``jit`` with the
 cache donated (as a decode loop carries it) the store writes the changed bytes only: no ``lax.cond``
@@ -48,8 +51,10 @@ from jaxlp.ffi import build
 
 TARGET = "jaxlp_quantized_cache_store"  # Kitty
 KIVI_TARGET = "jaxlp_quantized_cache_store_kivi"  # KIVI-2
+INT4_TARGET = "jaxlp_quantized_cache_store_int4"  # FireQ
 LIBRARY = build.Library("quantized_cache_store",
-                        {TARGET: "JaxlpQuantizedCacheStore", KIVI_TARGET: "JaxlpQuantizedCacheStoreKivi"})
+                        {TARGET: "JaxlpQuantizedCacheStore", KIVI_TARGET: "JaxlpQuantizedCacheStoreKivi",
+                         INT4_TARGET: "JaxlpQuantizedCacheStoreInt4"})
 UNIT = 128  # tokens per key unit the kernel encodes (a Kitty page, a KIVI key block); Kitty value pages too
 KIVI_BITS = 2
 KIVI_GROUP = 32  # KIVI's scale groups: 32 tokens of a key block, 32 channels of a value token
@@ -79,11 +84,17 @@ def _kivi2(k_codec, v_codec) -> bool:
             and v_codec.unit == 1 and v_codec.bits == KIVI_BITS and v_codec.group == KIVI_GROUP)
 
 
-def supports(k_codec, v_codec, head_dim: int) -> bool:
-    """Whether :func:`store_token` encodes these codecs: Kitty key and value pages of 128 tokens, or
+def _int4(k_codec, v_codec) -> bool:
+    """FireQ: per-token INT4 keys and values (units of one token, lag 0: no ring)."""
+    return all(getattr(c, "layout", "") == "int4_tokens" and c.unit == 1 for c in (k_codec, v_codec))
+
+
+def supports(k_codec, v_codec, head_dim: int, sink: int = 0) -> bool:
+    """Whether :func:`store_token` encodes these codecs: Kitty key and value pages of 128 tokens,
     KIVI-2 (2-bit key blocks of 128 tokens and value tokens, groups of 32: ``kivi-k2v2``,
-    ``kivi-k2v2*``), at head_dim 64, 128 or 256."""
-    return (_kitty(k_codec, v_codec) or _kivi2(k_codec, v_codec)) and head_dim in HEAD_DIMS
+    ``kivi-k2v2*``) or FireQ's INT4 tokens (``sink`` tokens: 0 only), at head_dim 64, 128 or 256."""
+    int4 = _int4(k_codec, v_codec) and not sink
+    return (_kitty(k_codec, v_codec) or _kivi2(k_codec, v_codec) or int4) and head_dim in HEAD_DIMS
 
 
 def available() -> bool:
@@ -103,6 +114,8 @@ def store_token(positions, k, v, state: dict, *, k_lag: int, v_lag: int, max_len
     if d not in HEAD_DIMS:
         raise ValueError(f"store_token: head_dim must be one of {HEAD_DIMS}, got {d}")
     ks, vs = state["k_store"], state["v_store"]
+    if not hasattr(ks, "min"):  # FireQ's Int4Tokens
+        return _store_int4(positions, k, v, state, max_len)
     is_kitty = hasattr(ks, "boost_idx")  # Kitty's KeyPage; else KIVI's KeyBlock
     key_leaves = [ks.low, ks.high, ks.boost_idx, ks.scale, ks.min] if is_kitty else [ks.codes, ks.scale, ks.min]
     leaves = [state[name] for name in STATE_FIELDS[:6]] + key_leaves + [vs.codes, vs.scale, vs.min]
@@ -127,3 +140,23 @@ def store_token(positions, k, v, state: dict, *, k_lag: int, v_lag: int, max_len
         k_store = dataclasses.replace(ks, codes=out[6], scale=out[7], min=out[8])
     v_store = dataclasses.replace(vs, codes=out[-3], scale=out[-2], min=out[-1])
     return dict(zip(STATE_FIELDS, [*out[:6], k_store, v_store]))
+
+
+def _store_int4(positions, k, v, state, max_len: int) -> dict:
+    """FireQ: the new token encoded into unit ``position`` of both streams (no sink, no ring)."""
+    if any(state[name].shape[1] for name in STATE_FIELDS[:6]):
+        raise ValueError("store_token: FireQ's INT4 store takes a cache without a sink or full-precision rings")
+    ks, vs = state["k_store"], state["v_store"]
+    leaves = [ks.codes, ks.scale, vs.codes, vs.scale]
+    for x, dtype in zip(leaves, (jnp.uint8, jnp.float8_e4m3fn) * 2):
+        if x.dtype != dtype:
+            raise ValueError(f"store_token: INT4 tokens must be uint8 codes and float8_e4m3fn scales, got "
+                             f"{[x.dtype.name for x in leaves]}")
+    if build.on_gpu():
+        LIBRARY.load()
+    call = jax.ffi.ffi_call(INT4_TARGET, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
+                            input_output_aliases={3 + i: i for i in range(len(leaves))})
+    out = call(positions.astype(jnp.int32), k.astype(jnp.float16), v.astype(jnp.float16), *leaves,
+               max_len=np.int64(max_len))
+    return dict(state, k_store=dataclasses.replace(ks, codes=out[0], scale=out[1]),
+                v_store=dataclasses.replace(vs, codes=out[2], scale=out[3]))

@@ -422,11 +422,13 @@ class QuantizedLayerCache(LayerCache):
 
     def _store_one(self, k, v, p, implementation: str) -> "QuantizedLayerCache":
         """:meth:`store` of one token per row (``k, v [B, KVH, D]`` at ``p [B]``): with the CUDA
-        attention on Kitty pages or KIVI-2 (:func:`jaxlp.ffi.quantized_cache_store.supports`), one
-        in-place kernel (:func:`jaxlp.ffi.quantized_cache_store.store_token`: no ``lax.cond``, whose
-        predicate XLA reads back on the host every step, and no whole-unit scatters); else :meth:`store`."""
+        attention on Kitty pages, KIVI-2 or FireQ's INT4 tokens (:func:`jaxlp.ffi.quantized_cache_store.supports`),
+        one in-place kernel (:func:`jaxlp.ffi.quantized_cache_store.store_token`: no ``lax.cond``, whose
+        predicate XLA reads back on the host every step, and no gathers and scatters of whole units); else
+        :meth:`store`."""
         kc, vc = self.k_spec.codec, self.v_spec.codec
-        fused = implementation == "cuda" and self.sink_k.dtype == jnp.float16 and cuda_store.supports(kc, vc, k.shape[-1])
+        fused = (implementation == "cuda" and self.sink_k.dtype == jnp.float16
+                 and cuda_store.supports(kc, vc, k.shape[-1], sink=self.sink_len))
         if not (fused and cuda_store.available()):
             return self.store(k[:, None], v[:, None], p[:, None])
         state = {name: getattr(self, name) for name in cuda_store.STATE_FIELDS}

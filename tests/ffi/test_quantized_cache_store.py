@@ -49,7 +49,7 @@ def state_of(layer):
     return {name: getattr(layer, name) for name in cuda_store.STATE_FIELDS}
 
 
-def test_takes_kitty_pages_and_kivi2_only():
+def test_takes_kitty_pages_kivi2_and_fireq_tokens_only():
     assert cuda_store.supports(kitty.KeyCodec(16), kitty.ValueCodec(), 128)
     assert cuda_store.supports(kitty.KeyCodec(8), kitty.ValueCodec(), 64)
     assert cuda_store.supports(kitty.KeyCodec(64), kitty.ValueCodec(), 256)
@@ -66,7 +66,10 @@ def test_takes_kitty_pages_and_kivi2_only():
     assert not cuda_store.supports(kivi.KeyCodec(2, unit=64), kivi.ValueCodec(2), 128)
     assert not cuda_store.supports(kitty.KeyCodec(16), kivi.ValueCodec(2), 128)
     assert not cuda_store.supports(kivi.KeyCodec(2), kitty.ValueCodec(), 128)
-    assert not cuda_store.supports(fireq.TokenCodec(), fireq.TokenCodec(), 128)
+    for d in (64, 128, 256):
+        assert cuda_store.supports(fireq.TokenCodec(), fireq.TokenCodec(), d)
+    assert not cuda_store.supports(fireq.TokenCodec(), fireq.TokenCodec(), 128, sink=32)
+    assert not cuda_store.supports(fireq.TokenCodec(), kivi.ValueCodec(2), 128)
 
 
 @pytest.mark.parametrize("name,d", [("kivi-k2v2", 64), ("kivi-k2v2*", 128), ("kivi-k2v2*", 256)])
@@ -99,6 +102,22 @@ def test_lowers_to_one_custom_call_with_every_state_buffer_aliased(name, target,
     assert f"@{other}(" not in text
     assert len(jax.tree.leaves(state_of(layer))) == leaves
     assert text.count("#stablehlo.output_operand_alias<") == leaves
+
+
+def test_fireq_lowers_to_one_custom_call_with_its_four_unit_buffers_aliased():
+    layer = small_layer("fireq-int4").inner
+    new = jnp.zeros((2, 2, 64), jnp.bfloat16)
+    f = jax.jit(lambda s, p, k, v: cuda_store.store_token(p, k, v, s, k_lag=0, v_lag=0, max_len=300),
+                donate_argnums=0)
+    text = f.trace(state_of(layer), jnp.zeros((2,), jnp.int32), new, new).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"@{cuda_store.INT4_TARGET}(") == 1
+    assert text.count("#stablehlo.output_operand_alias<") == 4
+    with pytest.raises(ValueError, match="without a sink"):
+        cuda_store.store_token(jnp.zeros((2,), jnp.int32), new, new, state_of(small_layer("kitty")) |
+                               {"k_store": layer.k_store, "v_store": layer.v_store}, k_lag=0, v_lag=0, max_len=300)
+    bad = state_of(layer) | {"k_store": dataclasses.replace(layer.k_store, scale=layer.k_store.scale.astype(jnp.float16))}
+    with pytest.raises(ValueError, match="float8_e4m3fn scales"):
+        cuda_store.store_token(jnp.zeros((2,), jnp.int32), new, new, bad, k_lag=0, v_lag=0, max_len=300)
 
 
 def test_refuses_wrong_shapes_and_dtypes():
@@ -138,6 +157,7 @@ def prompt_layer(name, stored, max_len, kvh, d, seed):
     """A layer after a prompt call storing row b's first ``stored[b]`` tokens (later bucket
     positions padding), as generate() leaves it."""
     layer = kvcache.get(name, attention="cuda").init(config(kvh, d), len(stored), max_len).layers[0]
+    layer = getattr(layer, "inner", layer)  # FireQ: the quantized layer under its query transform
     rng = np.random.default_rng(seed)
     s = max(stored)
     k = jnp.asarray(separable_keys(rng, (len(stored), s, kvh, d)), jnp.float32)
@@ -426,3 +446,53 @@ def test_gpu_kivi_decode_steps_keep_the_reference_state(name, d, kvh):
     text = step.lower(layer, q, k, v, p).as_text()
     assert text.count(f"@{cuda_store.KIVI_TARGET}(") == 1
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d,kvh", [(64, 2), (128, 8), (256, 1)])
+def test_gpu_fireq_store_matches_the_reference_byte_for_byte(d, kvh):
+    """FireQ's INT4 tokens: rows appending, rewinding, at position 0 and padding (outside [0,
+    max_len)); tokens of random magnitudes, all zero (the scale floor) and past the FP8 scale's top
+    (saturated at 448)."""
+    stored = [100, 5, 300, 300, 0, 250]
+    positions = [100, 5, 150, 299, 0, 600]
+    layer = prompt_layer("fireq-int4", [max(n, 1) for n in stored], 520, kvh, d, seed=d)
+    rng = np.random.default_rng(d)
+    scale = np.exp(rng.normal(size=(len(stored), kvh, 1)) * 2)
+    k = rng.standard_normal((len(stored), kvh, d)) * scale
+    k[1] = 0.0
+    k[2, :, 3] = 5e4  # max|x| / 7 > 448: the scale saturates
+    v = rng.standard_normal((len(stored), kvh, d)) * scale[::-1]
+    k, v = jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.bfloat16)
+    p = jnp.asarray(positions, jnp.int32)
+    want = reference_store(layer, k, v, p)
+    got = jax.jit(lambda s: cuda_store.store_token(p, k, v, s, k_lag=0, v_lag=0, max_len=layer.max_len))(
+        state_of(layer))
+    assert_same_state(got, want)
+    changed = np.asarray(got["k_store"].scale != layer.k_store.scale).any(axis=(1, 2, 3))
+    assert changed[[0, 2, 3]].all() and not changed[5]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_fireq_decode_steps_keep_the_reference_state():
+    """FireQ's CUDA step (the INT4 attention, then this store) over 40 steps of ragged and rewound
+    rows: the state after every step equals the reference's, and the program holds the INT4 store's
+    custom call."""
+    kvh, d, h = 2, 128, 8
+    layer = prompt_layer("fireq-int4", [200, 37, 300], 400, kvh, d, seed=9)
+    assert layer._decode_implementation(h) == "cuda"
+    state = on_cpu(state_of(layer))
+    rng = np.random.default_rng(10)
+    step = jax.jit(lambda lay, q, k, v, p: lay.attend(q, k, v, p, scale=d**-0.5, window=None, softcap=None))
+    starts = [200, 37, 120]
+    for i in range(40):
+        q = jnp.asarray(rng.standard_normal((3, 1, h, d)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((3, 1, kvh, d)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((3, 1, kvh, d)), jnp.float32)
+        p = jnp.asarray(np.asarray(starts) + i, jnp.int32)[:, None]
+        state = reference_store(dataclasses.replace(layer, **state), k[:, 0], v[:, 0], p[:, 0])
+        _, layer = step(layer, q, k, v, p)
+        assert_same_state(state_of(layer), state, f"step {i}")
+    assert step.lower(layer, q, k, v, p).as_text().count(f"@{cuda_store.INT4_TARGET}(") == 1
