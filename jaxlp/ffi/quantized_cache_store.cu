@@ -381,7 +381,8 @@ __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
 // FireQ (per-token INT4 units, no sink, no ring): one warp per (KV head, row, stream) encodes the
 // new token into unit `position` (jaxlp.kvcache.quant: scale = e4m3(clip(max|x| / 7, 2^-9, 448)),
 // code = clip(round_half_even(x / scale), -8, 7), channel i in the low nibble of byte i, i + D/2
-// in its high nibble); float32 math on the FP16 token, true divisions as the reference writes them.
+// in its high nibble); float32 math on the FP16 token, both divisions as XLA computes them: products
+// with the float32 reciprocal of the divisor.
 struct Int4Params {
   const int32_t* positions;
   const __half* x[2];   // new keys, values [B, KVH, D]
@@ -403,14 +404,14 @@ __global__ void __launch_bounds__(32) int4_store_kernel(Int4Params p) {
     amax = fmaxf(amax, fmaxf(fabsf(lo[i]), fabsf(hi[i])));
   }
   for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  float s = amax / 7.f;
+  float s = amax * (1.f / 7.f);  // XLA's product with the reciprocal of a constant divisor
   s = s < 0.001953125f ? 0.001953125f : (s > 448.f ? 448.f : s);  // NaN stays NaN
   const __nv_fp8_storage_t s8 = __nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3);
-  const float sf = __half2float(__half(__nv_cvt_fp8_to_halfraw(s8, __NV_E4M3)));
+  const float rcp = 1.f / __half2float(__half(__nv_cvt_fp8_to_halfraw(s8, __NV_E4M3)));  // and of a broadcast one
   const size_t unit = static_cast<size_t>(b) * p.tokens + pos;
   uint8_t* out = p.codes[st] + (unit * p.kvh + h) * half + lane * per;
   auto code = [&](float v) {
-    const float c = fminf(fmaxf(rintf(v / sf), -8.f), 7.f);
+    const float c = fminf(fmaxf(rintf(v * rcp), -8.f), 7.f);
     return static_cast<uint32_t>(static_cast<int>(c)) & 0xFu;
   };
   for (int i = 0; i < per; ++i) out[i] = static_cast<uint8_t>(code(lo[i]) | (code(hi[i]) << 4));

@@ -12,7 +12,8 @@ because that is what XLA makes of a division by a broadcast or a constant: the r
 same on every backend and in the CUDA store (:mod:`jaxlp.ffi.quantized_cache_store`). It differs
 from a true division only where ``(x - min) / scale`` is exactly ``k + 0.5`` (with FP16 operands,
 about one code in 7,500; the reciprocal then rounds 2% of those down), where the two neighbouring
-codes are equally close. Symmetric absmax INT4 with FP8 E4M3 scales (FireQ):
+codes are equally close. Symmetric absmax INT4 with FP8 E4M3 scales (FireQ), the divisions
+likewise products with the float32 reciprocal:
 
     scale = e4m3(max(|x|) / 7)   (round to nearest, at least the smallest subnormal 2**-9)
     code  = clamp(round_half_even(x / scale), -8, 7);   x_hat = code * scale
@@ -66,7 +67,7 @@ def minmax_dequantize(codes: jax.Array, scale: jax.Array, lo: jax.Array) -> jax.
 
 def fp8_scale(absmax: jax.Array, qmax: float) -> jax.Array:
     """``absmax / qmax`` rounded to FP8 E4M3 (saturating at 448), at least ``2**-9``."""
-    s = jnp.clip(absmax.astype(jnp.float32) / qmax, FP8_MIN_SUBNORMAL, FP8_MAX)
+    s = jnp.clip(absmax.astype(jnp.float32) * (1 / qmax), FP8_MIN_SUBNORMAL, FP8_MAX)
     return s.astype(FP8)
 
 
@@ -74,7 +75,7 @@ def absmax_int4_quantize(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.A
     """Symmetric INT4 codes (int8 in [-8, 7]) over ``axis`` and FP8 E4M3 scales (keepdims)."""
     x = x.astype(jnp.float32)
     scale = fp8_scale(jnp.max(jnp.abs(x), axis=axis, keepdims=True), 7.0)
-    codes = jnp.clip(jnp.round(x / scale.astype(jnp.float32)), -8, 7)
+    codes = jnp.clip(jnp.round(x * (1 / scale.astype(jnp.float32))), -8, 7)
     return codes.astype(jnp.int8), scale
 
 
