@@ -13,7 +13,8 @@
 //      8), minus 1032 (HSUB2) the codes c themselves (the high nibbles: ^ 0x64806480, then * 1/16 -
 //      72 by HFMA2); exact;
 //   2. S = Q K^T by mma.sync m16n8k16 (FP16 in, FP32 accumulate): the G <= 16 query heads of the KV
-//      head are the 16 rows (FP16 of q * softmax scale), the tokens the columns. Which channel a
+//      head are the 16 rows (FP16 of the attended queries times the softmax scale), the tokens the
+//      columns. Which channel a
 //      k-slot holds is free (a dot product): thread (gid, tig) takes channels base + {0, 2} | +1 |
 //      +D/2 of bytes base = tig * D/8 + 4 j of its key token, and its query fragments hold the
 //      same channels;
@@ -28,6 +29,11 @@
 // token (FP16 key and value, if the row's new_ok), in FP32 on CUDA cores. The CTA writes its split's
 // unnormalized output o (relative to its max m), m (natural log units) and l = sum exp(s - m); XLA
 // merges the splits. An empty split gives o = 0, m = -inf, l = 0.
+//
+// The queries are transformed as FireQ attends them before any of this (so that XLA runs no kernel
+// for it): q / channel_scale[h] (the CRS key scales of the KV head), then, with fp8_queries, through
+// FP8 E4M3 per query head with the float32 scale max|x| / 448 (jaxlp.kvcache.quant.fake_quantize_fp8),
+// then times the softmax scale.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -53,7 +59,8 @@ constexpr int kRows = 16;   // query heads per KV head (the MMA's rows)
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Params {
-  const float* q;           // [B, KVH, G, D]: q * softmax scale
+  const float* q;           // [B, KVH, G, D], as the model gives them
+  const float* q_channel_scale;  // [KVH, D]: the queries are divided by them (FireQ's CRS scales)
   const int32_t* bounds;    // [B, 4]: lo, hi (the units' token range), new_ok, 0
   const uint8_t* k_codes;   // [B, T, KVH, D/2]
   const uint8_t* k_scale;   // [B, T, KVH]: E4M3 bits
@@ -65,6 +72,8 @@ struct Params {
   float* m;                 // [B, KVH, S, G]
   float* l;
   int kvh, g, splits, tokens;
+  int fp8_queries;          // 1: the divided queries through FP8 E4M3 per query head
+  float scale;              // the softmax scale
   float softcap;            // 0: none
 };
 
@@ -167,7 +176,24 @@ __global__ void __launch_bounds__(kThreads) int4_tokens_kernel(Params p) {
   // from a copy of the KV head's queries in shared memory (one coalesced load, no branches).
   __shared__ float q_sm[kRows][D];
   const float* qh = p.q + (static_cast<size_t>(b) * p.kvh + h) * p.g * D;
-  for (int i = threadIdx.x; i < kRows * D; i += kThreads) (&q_sm[0][0])[i] = i < p.g * D ? __ldg(qh + i) : 0.f;
+  for (int i = threadIdx.x; i < kRows * D; i += kThreads)
+    (&q_sm[0][0])[i] = i < p.g * D ? __ldg(qh + i) / __ldg(p.q_channel_scale + h * D + i % D) : 0.f;
+  __syncthreads();
+  for (int row = warp; row < p.g; row += kWarps) {  // FP8 per query head, then the softmax scale
+    float amax = 0.f;
+    if (p.fp8_queries) {
+      for (int c = lane; c < D; c += 32) amax = fmaxf(amax, fabsf(q_sm[row][c]));
+#pragma unroll
+      for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    }
+    const float qscale = amax / 448.f > 0.f ? amax / 448.f : 1.f;
+    for (int c = lane; c < D; c += 32) {
+      float x = q_sm[row][c];
+      if (p.fp8_queries)
+        x = e4m3(static_cast<uint8_t>(__nv_cvt_float_to_fp8(x / qscale, __NV_SATFINITE, __NV_E4M3))) * qscale;
+      q_sm[row][c] = x * p.scale;
+    }
+  }
   __syncthreads();
   auto qv = [&](int r, int c) { return q_sm[r][c]; };
   uint32_t qa[S::kSteps][4];
@@ -356,11 +382,12 @@ inline ffi::Error bad(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp int4 decode attention: " + msg);
 }
 
-ffi::Error Int4Impl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> bounds,
+ffi::Error Int4Impl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> q_channel_scale,
+                    ffi::Buffer<ffi::S32> bounds,
                     ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::U8> k_scale, ffi::Buffer<ffi::U8> v_codes,
                     ffi::Buffer<ffi::U8> v_scale, ffi::Buffer<ffi::F16> new_k, ffi::Buffer<ffi::F16> new_v,
                     ffi::Result<ffi::Buffer<ffi::F32>> o, ffi::Result<ffi::Buffer<ffi::F32>> m,
-                    ffi::Result<ffi::Buffer<ffi::F32>> l, float softcap) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> l, float scale, float softcap, int32_t fp8_queries) {
   auto qd = q.dimensions(), od = o->dimensions(), kd = k_codes.dimensions(), vd = v_codes.dimensions();
   auto ksd = k_scale.dimensions(), vsd = v_scale.dimensions(), bd = bounds.dimensions();
   if (qd.size() != 4 || od.size() != 5 || kd.size() != 4 || vd.size() != 4 || ksd.size() != 3 || vsd.size() != 3)
@@ -373,11 +400,14 @@ ffi::Error Int4Impl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
     if (x[0] != batch || x[1] != tokens || x[2] != kvh) return bad("scales do not match the codes");
   if (od[0] != batch || od[1] != kvh || od[3] != g || od[4] != d) return bad("output shape does not match q");
   if (bd.size() != 2 || bd[0] != batch || bd[1] != 4) return bad("bounds must be int32 [B, 4]");
+  auto cd = q_channel_scale.dimensions();
+  if (cd.size() != 2 || cd[0] != kvh || cd[1] != d) return bad("query channel scales must be float32 [KVH, D]");
   for (auto x : {new_k.dimensions(), new_v.dimensions()})
     if (x.size() != 3 || x[0] != batch || x[1] != kvh || x[2] != d) return bad("new keys / values must be FP16 [B, KVH, D]");
   if (batch > 65535 || od[2] > 65535) return bad("at most 65535 rows and 65535 splits (the grid's y and z)");
   Params p;
   p.q = q.typed_data();
+  p.q_channel_scale = q_channel_scale.typed_data();
   p.bounds = bounds.typed_data();
   p.k_codes = k_codes.typed_data();
   p.k_scale = k_scale.typed_data();
@@ -392,7 +422,9 @@ ffi::Error Int4Impl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   p.g = static_cast<int>(g);
   p.splits = static_cast<int>(od[2]);
   p.tokens = static_cast<int>(tokens);
+  p.scale = scale;
   p.softcap = softcap;
+  p.fp8_queries = fp8_queries != 0;
   if (batch == 0 || kvh == 0 || p.splits == 0) return ffi::Error::Success();
   const dim3 grid(static_cast<unsigned>(kvh), static_cast<unsigned>(batch), static_cast<unsigned>(p.splits));
   cudaError_t e;
@@ -411,7 +443,8 @@ ffi::Error Int4Impl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpInt4DecodeAttention, jaxlp_int4attn::Int4Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, KVH, G, D] * scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, KVH, G, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // query channel scales [KVH, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // bounds [B, 4]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // key codes [B, T, KVH, D/2]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // key scales [B, T, KVH] (E4M3 bits)
@@ -422,5 +455,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpInt4DecodeAttention, jaxlp_int4attn::Int4Impl
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o [B, KVH, S, G, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m [B, KVH, S, G]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
-                                  .Attr<float>("softcap"),
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int32_t>("fp8_queries"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,11 +1,13 @@
 """Decode attention over per-token INT4 KV units (FireQ's cache), as a CUDA kernel (sm_90).
 
     out, m, l = attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, scale=..., softcap=None,
-                             new=(k, v, ok))
+                             new=(k, v, ok), query_scaling=None)
 
 Same contract as :func:`jaxlp.pallas.quantized_decode_attention.attend_units` (its
 :func:`~jaxlp.pallas.quantized_decode_attention.reference` is this kernel's reference too):
-``q [B, H, D]`` (as the cache attends it: FireQ's ``q / k_scale`` through FP8) against the stream
+``q [B, H, D]`` (as the cache attends it, or as the model gives it with ``query_scaling``, a
+:class:`jaxlp.kvcache.quantized.QueryScaling`: FireQ's ``q / k_scale`` through FP8, done in the
+kernel) against the stream
 indices ``[lo[b], hi[b])`` of per-token INT4 units (:class:`jaxlp.kvcache.fireq.Int4Tokens`: codes
 ``[B, T, KVH, 1, D/2]``, signed nibbles, channel ``i`` low and ``i + D/2`` high; one FP8 E4M3 scale
 per token); ``out [B, H, D]`` float32 normalized by ``l``, ``m [B, H]`` the max scaled (soft-capped)
@@ -79,10 +81,12 @@ def default_splits(batch: int, kv_heads: int, tokens: int, num_sms: int = 132) -
 
 
 def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float, softcap: float | None = None,
-                 new=None, splits: int | None = None):
+                 new=None, splits: int | None = None, query_scaling=None):
     """Attention of ``q [B, H, D]`` over the INT4 units ``[lo, hi)`` of each row, plus the new token
     ``new = (k, v, ok)`` where given (module doc): ``(out [B, H, D] float32 normalized, m [B, H], l
-    [B, H])``. ``splits``: along the sequence (default :func:`default_splits`)."""
+    [B, H])``. ``splits``: along the sequence (default :func:`default_splits`). ``query_scaling``
+    (``channel_scales [KVH, D]``, ``fp8``): the queries are divided by the channel scales and, with
+    ``fp8``, taken through FP8 per query head inside the kernel (as ``query_scaling(q)`` would)."""
     b, h, d = q.shape
     codes = k_store.codes
     if codes.ndim != 5 or codes.shape[0] != b or codes.shape[3] != 1:
@@ -113,15 +117,22 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
         LIBRARY.load()
     bounds = jnp.stack([lo.astype(jnp.int32), hi.astype(jnp.int32), jnp.asarray(new_ok).astype(jnp.int32),
                         jnp.zeros((b,), jnp.int32)], axis=1)
-    qg = q.astype(jnp.float32).reshape(b, kvh, g, d) * jnp.float32(scale)
+    if query_scaling is None:
+        channel_scales, fp8 = jnp.ones((kvh, d), jnp.float32), False
+    else:
+        channel_scales, fp8 = query_scaling.channel_scales.astype(jnp.float32), query_scaling.fp8
+        if channel_scales.shape != (kvh, d):
+            raise ValueError(f"attend_units: query channel scales must be [KVH, D] = {(kvh, d)}, got "
+                             f"{channel_scales.shape}")
     f32 = jnp.float32
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((b, kvh, splits, g, d), f32),
                                      jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
                                      jax.ShapeDtypeStruct((b, kvh, splits, g), f32)))
     as_u8 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
-    o, m, l = call(qg, bounds, k_store.codes.reshape(b, tokens, kvh, d // 2), as_u8(k_store.scale[..., 0]),
+    o, m, l = call(q.astype(jnp.float32).reshape(b, kvh, g, d), channel_scales, bounds, k_store.codes.reshape(b, tokens, kvh, d // 2), as_u8(k_store.scale[..., 0]),
                    v_store.codes.reshape(b, tokens, kvh, d // 2), as_u8(v_store.scale[..., 0]), fp16_clipped(new_k),
-                   fp16_clipped(new_v), softcap=np.float32(softcap or 0.0))
+                   fp16_clipped(new_v), scale=np.float32(scale), softcap=np.float32(softcap or 0.0),
+                   fp8_queries=np.int32(fp8))
     out, m_all, den = merge_splits(o, m, l)
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)
 

@@ -32,8 +32,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxlp.kvcache.base import KVCache, LayerCache
-from jaxlp.kvcache.quant import absmax_int4_quantize, fake_quantize_fp8, pack_int4, unpack_int4
-from jaxlp.kvcache.quantized import Codec, QuantizedCacheFormat, QuantizedLayerCache
+from jaxlp.kvcache.quant import absmax_int4_quantize, pack_int4, unpack_int4
+from jaxlp.kvcache.quantized import Codec, QuantizedCacheFormat, QuantizedLayerCache, QueryScaling
 
 if TYPE_CHECKING:
     from jaxlp.models.config import ModelConfig
@@ -84,18 +84,19 @@ class FireQLayerCache(LayerCache):
     k_scale: jax.Array
     fp8_queries: bool
 
+    @property
+    def query_scaling(self) -> QueryScaling:
+        """The queries' transform: divided by the CRS scales, through FP8 if ``fp8_queries``."""
+        return QueryScaling(self.k_scale, self.fp8_queries)
+
     def queries(self, q: jax.Array) -> jax.Array:
         """``q [B, S, H, D]`` as attended: divided by the CRS scales, through FP8 (float32 out)."""
-        kvh = self.k_scale.shape[0]
-        if q.shape[2] % kvh:
-            raise ValueError(f"{q.shape[2]} query heads are not a multiple of {kvh} KV heads")
-        q = q.astype(jnp.float32) / jnp.repeat(self.k_scale, q.shape[2] // kvh, axis=0)
-        return fake_quantize_fp8(q, axis=-1) if self.fp8_queries else q
+        return self.query_scaling(q)
 
     def attend(self, q, k, v, positions, *, scale, window, softcap, fresh=False):
         out, inner = self.inner.attend(
-            self.queries(q), k.astype(jnp.float32) * self.k_scale, v, positions,
-            scale=scale, window=window, softcap=softcap, fresh=fresh,
+            q, k.astype(jnp.float32) * self.k_scale, v, positions,
+            scale=scale, window=window, softcap=softcap, fresh=fresh, query_scaling=self.query_scaling,
         )
         return out.astype(q.dtype), dataclasses.replace(self, inner=inner)
 

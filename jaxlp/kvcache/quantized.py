@@ -66,6 +66,7 @@ from jaxlp.ffi import int4_decode_attention as cuda_int4
 from jaxlp.ffi import quantized_cache_store as cuda_store
 from jaxlp.ffi import quantized_decode_attention as cuda_attention
 from jaxlp.kvcache.base import CacheFormat, KVCache, LayerCache, prompt_attention
+from jaxlp.kvcache.quant import fake_quantize_fp8
 from jaxlp.pallas import quantized_decode_attention as units_attention
 
 if TYPE_CHECKING:
@@ -175,6 +176,25 @@ def cuda_kernel(k_codec, v_codec, head_dim: int, group: int):
     return None
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["channel_scales"], meta_fields=["fp8"])
+@dataclasses.dataclass(frozen=True)
+class QueryScaling:
+    """FireQ's query transform: ``q [..., H, D]`` divided by ``channel_scales [KVH, D]`` (each KV
+    head's CRS key scales, for its query heads), then with ``fp8`` through FP8 E4M3 per query head
+    (:func:`jaxlp.kvcache.quant.fake_quantize_fp8`); float32 out. The CUDA INT4 step runs it inside
+    its kernel; every other path calls it before attending."""
+
+    channel_scales: jax.Array
+    fp8: bool
+
+    def __call__(self, q: jax.Array) -> jax.Array:
+        kvh = self.channel_scales.shape[0]
+        if q.shape[-2] % kvh:
+            raise ValueError(f"{q.shape[-2]} query heads are not a multiple of {kvh} KV heads")
+        q = q.astype(jnp.float32) / jnp.repeat(self.channel_scales, q.shape[-2] // kvh, axis=0)
+        return fake_quantize_fp8(q, axis=-1) if self.fp8 else q
+
+
 def _merge_partials(parts):
     """Merge softmax partials ``(out normalized, m, l)`` of disjoint key sets into one output."""
     m_all = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
@@ -232,19 +252,24 @@ class QuantizedLayerCache(LayerCache):
             tail = jnp.where((in_ring & full)[:, :, None, None], ring[:, slot].astype(jnp.float32), tail)
         return jnp.concatenate([sink.astype(jnp.float32), tail], axis=1)
 
-    def attend(self, q, k, v, positions, *, scale, window, softcap, fresh=False):
+    def attend(self, q, k, v, positions, *, scale, window, softcap, fresh=False, query_scaling=None):
+        """:meth:`LayerCache.attend`; ``query_scaling`` (a :class:`QueryScaling`, FireQ): the queries
+        are attended as ``query_scaling(q)`` (by the CUDA INT4 kernel itself on its one-token step)."""
         b, s = positions.shape
         if q.shape[:2] != (b, s) or k.shape != v.shape or k.shape[:2] != (b, s):
             raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} do not match positions {positions.shape}")
+        implementation = None if fresh or s != 1 else self._decode_implementation(q.shape[2])
+        if query_scaling is not None and not (implementation and self._int4_step(q.shape[2], q.shape[3])):
+            q = query_scaling(q)
+            query_scaling = None
         if fresh:  # a prompt on empty rows: its own tokens, in full precision, are all it attends
             out = prompt_attention(q, k, v, positions, self.max_len, scale=scale, window=window, softcap=softcap,
                                    attention=self.attention)
             if out is not None:
                 return out, self.store(k, v, positions)
-        implementation = self._decode_implementation(q.shape[2]) if s == 1 else None
         if implementation is not None:
             out = self._attend_one(q[:, 0], k[:, 0], v[:, 0], positions[:, 0], scale=scale, window=window,
-                                   softcap=softcap)
+                                   softcap=softcap, query_scaling=query_scaling)
             return out[:, None].astype(q.dtype), self._store_one(k[:, 0], v[:, 0], positions[:, 0], implementation)
         return self.reference_attend(q, k, v, positions, scale=scale, window=window, softcap=softcap)
 
@@ -285,13 +310,19 @@ class QuantizedLayerCache(LayerCache):
                              f"use attention='auto' or 'xla'")
         return self.attention
 
-    def _attend_one(self, q, k, v, p, *, scale, window, softcap, cuda_options=None):
+    def _int4_step(self, num_heads: int, head_dim: int) -> bool:
+        """Whether a CUDA one-token step is the INT4 kernel's alone (FireQ: no sink, no ring)."""
+        kc, vc = self.k_spec.codec, self.v_spec.codec
+        return (cuda_kernel(kc, vc, head_dim, num_heads // self.k_ring.shape[2]) is cuda_int4 and not self.sink_len
+                and not max(self.k_spec.ring, self.v_spec.ring) and bool(self.k_spec.units and self.v_spec.units))
+
+    def _attend_one(self, q, k, v, p, *, scale, window, softcap, cuda_options=None, query_scaling=None):
         """One query per row ``q [B, H, D]`` at position ``p [B]`` (new ``k, v [B, KVH, D]``), never
         building the dequantized cache. CUDA: one kernel reads everything (units, rings where they
         hold a token, sink, new token; :func:`~jaxlp.ffi.quantized_decode_attention.attend_cache`,
         given ``cuda_options`` as keywords; FireQ without a sink:
         :func:`~jaxlp.ffi.int4_decode_attention.attend_units` over the units and the new token, given
-        them likewise).
+        them likewise, and ``query_scaling``, which every other path applies first).
         Pallas: the packed units that hold both keys and values go through the kernel; the sink,
         the window of at most ``max(ring)`` newer stream tokens (ring or units, as :meth:`dequantize`
         reads them) and the new token through XLA; the two softmax partials are merged. Float32 out."""
@@ -304,6 +335,9 @@ class QuantizedLayerCache(LayerCache):
         hi = jnp.minimum(qk, qv)
         first = jnp.zeros_like(p) if window is None else jnp.maximum(p - window + 1, 0)  # oldest visible position
         implementation = self._decode_implementation(q.shape[1])
+        int4_step = implementation == "cuda" and self._int4_step(q.shape[1], q.shape[2])
+        if query_scaling is not None and not int4_step:
+            q, query_scaling = query_scaling(q), None
         kc, vc = self.k_spec.codec, self.v_spec.codec
         group = q.shape[1] // self.k_ring.shape[2]
         kernel = cuda_kernel(kc, vc, q.shape[-1], group) if implementation == "cuda" else None
@@ -323,9 +357,9 @@ class QuantizedLayerCache(LayerCache):
         if units:
             lo = jnp.clip(first - off, 0, hi)
             args = (q, self.k_store, self.v_store, kc, vc, lo, hi)
-            if kernel is cuda_int4 and not off and not width:  # FireQ: units and the new token are the whole step
+            if int4_step:  # FireQ: units and the new token are the whole step
                 return cuda_int4.attend_units(*args, scale=scale, softcap=softcap, new=(k, v, valid),
-                                              **(cuda_options or {}))[0]
+                                              query_scaling=query_scaling, **(cuda_options or {}))[0]
             if kernel is not None:
                 parts.append(kernel.attend_units(*args, scale=scale, softcap=softcap))
             else:
@@ -387,7 +421,10 @@ class QuantizedLayerCache(LayerCache):
         unit is a page (a one-token step completes one every ``unit`` steps per row: encode only
         then); unconditionally where a stream stores single tokens (KIVI values, FireQ), which
         complete a unit at nearly every step, so that the conditional would only add XLA:GPU's
-        read-back of its predicate to the host."""
+        read-back of its predicate to the host. A stream with a full-precision ring encodes the call's
+        tokens as the ring holds them (in the cache dtype); one without (FireQ) encodes them as given,
+        in float32: XLA:GPU drops a float32 -> float16 -> float32 round trip inside a fusion (its
+        excess-precision default), so a rounding there would not be the same rule on every backend."""
         valid, start, end = call_bounds(positions, self.max_len)
         rows = jnp.arange(positions.shape[0])[:, None]
         off = self.sink_len
@@ -403,7 +440,8 @@ class QuantizedLayerCache(LayerCache):
             spec = getattr(self, f"{name}_spec")
             if spec.units:
                 ring, ring_pos = getattr(self, f"{name}_ring"), getattr(self, f"{name}_ring_pos")
-                encode, done = self._unit_encoder(spec, ring, ring_pos, xs[name], positions, valid, start, end)
+                x = xs[name] if spec.ring else {"k": k, "v": v}[name].astype(jnp.float32)
+                encode, done = self._unit_encoder(spec, ring, ring_pos, x, positions, valid, start, end)
                 encoders[name] = encode
                 completes.append(jnp.any(done))
         stores = {name: getattr(self, f"{name}_store") for name in encoders}

@@ -4,12 +4,14 @@ there, independent of the codec) on fresh random caches encoded by the real code
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from packed_units import CODECS, exact, np_decode, random_kv, rel, stores
 
 from jaxlp.ffi import int4_decode_attention as cuda
 from jaxlp.kvcache import fireq, kitty, kivi
+from jaxlp.kvcache.quantized import QueryScaling
 
 ON_GPU = jax.default_backend() == "gpu"
 FIREQ = CODECS["fireq"]
@@ -61,6 +63,23 @@ def test_lowers_to_one_custom_call_with_the_new_token_inside():
     text = f.trace(q, ks, vs, nk, nv).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(cuda.TARGET) == 1 and "dot_general" not in text
     assert f"tensor<{b}x{kvh}x3x{g}x{d}xf32>" in text
+
+
+def test_query_scaling_is_the_kernels_own():
+    """FireQ's query transform (CRS division, FP8 per head) and the softmax scale run inside the
+    kernel: the program is the custom call and the reshape, no XLA reduction or arithmetic on q."""
+    b, kvh, d, g, n = 2, 2, 128, 4, 256
+    q, ks, vs, (nk, nv) = inputs(0, b, n, kvh, d, g)
+    scaling = QueryScaling(jnp.ones((kvh, d), jnp.float32) * 2, True)
+    lo, hi, ok = jnp.asarray([0, 10]), jnp.asarray([256, 200]), jnp.asarray([True, True])
+    f = jax.jit(lambda q, ks, vs, nk, nv, sc: cuda.attend_units(q, ks, vs, *FIREQ, lo, hi, scale=0.1, new=(nk, nv, ok),
+                                                                splits=1, query_scaling=sc))
+    text = f.trace(q, ks, vs, nk, nv, scaling).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(cuda.TARGET) == 1 and "fp8_queries = 1 : i32" in text
+    before = text.split(cuda.TARGET)[0]  # the operands' preparation (the split merge follows the call)
+    assert not any(f"stablehlo.{op}" in before for op in ("reduce", "divide", "multiply"))
+    with pytest.raises(ValueError, match="channel scales must be"):
+        f(q, ks, vs, nk, nv, QueryScaling(jnp.ones((kvh, d // 2)), True))
 
 
 def test_bad_operands_are_refused():
@@ -122,6 +141,42 @@ def test_gpu_kernel_matches_float64(d, g, softcap):
         np.testing.assert_allclose(np.asarray(m)[live], want_m[live], rtol=1e-3, atol=1e-3)
         np.testing.assert_allclose(np.log(np.asarray(l)[live]) + np.asarray(m)[live],
                                    np.log(want_l[live]) + want_m[live], rtol=1e-3, atol=1e-3)
+
+
+def fp8_per_head(x):
+    """``x [..., D]`` through FP8 E4M3 with the float32 scale max|x| / 448 per row (ml_dtypes)."""
+    x = np.asarray(x, np.float32)
+    s = (np.abs(x).max(-1, keepdims=True) / np.float32(448)).astype(np.float32)
+    s = np.where(s > 0, s, np.float32(1))
+    return (x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fp8", [True, False])
+def test_gpu_query_scaling_in_the_kernel_matches_float64(fp8):
+    """The kernel's own query transform: q divided by random CRS channel scales of each KV head
+    (orders of magnitude apart), through FP8 per query head (one head all zero: scale 1), against
+    float64 attention of the transform computed in NumPy; and against the kernel given the XLA
+    transform's queries."""
+    b, kvh, d, g, n = 3, 2, 128, 4, 700
+    q, ks, vs, new = inputs(7, b, n, kvh, d, g)
+    q = q.at[1, 2].set(0.0)
+    rng = np.random.default_rng(8)
+    channel = np.exp(rng.normal(size=(kvh, d)) * 1.5).astype(np.float32)
+    scaling = QueryScaling(jnp.asarray(channel), fp8)
+    qt = np.asarray(q) / np.repeat(channel, g, axis=0)
+    qt = fp8_per_head(qt) if fp8 else qt
+    lo, hi, ok = np.asarray([0, 3, 600]), np.asarray([700, 650, 700]), np.asarray([True, False, True])
+    scale = d**-0.5
+    want_o, _, want_l = exact_with_new(qt, np_decode(FIREQ[0], ks), np_decode(FIREQ[1], vs), lo, hi, new, ok, scale,
+                                       None)
+    args = (ks, vs, *FIREQ, jnp.asarray(lo), jnp.asarray(hi))
+    o, _, l = cuda.attend_units(q, *args, scale=scale, new=(*new, jnp.asarray(ok)), query_scaling=scaling)
+    assert np.isfinite(np.asarray(o)).all()
+    assert rel(np.asarray(o), want_o) < 2e-3
+    o_xla, _, _ = cuda.attend_units(jax.jit(scaling)(q), *args, scale=scale, new=(*new, jnp.asarray(ok)))
+    assert rel(np.asarray(o), np.asarray(o_xla)) < 1e-3
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@
 The reference (:class:`StepReference`) keeps every token's full-precision key and value and
 decides per call, from the notes' rules alone, which old tokens a cache holds quantized: the
 sink (FP16), whole units below ``unit * floor((m - lag) / unit)`` (quantized from the FP16
-values of the unit), everything else FP16; the call's own tokens in full precision. It
+values of the unit, as its ring held them; FireQ, which has no ring: from the float32 values),
+everything else FP16; the call's own tokens in full precision. It
 attends in float64. The unit codecs themselves are checked against NumPy in the per-format
 test files.
 """
@@ -78,7 +79,8 @@ class StepReference:
         dec = self.decoded.setdefault((which, row), [])  # decoded units, computed once each
         while len(dec) * unit < quantized:
             u = len(dec)
-            page = fp16(self.hist[which, row, self.off + u * unit: self.off + (u + 1) * unit])  # [unit, KVH, D]
+            page = self.hist[which, row, self.off + u * unit: self.off + (u + 1) * unit]  # [unit, KVH, D]
+            page = page if self.fireq else fp16(page)
             dec.append(np.asarray(self.codecs[which](jnp.asarray(np.swapaxes(page, 0, 1)))).swapaxes(0, 1))
         if quantized:
             x[self.off: self.off + quantized] = np.concatenate(dec)[:quantized]
