@@ -1,9 +1,10 @@
-// One-token store into a Kitty or KIVI-2 cache (XLA FFI custom calls, sm_90); Python side, layout and
+// One-token store into a Kitty or KIVI cache (XLA FFI custom calls, sm_90); Python side, layout and
 // contract: jaxlp/ffi/quantized_cache_store.py. The reference is QuantizedLayerCache.store (XLA),
 // which this kernel replaces on one-token (decode) steps: one launch, no lax.cond, the cache updated
 // in place (every state buffer is an input aliased to an output). One kernel template, instantiated
-// per format (store_kernel<kKitty>, store_kernel<kKivi>; the format is no runtime branch), and one
-// FFI handler per format (their state buffers differ).
+// per format and KIVI's key and value bit widths (store_kernel<kKitty>, store_kernel<kKivi, KB, VB>
+// for KB, VB in {2, 4}; neither is a runtime branch), and one FFI handler per format (their state
+// buffers differ; the KIVI handler picks the instance from its key_bits and value_bits attributes).
 //
 // Grid (KVH, B, 2): one CTA of 256 threads per (KV head h, row b, stream), stream 0 the keys, 1 the
 // values; the CTA writes head h's part of the token and of a completed unit. For the row's position
@@ -28,13 +29,16 @@
 //     [D][32], the boosted channels' high bits [n_boost][32] in rank order, boost_idx[D] = rank or
 //     n_boost; FP16 scale = max((max - min) * (1 / levels), 1e-6) and min per channel.
 //   values, per token over the head: 2-bit codes planar [128][D/4], FP16 scale and min per token.
-//   KIVI-2 (jaxlp.kvcache.kivi, 2 bits, groups of 32; keys unit 128 lag 0, values unit 1 lag 128):
+//   KIVI (jaxlp.kvcache.kivi, KB-bit keys and VB-bit values, 2 or 4 each, levels 2^bits - 1,
+//   groups of 32; keys unit 128 lag 0, values unit 1 lag 128):
 //   keys, a block of 128 tokens per channel in 4 groups of 32 tokens: FP16 scale and min [4][D]
-//     (group g, channel c), codes planar [D][32] (byte k of channel c: token k + 32 g at bits 2 g,
-//     plane g = group g).
+//     (group g, channel c), codes planar [D][M], M = 128 KB / 8 bytes per channel (byte k of
+//     channel c: token k + M q at bits KB q; 2-bit: M = 32, plane q = group q; 4-bit: M = 64, the
+//     low nibble tokens 0..63 = groups 0, 1, the high nibble tokens 64..127 = groups 2, 3).
 //   values, one token per step (the one leaving the 128-token ring window, read from its ring slot
 //     before the new token overwrites that same slot), per group of 32 channels: FP16 scale and
-//     min [D/32], codes planar [D/4] (byte k: channels k + (D/4) q at bits 2 q).
+//     min [D/32], codes planar [m], m = D VB / 8 (byte k: channels k + m q at bits VB q; 2-bit:
+//     m = D/4, 4 planes; 4-bit: m = D/2, channel k in the low nibble, k + D/2 in the high).
 // The Kitty page's score sums run in a different order than XLA's reduction: channels whose scores
 // tie to float32 rounding may rank differently (the same codes, another boosted set only at such a
 // tie). KIVI has no such step: min, max and the per-element rule are order-free, its bytes are the
@@ -56,11 +60,20 @@ namespace jaxlp_cache_store {
 
 constexpr int kThreads = 256;
 constexpr int kPage = 128;  // tokens per unit (a Kitty page, a KIVI key block)
-constexpr int kGroup = 32;  // KIVI-2 scale groups: 32 tokens of a key block, 32 channels of a value token
+constexpr int kGroup = 32;  // KIVI scale groups: 32 tokens of a key block, 32 channels of a value token
 constexpr int kPad = 8;     // FP16 elements of row padding in the shared tile
 constexpr float kScaleFloor = 1e-6f;
 
 enum Format : int { kKitty = 0, kKivi = 1 };  // the kernel's template parameter
+
+// KIVI's planar packing of kBits-bit codes (jaxlp.kvcache.quant): kPer codes per byte (planes).
+template <int kBits>
+struct Packing {
+  static constexpr int kPer = 8 / kBits;
+  static constexpr uint32_t kMask = (1u << kBits) - 1;
+  static constexpr float kLevels = (1 << kBits) - 1;  // codes in [0, 2^bits - 1]
+  static constexpr int kKeyBytes = kPage / kPer;      // bytes per channel of a key block: 32 or 64
+};
 
 struct Stream {
   __half* ring;       // [B, R, KVH, D] (R = 0: none)
@@ -70,16 +83,16 @@ struct Stream {
   int r, units, lag;
 };
 
-// Kitty / KIVI-2 shapes of the unit buffers (KIVI: no k_high, k_boost).
+// Kitty / KIVI shapes of the unit buffers (KIVI: no k_high, k_boost).
 struct Params {
   const int32_t* positions;  // [B]
   Stream s[2];               // keys, values
-  uint8_t* k_low;            // [B, Uk, KVH, D, 32] (KIVI: the key codes, same shape)
+  uint8_t* k_low;            // [B, Uk, KVH, D, 32] (KIVI: the key codes [B, Uk, KVH, D, 128 KB / 8])
   uint8_t* k_high;           // [B, Uk, KVH, NB, 32]
   uint8_t* k_boost;          // [B, Uk, KVH, D]
   __half* k_scale;           // [B, Uk, KVH, D] (KIVI: [B, Uk, KVH, 4, D])
   __half* k_min;
-  uint8_t* v_codes;  // [B, Uv, KVH, 128, D/4] (KIVI: [B, Uv, KVH, 1, D/4], Uv one-token units)
+  uint8_t* v_codes;  // [B, Uv, KVH, 128, D/4] (KIVI: [B, Uv, KVH, 1, D VB / 8], Uv one-token units)
   __half* v_scale;   // [B, Uv, KVH, 128] (KIVI: [B, Uv, KVH, 1, D/32])
   __half* v_min;
   int off, max_len, kvh, d, nb;
@@ -108,13 +121,15 @@ __device__ __forceinline__ __half scale_of(float lo, float hi, float levels) {
 
 // The old value of token t, channel c of unit u (a rewound row's overwritten ring slot), as FP16:
 // code * scale + min in float32 (one FMA; code * scale is exact, so the FMA rounds as XLA's product
-// and sum do).
-template <int F>
+// and sum do). KB: KIVI's key bits.
+template <int F, int KB>
 __device__ __half old_value(const Params& p, int which, size_t unit, int t, int c) {
   const int d = p.d;
   if constexpr (F == kKivi) {  // key blocks only: KIVI values never go through the tile
+    constexpr int kBytes = Packing<KB>::kKeyBytes;  // token t: byte t % M of the channel, plane t / M
     const size_t g = unit * 4 * d + (t / kGroup) * d + c;
-    const uint32_t code = (p.k_low[unit * d * 32 + c * 32 + t % 32] >> (2 * (t / 32))) & 3;
+    const uint32_t code =
+        (p.k_low[unit * d * kBytes + c * kBytes + t % kBytes] >> (KB * (t / kBytes))) & Packing<KB>::kMask;
     return __float2half_rn(fmaf(static_cast<float>(code), __half2float(p.k_scale[g]), __half2float(p.k_min[g])));
   }
   if (which == 0) {
@@ -132,7 +147,7 @@ __device__ __half old_value(const Params& p, int which, size_t unit, int t, int 
 }
 
 // tile[t][c] = token 128 u + t of head h, channel c, as the cache holds it (file head).
-template <int F>
+template <int F, int KB>
 __device__ void load_unit(const Params& p, const Stream& s, int which, int b, int h, int u, int j, __half* tile) {
   const int d = p.d, stride = d + kPad, chunks = d / 8;
   const size_t unit = (static_cast<size_t>(b) * s.units + u) * p.kvh + h;
@@ -151,7 +166,7 @@ __device__ void load_unit(const Params& p, const Stream& s, int which, int b, in
         continue;
       }
     }
-    for (int e = 0; e < 8; ++e) tile[t * stride + c + e] = old_value<F>(p, which, unit, t, c + e);
+    for (int e = 0; e < 8; ++e) tile[t * stride + c + e] = old_value<F, KB>(p, which, unit, t, c + e);
   }
 }
 
@@ -246,10 +261,14 @@ __device__ void encode_values(const Params& p, size_t unit, const __half* tile) 
   }
 }
 
-// KIVI-2 key block of one head from the tile: per (group g of 32 tokens, channel c) min-max, FP16
-// scale and min at [g][c]; codes planar [D][32] (plane g of byte k: token k + 32 g). Shared
-// scratch: lo, rcp [4][D] floats (the FP16-rounded min and the FP16 scale's reciprocal).
+// KIVI key block (KB bits) of one head from the tile: per (group g of 32 tokens, channel c) min-max,
+// FP16 scale and min at [g][c]; codes planar [D][M], M = 128 KB / 8 (plane q of byte k: token
+// k + M q, of group (k + M q) / 32: 2-bit q, 4-bit 2 q + k / 32). Shared scratch: lo, rcp [4][D]
+// floats (the FP16-rounded min and the FP16 scale's reciprocal).
+template <int KB>
 __device__ void encode_kivi_keys(const Params& p, size_t unit, const __half* tile, float* lo, float* rcp) {
+  using Bits = Packing<KB>;
+  constexpr int kBytes = Bits::kKeyBytes;
   const int d = p.d, stride = d + kPad;
   for (int i = threadIdx.x; i < 4 * d; i += kThreads) {  // i = g * D + c
     const int g = i / d, c = i % d;
@@ -259,29 +278,36 @@ __device__ void encode_kivi_keys(const Params& p, size_t unit, const __half* til
       mn = nan_min(mn, x);
       mx = nan_max(mx, x);
     }
-    const __half s16 = scale_of(mn, mx, 3.f), m16 = __float2half_rn(mn);
+    const __half s16 = scale_of(mn, mx, Bits::kLevels), m16 = __float2half_rn(mn);
     p.k_scale[unit * 4 * d + i] = s16;
     p.k_min[unit * 4 * d + i] = m16;
     lo[i] = __half2float(m16);
     rcp[i] = __frcp_rn(__half2float(s16));
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < d * 32; i += kThreads) {  // byte k of channel c
+  for (int i = threadIdx.x; i < d * kBytes; i += kThreads) {  // byte k of channel c
     const int c = i % d, k = i / d;
+    const int g0 = kBytes == kGroup ? 0 : k / kGroup;  // the group of plane 0's token k
     uint32_t byte = 0;
-    for (int g = 0; g < 4; ++g)
-      byte |= code_of(__half2float(tile[(k + kGroup * g) * stride + c]), lo[g * d + c], rcp[g * d + c], 3.f) << (2 * g);
-    p.k_low[unit * d * 32 + c * 32 + k] = static_cast<uint8_t>(byte);
+    for (int q = 0; q < Bits::kPer; ++q) {
+      const int g = g0 + q * (kBytes / kGroup);
+      byte |= code_of(__half2float(tile[(k + kBytes * q) * stride + c]), lo[g * d + c], rcp[g * d + c], Bits::kLevels)
+              << (KB * q);
+    }
+    p.k_low[unit * d * kBytes + c * kBytes + k] = static_cast<uint8_t>(byte);
   }
 }
 
-// KIVI-2 value token jt (unit jt) of head h: the new token where jt = j, else ring slot jt % R where
-// it holds jt, else the unit's old codes (a rewound row). Thread c < D takes channel c, warp w the
-// scale group w (channels [32 w, 32 w + 32)); the codes meet in shared memory (D bytes) to be packed.
-// Ends with a __syncthreads after every read of the ring (the caller then overwrites the slot).
+// KIVI value token jt (unit jt, VB bits) of head h: the new token where jt = j, else ring slot jt % R
+// where it holds jt, else the unit's old codes (a rewound row). Thread c < D takes channel c, warp w
+// the scale group w (channels [32 w, 32 w + 32)); the codes meet in shared memory (D bytes) to be
+// packed, m = D VB / 8 bytes (byte k: channels k + m q at bits VB q). Ends with a __syncthreads after
+// every read of the ring (the caller then overwrites the slot).
+template <int VB>
 __device__ void encode_kivi_value(const Params& p, const Stream& s, int b, int h, int j, int jt, const __half* x,
                                   uint8_t* codes) {
-  const int d = p.d, c = threadIdx.x, m = d / 4, groups = d / kGroup;
+  using Bits = Packing<VB>;
+  const int d = p.d, c = threadIdx.x, m = d / Bits::kPer, groups = d / kGroup;
   const size_t unit = (static_cast<size_t>(b) * s.units + jt) * p.kvh + h;
   if (c < d) {  // whole warps (D is a multiple of 32)
     __half xh;
@@ -291,7 +317,7 @@ __device__ void encode_kivi_value(const Params& p, const Stream& s, int b, int h
     } else if (s.r > 0 && s.ring_pos[static_cast<size_t>(b) * s.r + slot] == jt) {
       xh = s.ring[((static_cast<size_t>(b) * s.r + slot) * p.kvh + h) * d + c];
     } else {
-      const uint32_t code = (p.v_codes[unit * m + c % m] >> (2 * (c / m))) & 3;
+      const uint32_t code = (p.v_codes[unit * m + c % m] >> (VB * (c / m))) & Bits::kMask;
       xh = __float2half_rn(fmaf(static_cast<float>(code), __half2float(p.v_scale[unit * groups + c / kGroup]),
                                 __half2float(p.v_min[unit * groups + c / kGroup])));
     }
@@ -301,17 +327,19 @@ __device__ void encode_kivi_value(const Params& p, const Stream& s, int b, int h
       mn = nan_min(mn, __shfl_xor_sync(0xffffffffu, mn, o));
       mx = nan_max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     }
-    const __half s16 = scale_of(mn, mx, 3.f), m16 = __float2half_rn(mn);
+    const __half s16 = scale_of(mn, mx, Bits::kLevels), m16 = __float2half_rn(mn);
     if (c % 32 == 0) {
       p.v_scale[unit * groups + c / kGroup] = s16;
       p.v_min[unit * groups + c / kGroup] = m16;
     }
-    codes[c] = static_cast<uint8_t>(code_of(xf, __half2float(m16), __frcp_rn(__half2float(s16)), 3.f));
+    codes[c] = static_cast<uint8_t>(code_of(xf, __half2float(m16), __frcp_rn(__half2float(s16)), Bits::kLevels));
   }
   __syncthreads();  // every ring read of this head is done; the codes are in shared memory
-  if (c < m)
-    p.v_codes[unit * m + c] =
-        static_cast<uint8_t>(codes[c] | (codes[c + m] << 2) | (codes[c + 2 * m] << 4) | (codes[c + 3 * m] << 6));
+  if (c < m) {
+    uint32_t byte = 0;
+    for (int q = 0; q < Bits::kPer; ++q) byte |= codes[c + q * m] << (VB * q);
+    p.v_codes[unit * m + c] = static_cast<uint8_t>(byte);
+  }
 }
 
 // Arrivals of a page-completing step's head CTAs per (row, stream): atomicInc wraps each back to 0
@@ -324,7 +352,8 @@ __device__ __forceinline__ void copy_token(__half* dst, const __half* src, int n
     reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
 }
 
-template <int F>
+// KB, VB: KIVI's key and value bits (2 or 4; Kitty: unused, 2).
+template <int F, int KB = 2, int VB = 2>
 __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int h = blockIdx.x, b = blockIdx.y, which = blockIdx.z;
@@ -343,7 +372,7 @@ __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
     const int q0 = quantized<1>(j, s.lag), q1 = quantized<1>(j + 1, s.lag);
     encode = q1 > q0 && q0 < s.units;
     to_ring = s.r > 0 && j >= q1;
-    if (encode) encode_kivi_value(p, s, b, h, j, q0, x, smem);
+    if (encode) encode_kivi_value<VB>(p, s, b, h, j, q0, x, smem);
   } else {  // 128-token units
     const int q0 = quantized<kPage>(j, s.lag), q1 = quantized<kPage>(j + 1, s.lag), u = q0 / kPage;
     encode = q1 > q0 && u < s.units;
@@ -352,10 +381,10 @@ __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
       __half* tile = reinterpret_cast<__half*>(smem);
       float* scratch = reinterpret_cast<float*>(tile + kPage * (d + kPad));
       const size_t unit = (static_cast<size_t>(b) * s.units + u) * p.kvh + h;
-      load_unit<F>(p, s, which, b, h, u, j, tile);
+      load_unit<F, KB>(p, s, which, b, h, u, j, tile);
       __syncthreads();  // every ring read of this head is done
       if constexpr (F == kKivi)
-        encode_kivi_keys(p, unit, tile, scratch, scratch + 4 * d);
+        encode_kivi_keys<KB>(p, unit, tile, scratch, scratch + 4 * d);
       else if (which == 0)
         encode_keys(p, unit, tile, scratch, scratch + d, scratch + 2 * d, reinterpret_cast<int*>(scratch + 3 * d),
                     reinterpret_cast<int*>(scratch + 4 * d));
@@ -381,11 +410,11 @@ __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
 // FireQ (per-token INT4 units, no sink, no ring): one warp per (KV head, row, stream) encodes the
 // new token into unit `position` (jaxlp.kvcache.quant: scale = e4m3(clip(max|x| / 7, 2^-9, 448)),
 // code = clip(round_half_even(x / scale), -8, 7), channel i in the low nibble of byte i, i + D/2
-// in its high nibble); float32 math on the FP16 token, both divisions as XLA computes them: products
-// with the float32 reciprocal of the divisor.
+// in its high nibble); float32 math on the float32 token (no FP16 ring: the reference encodes the
+// token as given), both divisions as XLA computes them: products with the float32 reciprocal.
 struct Int4Params {
   const int32_t* positions;
-  const __half* x[2];   // new keys, values [B, KVH, D]
+  const float* x[2];    // new keys, values [B, KVH, D], float32 as given (FireQ has no FP16 ring)
   uint8_t* codes[2];    // [B, T, KVH, D/2]
   uint8_t* scale[2];    // [B, T, KVH] E4M3
   int kvh, d, tokens, max_len;
@@ -396,11 +425,11 @@ __global__ void __launch_bounds__(32) int4_store_kernel(Int4Params p) {
   const int pos = p.positions[b];
   if (pos < 0 || pos >= p.max_len || pos >= p.tokens) return;
   const int half = p.d / 2, per = p.d / 64;  // bytes a lane packs (1, 2 or 4)
-  const __half* x = p.x[st] + (static_cast<size_t>(b) * p.kvh + h) * p.d;
+  const float* x = p.x[st] + (static_cast<size_t>(b) * p.kvh + h) * p.d;
   float lo[4], hi[4], amax = 0.f;
   for (int i = 0; i < per; ++i) {
-    lo[i] = __half2float(x[lane * per + i]);
-    hi[i] = __half2float(x[lane * per + i + half]);
+    lo[i] = x[lane * per + i];
+    hi[i] = x[lane * per + i + half];
     amax = fmaxf(amax, fmaxf(fabsf(lo[i]), fabsf(hi[i])));
   }
   for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
@@ -485,14 +514,14 @@ ffi::Error common(Params& p, ffi::Buffer<ffi::S32>& positions, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
-template <int F>
+template <int F, int KB = 2, int VB = 2>
 ffi::Error launch(cudaStream_t stream, const Params& p, int64_t batch, int64_t kvh) {
   if (batch == 0 || kvh == 0) return ffi::Error::Success();
-  static const cudaError_t attr = cudaFuncSetAttribute(store_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       static_cast<int>(smem_bytes<F>(256)));
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      store_kernel<F, KB, VB>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes<F>(256)));
   if (attr != cudaSuccess) return bad(std::string("shared memory attribute: ") + cudaGetErrorString(attr));
-  store_kernel<F><<<dim3(static_cast<unsigned>(kvh), static_cast<unsigned>(batch), 2), kThreads, smem_bytes<F>(p.d),
-                    stream>>>(p);
+  store_kernel<F, KB, VB><<<dim3(static_cast<unsigned>(kvh), static_cast<unsigned>(batch), 2), kThreads,
+                            smem_bytes<F>(p.d), stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp quantized cache store launch: ") + cudaGetErrorString(e));
@@ -541,20 +570,24 @@ ffi::Error StoreKiviImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, f
                          ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                          ffi::AnyBuffer, ffi::AnyBuffer, F16Out sink_k, F16Out sink_v, F16Out k_ring, S32Out k_ring_pos,
                          F16Out v_ring, S32Out v_ring_pos, U8Out k_codes, F16Out k_scale, F16Out k_min, U8Out v_codes,
-                         F16Out v_scale, F16Out v_min, int64_t max_len, int64_t k_lag, int64_t v_lag) {
+                         F16Out v_scale, F16Out v_min, int64_t max_len, int64_t k_lag, int64_t v_lag,
+                         int64_t key_bits, int64_t value_bits) {
   Params p;
   int64_t batch, kvh, d;
   if (auto e = common(p, positions, new_k, new_v, sink_k, sink_v, k_ring, k_ring_pos, v_ring, v_ring_pos, max_len,
                       k_lag, v_lag, batch, kvh, d);
       e.failure())
     return e;
+  if ((key_bits != 2 && key_bits != 4) || (value_bits != 2 && value_bits != 4))
+    return bad("KIVI key and value bits must be 2 or 4, got " + std::to_string(key_bits) + " and " +
+               std::to_string(value_bits));
   const int64_t uk = dim(*k_codes, 5, 1), uv = dim(*v_codes, 5, 1);
-  if (!shape_is(*k_codes, {batch, uk, kvh, d, 32}) || !shape_is(*k_scale, {batch, uk, kvh, 4, d}) ||
+  if (!shape_is(*k_codes, {batch, uk, kvh, d, kPage * key_bits / 8}) || !shape_is(*k_scale, {batch, uk, kvh, 4, d}) ||
       !shape_is(*k_min, {batch, uk, kvh, 4, d}))
-    return bad("KIVI key blocks must be codes [B, U, KVH, D, 32], scale and min [B, U, KVH, 4, D]");
-  if (!shape_is(*v_codes, {batch, uv, kvh, 1, d / 4}) || !shape_is(*v_scale, {batch, uv, kvh, 1, d / kGroup}) ||
-      !shape_is(*v_min, {batch, uv, kvh, 1, d / kGroup}))
-    return bad("KIVI value tokens must be codes [B, T, KVH, 1, D/4], scale and min [B, T, KVH, 1, D/32]");
+    return bad("KIVI key blocks must be codes [B, U, KVH, D, 128 bits / 8], scale and min [B, U, KVH, 4, D]");
+  if (!shape_is(*v_codes, {batch, uv, kvh, 1, d * value_bits / 8}) ||
+      !shape_is(*v_scale, {batch, uv, kvh, 1, d / kGroup}) || !shape_is(*v_min, {batch, uv, kvh, 1, d / kGroup}))
+    return bad("KIVI value tokens must be codes [B, T, KVH, 1, D bits / 8], scale and min [B, T, KVH, 1, D/32]");
   p.s[0].units = static_cast<int>(uk);
   p.s[1].units = static_cast<int>(uv);
   p.k_low = k_codes->typed_data();
@@ -564,19 +597,21 @@ ffi::Error StoreKiviImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, f
   p.v_codes = v_codes->typed_data();
   p.v_scale = f16(v_scale);
   p.v_min = f16(v_min);
-  return launch<kKivi>(stream, p, batch, kvh);
+  if (key_bits == 2)
+    return value_bits == 2 ? launch<kKivi, 2, 2>(stream, p, batch, kvh) : launch<kKivi, 2, 4>(stream, p, batch, kvh);
+  return value_bits == 2 ? launch<kKivi, 4, 2>(stream, p, batch, kvh) : launch<kKivi, 4, 4>(stream, p, batch, kvh);
 }
 
 using F8Out = ffi::Result<ffi::AnyBuffer>;  // E4M3 (a dtype the typed buffers do not name)
 
-ffi::Error StoreInt4Impl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F16> new_k,
-                         ffi::Buffer<ffi::F16> new_v, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+ffi::Error StoreInt4Impl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> new_k,
+                         ffi::Buffer<ffi::F32> new_v, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                          U8Out k_codes, F8Out k_scale, U8Out v_codes, F8Out v_scale, int64_t max_len) {
   auto nd = new_k.dimensions();
-  if (nd.size() != 3) return bad("new keys must be FP16 [B, KVH, D]");
+  if (nd.size() != 3) return bad("new keys must be float32 [B, KVH, D]");
   const int64_t batch = nd[0], kvh = nd[1], d = nd[2];
   if (d != 64 && d != 128 && d != 256) return bad("head_dim must be 64, 128 or 256, got " + std::to_string(d));
-  if (!shape_is(new_v, {batch, kvh, d})) return bad("new values must be FP16 [B, KVH, D] as the keys");
+  if (!shape_is(new_v, {batch, kvh, d})) return bad("new values must be float32 [B, KVH, D] as the keys");
   if (!shape_is(positions, {batch})) return bad("positions must be int32 [B]");
   if (batch > 65535) return bad("at most 65535 rows (the grid's y), got " + std::to_string(batch));
   const int64_t tokens = dim(*k_codes, 5, 1);
@@ -589,8 +624,8 @@ ffi::Error StoreInt4Impl(cudaStream_t stream, ffi::Buffer<ffi::S32> positions, f
   if (batch == 0 || kvh == 0 || tokens == 0) return ffi::Error::Success();
   Int4Params p;
   p.positions = positions.typed_data();
-  p.x[0] = reinterpret_cast<const __half*>(new_k.typed_data());
-  p.x[1] = reinterpret_cast<const __half*>(new_v.typed_data());
+  p.x[0] = new_k.typed_data();
+  p.x[1] = new_v.typed_data();
   p.codes[0] = k_codes->typed_data();
   p.codes[1] = v_codes->typed_data();
   p.scale[0] = reinterpret_cast<uint8_t*>(k_scale->untyped_data());
@@ -649,7 +684,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedCacheStore, jaxlp_cache_store::Store
                                   .Attr<int64_t>("v_lag"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-// KIVI-2: positions, new keys, new values, then the 12 state buffers (aliased likewise).
+// KIVI (2- or 4-bit keys and values, attributes key_bits and value_bits): positions, new keys, new
+// values, then the 12 state buffers (aliased likewise).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedCacheStoreKivi, jaxlp_cache_store::StoreKiviImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -674,15 +710,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedCacheStoreKivi, jaxlp_cache_store::S
                                   .Ret<ffi::Buffer<ffi::S32>>()  // key ring positions [B, RK]
                                   .Ret<ffi::Buffer<ffi::F16>>()  // value ring [B, RV, KVH, D]
                                   .Ret<ffi::Buffer<ffi::S32>>()  // value ring positions [B, RV]
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // key codes [B, Uk, KVH, D, 32]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // key codes [B, Uk, KVH, D, 128 KB / 8]
                                   .Ret<ffi::Buffer<ffi::F16>>()  // key scale [B, Uk, KVH, 4, D]
                                   .Ret<ffi::Buffer<ffi::F16>>()  // key min
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // value codes [B, Uv, KVH, 1, D/4]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // value codes [B, Uv, KVH, 1, D VB / 8]
                                   .Ret<ffi::Buffer<ffi::F16>>()  // value scale [B, Uv, KVH, 1, D/32]
                                   .Ret<ffi::Buffer<ffi::F16>>()  // value min
                                   .Attr<int64_t>("max_len")
                                   .Attr<int64_t>("k_lag")
-                                  .Attr<int64_t>("v_lag"),
+                                  .Attr<int64_t>("v_lag")
+                                  .Attr<int64_t>("key_bits")     // KB: 2 or 4
+                                  .Attr<int64_t>("value_bits"),  // VB: 2 or 4
                               {ffi::Traits::kCmdBufferCompatible});
 
 // FireQ's INT4 tokens: positions, new keys, new values, then the 4 unit buffers (aliased likewise).
@@ -690,8 +728,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedCacheStoreInt4, jaxlp_cache_store::S
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()        // positions [B]
-                                  .Arg<ffi::Buffer<ffi::F16>>()        // new keys [B, KVH, D]
-                                  .Arg<ffi::Buffer<ffi::F16>>()        // new values
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // new keys [B, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // new values
                                   .Arg<ffi::AnyBuffer>()               // key codes (aliased to result 0)
                                   .Arg<ffi::AnyBuffer>()               // key scales
                                   .Arg<ffi::AnyBuffer>()               // value codes

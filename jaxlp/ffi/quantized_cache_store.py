@@ -1,4 +1,4 @@
-"""A decode step's store into a Kitty or KIVI-2 cache, as one CUDA kernel (sm_90), in place.
+"""A decode step's store into a Kitty, KIVI or FireQ cache, as one CUDA kernel (sm_90), in place.
 
     state = store_token(positions, k, v, state, k_lag=..., v_lag=..., max_len=...)
 
@@ -12,12 +12,14 @@ told apart by the state's key store (one kernel and one FFI target each):
 
 * Kitty (:mod:`jaxlp.kvcache.kitty`): key and value pages of 128 tokens (keys lag 0, values lag
   128), a page encoded every 128 steps per stream.
-* KIVI-2 (:mod:`jaxlp.kvcache.kivi` with 2-bit keys and values and groups of 32, ``kivi-k2v2``,
-  ``kivi-k2v2*``): key blocks of 128 tokens (lag 0; scale and min per group of 32 tokens and
-  channel), encoded every 128 steps; value tokens (unit 1, lag 128; scale and min per token and
-  group of 32 channels): from the 129th stream token on, every step quantizes the token leaving the
-  128-token value window, read from its ring slot before the new token overwrites that slot (the
-  reference's order: units encoded, then the rings written).
+* KIVI (:mod:`jaxlp.kvcache.kivi` with 2- or 4-bit keys and values and groups of 32: every
+  registered variant, ``kivi-k2v2``, ``kivi-k4v4``, ``kivi-k2v2*``, ``kivi-k2v4*``, ``kivi-k4v2*``):
+  key blocks of 128 tokens (lag 0; scale and min per group of 32 tokens and channel), encoded
+  every 128 steps; value tokens (unit 1, lag 128; scale and min per token and group of 32
+  channels): from the 129th stream token on, every step quantizes the token leaving the 128-token
+  value window, read from its ring slot before the new token overwrites that slot (the reference's
+  order: units encoded, then the rings written). The bit widths are read off the packed codes'
+  widths (:func:`kivi_bits`); the kernel is instantiated per pair.
 * FireQ (:mod:`jaxlp.kvcache.fireq`, no sink): every step encodes the new key and value as INT4
   tokens (one FP8 scale each) into their units at the row's position; one warp per (KV head, row,
   stream).
@@ -26,12 +28,13 @@ Every state buffer is aliased to the kernel's output of the same name, so under 
 cache donated (as a decode loop carries it) the store writes the changed bytes only: no ``lax.cond``
 (whose predicate XLA reads back on the host, stalling the step) and no whole-cache copies.
 
-Exactness: the same bytes as the reference (float32 math on the FP16 tokens, the quantization rule's
+Exactness: the same bytes as the reference (float32 math on the FP16 tokens -- FireQ's: on the float32
+tokens, as its reference encodes them without a ring --, the quantization rule's
 divisions as products with the float32 reciprocal, products and sums rounded separately, as
 :mod:`jaxlp.kvcache.quant` writes them and XLA:CPU computes them), except where two Kitty key
 channels' mean ``|k|`` over a page tie to float32 summation order (the kernel sums in another order
 than XLA's reduction): then they may rank differently, which reorders the boosted channels' rows or,
-at the ``n_boost`` boundary, boosts the other channel. KIVI-2 has no ranking: its min, max and
+at the ``n_boost`` boundary, boosts the other channel. KIVI has no ranking: its min, max and
 per-element rule do not depend on an order, so it has no such exception. Against the reference run on
 a GPU, a code may differ where ``(x - min) * (1 / scale)`` sits on a rounding tie that XLA:GPU
 contracts into an FMA with the ``+ 0.5`` (both formats).
@@ -50,13 +53,13 @@ import numpy as np
 from jaxlp.ffi import build
 
 TARGET = "jaxlp_quantized_cache_store"  # Kitty
-KIVI_TARGET = "jaxlp_quantized_cache_store_kivi"  # KIVI-2
+KIVI_TARGET = "jaxlp_quantized_cache_store_kivi"  # KIVI, 2- or 4-bit keys and values
 INT4_TARGET = "jaxlp_quantized_cache_store_int4"  # FireQ
 LIBRARY = build.Library("quantized_cache_store",
                         {TARGET: "JaxlpQuantizedCacheStore", KIVI_TARGET: "JaxlpQuantizedCacheStoreKivi",
                          INT4_TARGET: "JaxlpQuantizedCacheStoreInt4"})
 UNIT = 128  # tokens per key unit the kernel encodes (a Kitty page, a KIVI key block); Kitty value pages too
-KIVI_BITS = 2
+KIVI_BITS = (2, 4)  # the key and value bit widths the KIVI kernel is instantiated for
 KIVI_GROUP = 32  # KIVI's scale groups: 32 tokens of a key block, 32 channels of a value token
 HEAD_DIMS = (64, 128, 256)
 
@@ -65,9 +68,10 @@ STATE_FIELDS = ("sink_k", "sink_v", "k_ring", "k_ring_pos", "v_ring", "v_ring_po
 """The layer's arrays the kernel updates (as :class:`jaxlp.kvcache.quantized.QuantizedLayerCache`
 names them, ``[B, ...]`` each): FP16 sinks ``[B, OFF, KVH, D]``, FP16 rings ``[B, R, KVH, D]`` with
 int32 slot positions ``[B, R]``, the key units and the value units, leading ``[B, U, KVH]``: Kitty's
-:class:`jaxlp.kvcache.kitty.KeyPage` and :class:`jaxlp.kvcache.kitty.ValuePage`, or KIVI-2's
-:class:`jaxlp.kvcache.kivi.KeyBlock` (codes ``[.., D, 32]``, scale and min ``[.., 4, D]``) and
-:class:`jaxlp.kvcache.kivi.ValueTokens` (codes ``[.., 1, D/4]``, scale and min ``[.., 1, D/32]``)."""
+:class:`jaxlp.kvcache.kitty.KeyPage` and :class:`jaxlp.kvcache.kitty.ValuePage`, or KIVI's
+:class:`jaxlp.kvcache.kivi.KeyBlock` (codes ``[.., D, 128 * bits / 8]``, scale and min ``[.., 4, D]``)
+and :class:`jaxlp.kvcache.kivi.ValueTokens` (codes ``[.., 1, D * bits / 8]``, scale and min
+``[.., 1, D/32]``); or FireQ's INT4 tokens (no sink, no rings)."""
 
 
 def _kitty(k_codec, v_codec) -> bool:
@@ -76,12 +80,12 @@ def _kitty(k_codec, v_codec) -> bool:
             and k_codec.unit == UNIT and v_codec.unit == UNIT)
 
 
-def _kivi2(k_codec, v_codec) -> bool:
-    """KIVI-2: 2-bit key blocks of 128 tokens in groups of 32 tokens, 2-bit value tokens in groups of 32
-    channels (the KIVI defaults)."""
+def _kivi(k_codec, v_codec) -> bool:
+    """KIVI: 2- or 4-bit key blocks of 128 tokens in groups of 32 tokens, 2- or 4-bit value tokens in
+    groups of 32 channels (the KIVI defaults)."""
     return (getattr(k_codec, "layout", "") == "kivi_keys" and getattr(v_codec, "layout", "") == "kivi_values"
-            and k_codec.unit == UNIT and k_codec.bits == KIVI_BITS and k_codec.group == KIVI_GROUP
-            and v_codec.unit == 1 and v_codec.bits == KIVI_BITS and v_codec.group == KIVI_GROUP)
+            and k_codec.unit == UNIT and k_codec.bits in KIVI_BITS and k_codec.group == KIVI_GROUP
+            and v_codec.unit == 1 and v_codec.bits in KIVI_BITS and v_codec.group == KIVI_GROUP)
 
 
 def _int4(k_codec, v_codec) -> bool:
@@ -91,10 +95,22 @@ def _int4(k_codec, v_codec) -> bool:
 
 def supports(k_codec, v_codec, head_dim: int, sink: int = 0) -> bool:
     """Whether :func:`store_token` encodes these codecs: Kitty key and value pages of 128 tokens,
-    KIVI-2 (2-bit key blocks of 128 tokens and value tokens, groups of 32: ``kivi-k2v2``,
-    ``kivi-k2v2*``) or FireQ's INT4 tokens (``sink`` tokens: 0 only), at head_dim 64, 128 or 256."""
+    KIVI (2- or 4-bit key blocks of 128 tokens and value tokens, groups of 32: every ``kivi-*``
+    format of the registry) or FireQ's INT4 tokens (``sink`` tokens: 0 only), at head_dim 64, 128 or 256."""
     int4 = _int4(k_codec, v_codec) and not sink
-    return (_kitty(k_codec, v_codec) or _kivi2(k_codec, v_codec) or int4) and head_dim in HEAD_DIMS
+    return (_kitty(k_codec, v_codec) or _kivi(k_codec, v_codec) or int4) and head_dim in HEAD_DIMS
+
+
+def kivi_bits(k_codes_width: int, v_codes_width: int, head_dim: int) -> tuple[int, int]:
+    """KIVI's ``(key_bits, value_bits)`` from the last axes of the packed codes: key blocks
+    ``[.., D, 128 * bits / 8]`` (32 or 64 bytes), value tokens ``[.., 1, D * bits / 8]``."""
+    key_bits = {UNIT * b // 8: b for b in KIVI_BITS}.get(k_codes_width)
+    value_bits = {head_dim * b // 8: b for b in KIVI_BITS}.get(v_codes_width)
+    if key_bits is None or value_bits is None:
+        raise ValueError(f"store_token: KIVI codes must be {KIVI_BITS}-bit: key blocks [.., D, 128 * bits / 8], "
+                         f"value tokens [.., 1, D * bits / 8]; got widths {k_codes_width} and {v_codes_width} "
+                         f"at head_dim {head_dim}")
+    return key_bits, value_bits
 
 
 def available() -> bool:
@@ -126,14 +142,17 @@ def store_token(positions, k, v, state: dict, *, k_lag: int, v_lag: int, max_len
         if x.dtype != dtype:
             raise ValueError(f"store_token: state arrays must be {[jnp.dtype(t).name for t in dtypes]}, got "
                              f"{[x.dtype.name for x in leaves]}")
+    attrs = dict(max_len=np.int64(max_len), k_lag=np.int64(k_lag), v_lag=np.int64(v_lag))
+    if not is_kitty:
+        key_bits, value_bits = kivi_bits(ks.codes.shape[-1], vs.codes.shape[-1], d)
+        attrs.update(key_bits=np.int64(key_bits), value_bits=np.int64(value_bits))
     if build.on_gpu():
         LIBRARY.load()
     first = 3  # positions, k, v come first; then the state, each aliased to its output
     call = jax.ffi.ffi_call(TARGET if is_kitty else KIVI_TARGET,
                             [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
                             input_output_aliases={first + i: i for i in range(len(leaves))})
-    out = call(positions.astype(jnp.int32), k.astype(jnp.float16), v.astype(jnp.float16), *leaves,
-               max_len=np.int64(max_len), k_lag=np.int64(k_lag), v_lag=np.int64(v_lag))
+    out = call(positions.astype(jnp.int32), k.astype(jnp.float16), v.astype(jnp.float16), *leaves, **attrs)
     if is_kitty:
         k_store = dataclasses.replace(ks, low=out[6], high=out[7], boost_idx=out[8], scale=out[9], min=out[10])
     else:
@@ -156,7 +175,7 @@ def _store_int4(positions, k, v, state, max_len: int) -> dict:
         LIBRARY.load()
     call = jax.ffi.ffi_call(INT4_TARGET, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
                             input_output_aliases={3 + i: i for i in range(len(leaves))})
-    out = call(positions.astype(jnp.int32), k.astype(jnp.float16), v.astype(jnp.float16), *leaves,
+    out = call(positions.astype(jnp.int32), k.astype(jnp.float32), v.astype(jnp.float32), *leaves,
                max_len=np.int64(max_len))
     return dict(state, k_store=dataclasses.replace(ks, codes=out[0], scale=out[1]),
                 v_store=dataclasses.replace(vs, codes=out[2], scale=out[3]))

@@ -1,17 +1,18 @@
-"""The one-token CUDA store into Kitty and KIVI-2 caches: what it takes and refuses, its lowering (one
-custom call, every state buffer aliased; on any machine), a NumPy transliteration of the KIVI-2 kernel
-(:func:`kivi_kernel_model`, its indexing, order of reads and writes and float32 rounding) against the
-reference over decode steps (on any machine), and on a GPU the kernel's state against the reference
-(``QuantizedLayerCache.store``, XLA, run on the CPU) byte for byte: rows that complete a key page or
-block, a value page or token or both at this step, rows in the sink, padding rows, and rewound rows
-whose ring slots were overwritten (their units' old codes re-read), at head_dim 64, 128 and 256, and
-over 150 decode steps of the cache's CUDA step.
+"""The one-token CUDA store into Kitty, KIVI (2- and 4-bit keys and values) and FireQ caches: what it
+takes and refuses, its lowering (one custom call, every state buffer aliased; on any machine), a NumPy
+transliteration of the KIVI kernel (:func:`kivi_kernel_model`, its indexing, order of reads and writes
+and float32 rounding, at either bit width) against the reference over decode steps (on any machine),
+and on a GPU the kernel's state against the reference (``QuantizedLayerCache.store``, XLA, run on the
+CPU) byte for byte: rows that complete a key page or block, a value page or token or both at this
+step, rows in the sink, padding rows, and rewound rows whose ring slots were overwritten (their units'
+old codes re-read), at head_dim 64, 128 and 256, and over 150 decode steps of the cache's CUDA step.
 
 The reference runs on the CPU, where XLA rounds ``(x - min) * (1 / scale)`` and the ``+ 0.5`` of the
 quantization rule (:mod:`jaxlp.kvcache.quant`) separately, as the kernel does; XLA:GPU may contract
 them into one FMA, which can move a code that sits exactly on a rounding tie."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +22,11 @@ import pytest
 from jaxlp import kvcache
 from jaxlp.ffi import quantized_cache_store as cuda_store
 from jaxlp.kvcache import fireq, kitty, kivi
+from jaxlp.kvcache.quantized import cuda_kernel
 from jaxlp.models import ModelConfig
 
 ON_GPU = jax.default_backend() == "gpu"
+KIVI_FORMATS = ("kivi-k2v2", "kivi-k4v4", "kivi-k2v2*", "kivi-k2v4*", "kivi-k4v2*")
 
 
 def on_cpu(tree):
@@ -49,21 +52,21 @@ def state_of(layer):
     return {name: getattr(layer, name) for name in cuda_store.STATE_FIELDS}
 
 
-def test_takes_kitty_pages_kivi2_and_fireq_tokens_only():
+def test_takes_kitty_pages_kivi_and_fireq_tokens_only():
     assert cuda_store.supports(kitty.KeyCodec(16), kitty.ValueCodec(), 128)
     assert cuda_store.supports(kitty.KeyCodec(8), kitty.ValueCodec(), 64)
     assert cuda_store.supports(kitty.KeyCodec(64), kitty.ValueCodec(), 256)
     assert not cuda_store.supports(kitty.KeyCodec(16), kitty.ValueCodec(), 96)
     assert not cuda_store.supports(kitty.KeyCodec(16, unit=64), kitty.ValueCodec(), 128)
-    for d in (64, 128, 256):
-        assert cuda_store.supports(kivi.KeyCodec(2), kivi.ValueCodec(2), d)
-    assert not cuda_store.supports(kivi.KeyCodec(2), kivi.ValueCodec(2), 96)
-    assert not cuda_store.supports(kivi.KeyCodec(4), kivi.ValueCodec(4), 128)
-    assert not cuda_store.supports(kivi.KeyCodec(2), kivi.ValueCodec(4), 128)
-    assert not cuda_store.supports(kivi.KeyCodec(4), kivi.ValueCodec(2), 128)
-    assert not cuda_store.supports(kivi.KeyCodec(2, group=64), kivi.ValueCodec(2), 128)
-    assert not cuda_store.supports(kivi.KeyCodec(2), kivi.ValueCodec(2, group=64), 128)
-    assert not cuda_store.supports(kivi.KeyCodec(2, unit=64), kivi.ValueCodec(2), 128)
+    for d, (kb, vb) in itertools.product((64, 128, 256), itertools.product((2, 4), repeat=2)):
+        assert cuda_store.supports(kivi.KeyCodec(kb), kivi.ValueCodec(vb), d)
+        assert cuda_store.supports(kivi.KeyCodec(kb), kivi.ValueCodec(vb), d, sink=32)
+        assert not cuda_store.supports(kivi.KeyCodec(kb), kivi.ValueCodec(vb), 96)
+        assert not cuda_store.supports(kivi.KeyCodec(kb, group=64), kivi.ValueCodec(vb), 128)
+        assert not cuda_store.supports(kivi.KeyCodec(kb), kivi.ValueCodec(vb, group=64), 128)
+        assert not cuda_store.supports(kivi.KeyCodec(kb, unit=64), kivi.ValueCodec(vb), 128)
+    for kb, vb in ((8, 2), (2, 8), (1, 4), (4, 1), (8, 8)):  # widths the kernel is not instantiated for
+        assert not cuda_store.supports(kivi.KeyCodec(kb), kivi.ValueCodec(vb), 128)
     assert not cuda_store.supports(kitty.KeyCodec(16), kivi.ValueCodec(2), 128)
     assert not cuda_store.supports(kivi.KeyCodec(2), kitty.ValueCodec(), 128)
     for d in (64, 128, 256):
@@ -72,15 +75,16 @@ def test_takes_kitty_pages_kivi2_and_fireq_tokens_only():
     assert not cuda_store.supports(fireq.TokenCodec(), kivi.ValueCodec(2), 128)
 
 
-@pytest.mark.parametrize("name,d", [("kivi-k2v2", 64), ("kivi-k2v2*", 128), ("kivi-k2v2*", 256)])
-def test_kivi2_formats_take_the_store(name, d):
-    """The registry's KIVI-2 formats have the codecs the store encodes (the dispatch in
-    QuantizedLayerCache._store_one asks supports()); the variants with 4-bit keys or values keep the XLA store."""
+@pytest.mark.parametrize("name", KIVI_FORMATS)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_kivi_formats_take_the_store(name, d):
+    """Every KIVI format of the registry (2- or 4-bit keys and values, with or without the sink) has
+    codecs the store encodes (the dispatch in QuantizedLayerCache._store_one asks supports()), and the
+    bit widths the store reads off its packed codes are the codecs'."""
     layer = small_layer(name, d=d)
-    assert cuda_store.supports(layer.k_spec.codec, layer.v_spec.codec, d)
-    for other in ("kivi-k4v4", "kivi-k2v4*", "kivi-k4v2*"):
-        lay = small_layer(other, d=d)
-        assert not cuda_store.supports(lay.k_spec.codec, lay.v_spec.codec, d)
+    kc, vc = layer.k_spec.codec, layer.v_spec.codec
+    assert cuda_store.supports(kc, vc, d, sink=layer.sink_len)
+    assert cuda_store.kivi_bits(layer.k_store.codes.shape[-1], layer.v_store.codes.shape[-1], d) == (kc.bits, vc.bits)
 
 
 def small_layer(name="kitty", b=2, kvh=2, d=64, max_len=300):
@@ -88,8 +92,7 @@ def small_layer(name="kitty", b=2, kvh=2, d=64, max_len=300):
 
 
 @pytest.mark.parametrize("name,target,leaves", [("kitty", cuda_store.TARGET, 14),
-                                                 ("kivi-k2v2*", cuda_store.KIVI_TARGET, 12),
-                                                 ("kivi-k2v2", cuda_store.KIVI_TARGET, 12)])
+                                                 *[(name, cuda_store.KIVI_TARGET, 12) for name in KIVI_FORMATS]])
 def test_lowers_to_one_custom_call_with_every_state_buffer_aliased(name, target, leaves):
     layer = small_layer(name)
     b, kvh, d = 2, 2, 64
@@ -102,6 +105,9 @@ def test_lowers_to_one_custom_call_with_every_state_buffer_aliased(name, target,
     assert f"@{other}(" not in text
     assert len(jax.tree.leaves(state_of(layer))) == leaves
     assert text.count("#stablehlo.output_operand_alias<") == leaves
+    if target == cuda_store.KIVI_TARGET:  # the kernel instance: the codecs' bit widths
+        kc, vc = layer.k_spec.codec, layer.v_spec.codec
+        assert f"key_bits = {kc.bits} : i64" in text and f"value_bits = {vc.bits} : i64" in text
 
 
 def test_fireq_lowers_to_one_custom_call_with_its_four_unit_buffers_aliased():
@@ -136,6 +142,12 @@ def test_refuses_wrong_shapes_and_dtypes():
     f32 = st | {"k_store": dataclasses.replace(st["k_store"], scale=st["k_store"].scale.astype(jnp.float32))}
     with pytest.raises(ValueError, match="state arrays must be"):
         cuda_store.store_token(p, new, new, f32, k_lag=0, v_lag=128, max_len=300)
+    st = state_of(small_layer("kivi-k4v4"))  # codes of no 2- or 4-bit width (3 bits: 48 and 24 bytes)
+    ks, vs = st["k_store"], st["v_store"]
+    for odd in ({"k_store": dataclasses.replace(ks, codes=ks.codes[..., :48])},
+                {"v_store": dataclasses.replace(vs, codes=vs.codes[..., :24])}):
+        with pytest.raises(ValueError, match="KIVI codes must be"):
+            cuda_store.store_token(p, new, new, st | odd, k_lag=0, v_lag=128, max_len=300)
 
 
 # --- on the GPU: the kernel's state against the reference's -------------------------------------
@@ -202,10 +214,11 @@ def assert_same_state(got, want, msg=""):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["kitty-pro", "kivi-k2v2*"])
+@pytest.mark.parametrize("name", ["kitty-pro", "kivi-k2v2*", "kivi-k4v2*", "kivi-k2v4*"])
 def test_gpu_store_of_constant_and_zero_units(name):
     """All-equal keys (every scale at the floor; Kitty: every score tied, ranks by channel) and
-    all-zero values (value scales at the floor): the same bytes as the reference, finite."""
+    all-zero values (value scales at the floor): the same bytes as the reference, finite (KIVI: the
+    sink puts a key block's end at both positions, and a value token is encoded at each)."""
     kvh, d = 2, 128
     layer = kvcache.get(name, attention="cuda").init(config(kvh, d), 2, 300).layers[0]
     k = jnp.full((2, 287, kvh, d), 0.75, jnp.float32)
@@ -244,48 +257,62 @@ def test_gpu_decode_steps_through_page_boundaries_keep_the_reference_state():
     assert text.count(cuda_store.TARGET) == 1 and "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
-# --- KIVI-2 ---------------------------------------------------------------------------------------
+# --- KIVI ------------------------------------------------------------------------------------------
 
 F32 = np.float32
 
 
-def _kivi_key_value(st, b, u, t):
-    """The kernel's old_value<kKivi>: token t of key block u, all heads, FP16 (code * scale exact)."""
-    code = (st["k_codes"][b, u, :, :, t % 32] >> (2 * (t // 32))) & 3  # [KVH, D]
+def _kivi_key_value(st, b, u, t, bits):
+    """The kernel's old_value<kKivi, KB>: token t of key block u, all heads, FP16 (code * scale exact).
+    Token t is in byte t % M of its channel (M = 128 bits / 8), plane t // M."""
+    m = st["k_codes"].shape[-1]
+    code = (st["k_codes"][b, u, :, :, t % m] >> (bits * (t // m))) & (2**bits - 1)  # [KVH, D]
     return (code.astype(F32) * st["k_scale"][b, u, :, t // 32].astype(F32)
             + st["k_min"][b, u, :, t // 32].astype(F32)).astype(np.float16)
 
 
-def _kivi_value_token(st, b, jt):
-    """The kernel's old value of value token jt: all heads and channels, FP16."""
-    codes, d = st["v_codes"][b, jt, :, 0], st["v_codes"].shape[-1] * 4  # [KVH, D/4]
-    m = d // 4
-    c = np.arange(d)
-    code = (codes[:, c % m] >> (2 * (c // m))) & 3  # [KVH, D]
+def _kivi_value_token(st, b, jt, bits):
+    """The kernel's old value of value token jt: all heads and channels, FP16. Channel c is in byte
+    c % m (m = D bits / 8), plane c // m."""
+    codes = st["v_codes"][b, jt, :, 0]  # [KVH, m]
+    m = codes.shape[-1]
+    c = np.arange(m * (8 // bits))
+    code = (codes[:, c % m] >> (bits * (c // m))) & (2**bits - 1)  # [KVH, D]
     g = c // 32
     return (code.astype(F32) * st["v_scale"][b, jt, :, 0][:, g].astype(F32)
             + st["v_min"][b, jt, :, 0][:, g].astype(F32)).astype(np.float16)
 
 
-def _minmax_codes(x, axis):
-    """The kernel's scale_of / code_of over ``axis`` of FP16 ``x``: float32 ops rounded one by one,
-    the divisions as products with float32 reciprocals. (codes, FP16 scale, FP16 min), keepdims."""
+def _minmax_codes(x, axis, bits):
+    """The kernel's scale_of / code_of over ``axis`` of FP16 ``x`` with levels 2^bits - 1: float32
+    ops rounded one by one, the divisions as products with float32 reciprocals. (codes, FP16 scale,
+    FP16 min), keepdims."""
+    levels = 2**bits - 1
     x = x.astype(F32)
     lo, hi = x.min(axis=axis, keepdims=True), x.max(axis=axis, keepdims=True)
-    scale = np.maximum((hi - lo) * (F32(1) / F32(3)), F32(1e-6)).astype(np.float16)
+    scale = np.maximum((hi - lo) * (F32(1) / F32(levels)), F32(1e-6)).astype(np.float16)
     mn = lo.astype(np.float16)
     rcp = F32(1) / scale.astype(F32)
     codes = np.floor((x - mn.astype(F32)) * rcp + F32(0.5))
-    return np.clip(codes, 0, 3).astype(np.uint8), scale, mn
+    return np.clip(codes, 0, levels).astype(np.uint8), scale, mn
+
+
+def _pack_planar(codes, bits):
+    """``codes [N, ...]`` packed planar over the first axis: ``[N bits / 8, ...]`` uint8, element i in
+    byte i % M at bits (i // M) bits (M = N bits / 8)."""
+    per = 8 // bits
+    planes = codes.astype(np.uint32).reshape(per, codes.shape[0] // per, *codes.shape[1:])
+    return sum(planes[q] << (bits * q) for q in range(per)).astype(np.uint8)
 
 
 def kivi_kernel_model(state, positions, k, v, *, k_lag, v_lag, max_len):
-    """NumPy transliteration of store_kernel<kKivi> (jaxlp/ffi/quantized_cache_store.cu): per row,
-    the key stream (128-token blocks: the block's tokens from the new token, the ring where its slot
-    holds the token, else the block's old codes) and the value stream (one token per step: the token
-    leaving the window, read from its ring slot or its old codes before the slot takes the new
+    """NumPy transliteration of store_kernel<kKivi, KB, VB> (jaxlp/ffi/quantized_cache_store.cu): per
+    row, the key stream (128-token blocks: the block's tokens from the new token, the ring where its
+    slot holds the token, else the block's old codes) and the value stream (one token per step: the
+    token leaving the window, read from its ring slot or its old codes before the slot takes the new
     token), all heads at once (each head's CTA only reads its own head; every head's CTA reads the
-    slot positions before the last one writes them)."""
+    slot positions before the last one writes them). The bit widths from the codes' widths
+    (key blocks [.., D, 128 KB / 8], value tokens [.., 1, D VB / 8])."""
     ks, vs = state["k_store"], state["v_store"]
     st = {name: np.array(state[name]) for name in cuda_store.STATE_FIELDS[:6]}
     st |= {"k_codes": np.array(ks.codes), "k_scale": np.array(ks.scale), "k_min": np.array(ks.min),
@@ -294,6 +321,7 @@ def kivi_kernel_model(state, positions, k, v, *, k_lag, v_lag, max_len):
     off, kvh, d = st["sink_k"].shape[1], k.shape[1], k.shape[2]
     rk, rv = st["k_ring"].shape[1], st["v_ring"].shape[1]
     uk, uv = st["k_codes"].shape[1], st["v_codes"].shape[1]
+    kb, vb = st["k_codes"].shape[-1] * 8 // 128, st["v_codes"].shape[-1] * 8 // d
     for b, pos in enumerate(positions):
         if not 0 <= pos < max_len:
             continue
@@ -313,11 +341,11 @@ def kivi_kernel_model(state, positions, k, v, *, k_lag, v_lag, max_len):
                 elif rk > 0 and st["k_ring_pos"][b, jt % rk] == jt:
                     tile[t] = st["k_ring"][b, jt % rk]
                 else:
-                    tile[t] = _kivi_key_value(st, b, u, t)
-            codes, scale, mn = _minmax_codes(tile.reshape(4, 32, kvh, d), axis=1)  # [4, 32, KVH, D]
+                    tile[t] = _kivi_key_value(st, b, u, t, kb)
+            codes, scale, mn = _minmax_codes(tile.reshape(4, 32, kvh, d), axis=1, bits=kb)  # [4, 32, KVH, D]
             st["k_scale"][b, u], st["k_min"][b, u] = np.moveaxis(scale[:, 0], 0, 1), np.moveaxis(mn[:, 0], 0, 1)
-            packed = sum(codes[g].astype(np.uint32) << (2 * g) for g in range(4))  # [32 (byte k), KVH, D]
-            st["k_codes"][b, u] = np.moveaxis(packed, 0, -1).astype(np.uint8)
+            packed = _pack_planar(codes.reshape(128, kvh, d), kb)  # [128 KB / 8 (byte k), KVH, D]
+            st["k_codes"][b, u] = np.moveaxis(packed, 0, -1)
         if rk > 0 and j >= q1:
             st["k_ring"][b, j % rk], st["k_ring_pos"][b, j % rk] = k[b], j
         # values: unit 1
@@ -329,11 +357,11 @@ def kivi_kernel_model(state, positions, k, v, *, k_lag, v_lag, max_len):
             elif rv > 0 and st["v_ring_pos"][b, jt % rv] == jt:
                 x = st["v_ring"][b, jt % rv].copy()
             else:
-                x = _kivi_value_token(st, b, jt)
-            codes, scale, mn = _minmax_codes(x.reshape(kvh, d // 32, 32), axis=2)
+                x = _kivi_value_token(st, b, jt, vb)
+            codes, scale, mn = _minmax_codes(x.reshape(kvh, d // 32, 32), axis=2, bits=vb)
             st["v_scale"][b, jt, :, 0], st["v_min"][b, jt, :, 0] = scale[..., 0], mn[..., 0]
-            codes = codes.reshape(kvh, 4, d // 4).astype(np.uint32)  # plane q: channels [q D/4, (q + 1) D/4)
-            st["v_codes"][b, jt, :, 0] = sum(codes[:, q] << (2 * q) for q in range(4)).astype(np.uint8)
+            # plane q: channels [q m, (q + 1) m), m = D VB / 8
+            st["v_codes"][b, jt, :, 0] = _pack_planar(codes.reshape(kvh, d).T, vb).T
         if rv > 0 and j >= q1:
             st["v_ring"][b, j % rv], st["v_ring_pos"][b, j % rv] = v[b], j
     out = {name: st[name] for name in cuda_store.STATE_FIELDS[:6]}
@@ -343,7 +371,7 @@ def kivi_kernel_model(state, positions, k, v, *, k_lag, v_lag, max_len):
 
 
 def kivi_rows(off):
-    """(stored, positions) per row for a KIVI-2 cache with a sink of ``off`` (max_len 520): with
+    """(stored, positions) per row for a KIVI cache with a sink of ``off`` (max_len 520): with
     j = p - off, key block u completes at j = 128 u + 127 and every j >= 128 quantizes value token
     j - 128. Rows: the first key block with no value yet (j 127), the first value token (j 128), a
     key block and a value token (j 255, 383), mid-block (j 168), positions 5 and 31 (the sink where
@@ -356,7 +384,9 @@ def kivi_rows(off):
     return stored, positions
 
 
-@pytest.mark.parametrize("name,d,kvh", [("kivi-k2v2*", 64, 2), ("kivi-k2v2", 128, 1)])
+@pytest.mark.parametrize("name,d,kvh", [("kivi-k2v2*", 64, 2), ("kivi-k2v2", 128, 1), ("kivi-k4v4", 64, 2),
+                                        ("kivi-k4v4", 256, 1), ("kivi-k2v4*", 128, 2), ("kivi-k4v2*", 64, 2),
+                                        ("kivi-k4v2*", 256, 1)])
 def test_kivi_kernel_model_matches_the_reference(name, d, kvh):
     """The kernel's transliteration gives the reference's bytes on every row kind of kivi_rows."""
     off = 32 if name.endswith("*") else 0
@@ -378,12 +408,13 @@ def kivi_decode_rows(off):
     return [250, 120, min(10, off) if off else 3, 300], [250, 120, min(10, off) if off else 3, 150]
 
 
-def test_kivi_kernel_model_through_decode_steps():
+@pytest.mark.parametrize("name", ["kivi-k2v2*", "kivi-k4v4", "kivi-k2v4*", "kivi-k4v2*"])
+def test_kivi_kernel_model_through_decode_steps(name):
     """The transliteration over 150 decode steps from kivi_decode_rows (key blocks, a value token
-    every step, the sink, a rewound row) keeps the reference's state after every step."""
-    kvh, d, off = 2, 64, 32
+    every step, the sink where there is one, a rewound row) keeps the reference's state after every step."""
+    kvh, d, off = 2, 64, 32 if name.endswith("*") else 0
     stored, starts = kivi_decode_rows(off)
-    layer = on_cpu(prompt_layer("kivi-k2v2*", stored, 460, kvh, d, seed=5))
+    layer = on_cpu(prompt_layer(name, stored, 460, kvh, d, seed=5))
     state = want = state_of(layer)
     rng = np.random.default_rng(6)
     for i in range(150):
@@ -398,7 +429,10 @@ def test_kivi_kernel_model_through_decode_steps():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name,d,kvh", [("kivi-k2v2*", 64, 2), ("kivi-k2v2", 128, 8), ("kivi-k2v2*", 256, 1),
-                                        ("kivi-k2v2*", 128, 8)])
+                                        ("kivi-k2v2*", 128, 8), ("kivi-k4v4", 64, 2), ("kivi-k4v4", 128, 8),
+                                        ("kivi-k4v4", 256, 1), ("kivi-k2v4*", 64, 2), ("kivi-k2v4*", 128, 8),
+                                        ("kivi-k2v4*", 256, 1), ("kivi-k4v2*", 64, 2), ("kivi-k4v2*", 128, 8),
+                                        ("kivi-k4v2*", 256, 1)])
 def test_gpu_kivi_store_matches_the_reference_byte_for_byte(name, d, kvh):
     off = 32 if name.endswith("*") else 0
     stored, positions = kivi_rows(off)
@@ -420,20 +454,35 @@ def test_gpu_kivi_store_matches_the_reference_byte_for_byte(name, d, kvh):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name,d,kvh", [("kivi-k2v2*", 128, 2), ("kivi-k2v2", 64, 8), ("kivi-k2v2*", 256, 1)])
+def cuda_step(layer, num_heads):
+    """The cache's CUDA one-token step, jitted: ``(lay, q, k, v, p) -> (out, lay)``. Where the CUDA
+    attention reads the format, its attend (the attention, then this store); else the store alone as
+    that step runs it (QuantizedLayerCache._store_one with the "cuda" implementation; out None)."""
+    d, kvh = layer.k_ring.shape[-1], layer.k_ring.shape[2]
+    if cuda_kernel(layer.k_spec.codec, layer.v_spec.codec, d, num_heads // kvh) is not None:
+        assert layer._decode_implementation(num_heads) == "cuda"
+        return jax.jit(lambda lay, q, k, v, p: lay.attend(q, k, v, p, scale=d**-0.5, window=None, softcap=None))
+    return jax.jit(lambda lay, q, k, v, p: (None, lay._store_one(k[:, 0], v[:, 0], p[:, 0], "cuda")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,d,kvh", [("kivi-k2v2*", 128, 2), ("kivi-k2v2", 64, 8), ("kivi-k2v2*", 256, 1),
+                                        ("kivi-k4v4", 128, 2), ("kivi-k4v4", 64, 8), ("kivi-k2v4*", 64, 8),
+                                        ("kivi-k4v2*", 256, 1)])
 def test_gpu_kivi_decode_steps_keep_the_reference_state(name, d, kvh):
-    """The cache's CUDA step (attend, then this store) over 150 steps from kivi_decode_rows (rows at
-    different positions crossing key blocks, a value token every step past the window, a prompt
-    shorter than the sink, a rewound row): the state after every step equals the reference's (the
-    XLA store on the CPU), and the program holds the KIVI store's custom call and no conditional."""
+    """The cache's CUDA step (:func:`cuda_step`: attend, then this store; the store alone where the
+    CUDA attention does not read the format) over 150 steps from kivi_decode_rows (rows at different
+    positions crossing key blocks, a value token every step past the window, a prompt shorter than
+    the sink, a rewound row): the state after every step equals the reference's (the XLA store on the
+    CPU), and the program holds the KIVI store's custom call and no conditional."""
     off = 32 if name.endswith("*") else 0
     stored, starts = kivi_decode_rows(off)
     h = 2 * kvh
     layer = prompt_layer(name, stored, 460, kvh, d, seed=3)
-    assert layer._decode_implementation(h) == "cuda"
     state = on_cpu(state_of(layer))
     rng = np.random.default_rng(4)
-    step = jax.jit(lambda lay, q, k, v, p: lay.attend(q, k, v, p, scale=d**-0.5, window=None, softcap=None))
+    step = cuda_step(layer, h)
     b = len(stored)
     for i in range(150):
         q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
