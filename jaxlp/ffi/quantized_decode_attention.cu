@@ -1,21 +1,22 @@
-// Decode attention over the packed 2-bit units of Kitty and KIVI caches (XLA FFI custom call,
-// sm_90); Python side and layout: jaxlp/ffi/quantized_decode_attention.py.
+// Decode attention over the packed units of Kitty caches and 2- / 4-bit KIVI caches (XLA FFI
+// custom call, sm_90); Python side and layout: jaxlp/ffi/quantized_decode_attention.py.
 //
 // Two paths in one launch: the packed path (namespace `packed` below: head_dim 128, <= 8 query
 // heads per KV head, Kitty pages with 16 or 32 boosted channels or KIVI-2 with value groups of 32
-// channels (units_kernel<128, 1, 1, true> and <128, 4, 4, true>); blocks holding only packed
-// codes, fed to 8-bit integer MMAs from their packed words) and the staged path (any layout),
-// here:
+// channels (units_kernel<128, 1, 1, 2, 2, true> and <128, 4, 4, 2, 2, true>); blocks holding only
+// packed codes, fed to 8-bit integer MMAs from their packed words; 2-bit codes only) and the
+// staged path (any layout, 4-bit KIVI keys and values too), here:
 // One CTA of 4 warps per (row b, KV head, split). It walks its share of the row's 128-token
 // blocks; per block:
 //   1. unpack: the 128 threads read the block's packed codes (16-byte loads, issued one block
 //      ahead, into registers) and write it dequantized to shared memory as FP16, keys
 //      channel-major Kt[D][128], values token-major V[128][D]. A 32-bit word of planar 2-bit
-//      codes holds 4 consecutive elements in each of its 4 planes; a byte permute brings the
-//      codes of elements (0, 1) and (2, 3) of a plane into the two 16-bit halves, where
-//      `code | 0x6400` is the FP16 number 1024 + code: then (x - 1024) * scale + min (HFMA2)
-//      gives two dequantized elements. Kitty's boosted channels add their high bits (<< 2)
-//      before the conversion (row boost_idx[c] of the high plane array).
+//      codes holds 4 consecutive elements in each of its 4 planes (4-bit: in each of its 2
+//      planes, the low and high nibbles); a byte permute brings the codes of elements (0, 1)
+//      and (2, 3) of a plane into the two 16-bit halves, where `code | 0x6400` is the FP16
+//      number 1024 + code: then (x - 1024) * scale + min (HFMA2) gives two dequantized
+//      elements. Kitty's boosted channels add their high bits (<< 2) before the conversion
+//      (row boost_idx[c] of the high plane array).
 //   2. attend: warp w takes tokens [32w, 32w + 32) of the block: S = Q K^T with mma.sync
 //      m16n8k16 (FP16 in, FP32 accumulate; the query heads of the KV head are the 16 rows, the
 //      G <= 16 real ones first), masked to the row's stream range [lo, hi), soft-capped, then an
@@ -65,12 +66,12 @@ constexpr float kLog2e = 1.4426950408889634f;
 struct Params {
   const float* q;  // [B, KVH, G, D], times the softmax scale
   const int32_t* bounds;  // [B, 8]: lo, hi (stream range), qk, qv, sink_lo, sink_hi, new_ok, 0
-  const uint8_t* k_low;    // [B, Uk, KVH, D, 32]
+  const uint8_t* k_low;    // [B, Uk, KVH, D, 16 KBITS]: 128 tokens of KBITS-bit codes per channel
   const uint8_t* k_high;   // [B, Uk, KVH, NB, 32] (NB = 0: none)
   const uint8_t* k_boost;  // [B, Uk, KVH, D] (NB > 0)
   const __half* k_scale;   // [B, Uk, KVH, KG, D]
   const __half* k_min;
-  const uint8_t* v_codes;  // [B, Uv, KVH, VT, D/4]
+  const uint8_t* v_codes;  // [B, Uv, KVH, VT, D VBITS / 8]
   const __half* v_scale;   // [B, Uv, KVH, VT, D/VGROUP]
   const __half* v_min;
   const __half* k_ring;        // [B, RK, KVH, D] (RK = 0: none)
@@ -88,6 +89,7 @@ struct Params {
   int k_units, nb, kg;         // key blocks per row, boosted channels, scale groups per block (1 or 4)
   int v_units, vt, v_group;    // value units per row, tokens per value unit (128 or 1), channels per value scale
   int vt_shift, v_group_shift; // log2 of vt and v_group (both powers of two)
+  int kbits, vbits;            // bits per key / value code: 2, or 4 (KIVI only; the staged path only)
   int rk, rv, off, tail;        // ring slots, sink tokens, 1: the sink + new-token block after the stream
   int gsplits;                 // the last gsplits splits run the staged path, the others the packed one
   float softcap;               // <= 0: none
@@ -147,17 +149,29 @@ __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// The packed data of one block held in registers between its load and its unpacking.
-// KG: key scales per block (1: Kitty, one per channel; 4: KIVI, one per 32-token plane); VPL: value
-// scales per 16-byte piece of a token (1: Kitty, one per token; 4: one per plane, KIVI's channel groups).
-template <int D, int KG, int VPL>
+// The packed data of one block held in registers between its load and its unpacking. A thread
+// takes D / 64 shares of the key rows, half a channel's row each (2-bit: bytes [16 h, 16 h + 16),
+// tokens 16 h + [0, 16) of each of the 4 planes; 4-bit: bytes [32 h, 32 h + 32), tokens
+// 32 h + [0, 32) of each of the 2 planes), and D / 64 shares of the value rows, 8 bits bytes each
+// (8 bits consecutive channels of each plane): one 16-byte piece (2-bit) or two (4-bit) under the
+// same scales, so that 4-bit codes take as many registers as 2-bit KIVI's (ptxas, sm_90, head_dim
+// 128: 168 registers, 3 CTAs per SM, as 2-bit; 28 bytes spilled, a few reloads per block).
+// KG: key scales per block (1: Kitty, one per channel; 4: KIVI, one per 32-token group); VPL: value
+// scales per share of a token (1: one per token (Kitty) or one group over D; else one per plane,
+// KIVI's channel groups: 8 / VBITS); KBITS, VBITS: bits per key / value code (2; KIVI also 4).
+template <int D, int KG, int VPL, int KBITS, int VBITS>
 struct BlockRegs {
-  static constexpr int kN = D / 64;  // 16-byte pieces per thread, keys and values each
-  uint4 low[kN], high[kN], val[kN];
+  static_assert((KBITS == 2 || (KBITS == 4 && KG == 4)) && (VBITS == 2 || VBITS == 4),
+                "2-bit codes (Kitty, KIVI) or 4-bit KIVI codes");
+  static_assert(VPL == 1 || VPL == 8 / VBITS, "one value scale per share, or one per plane");
+  static constexpr int kN = D / 64;                    // shares per thread, keys and values each
+  static constexpr int kKP = KBITS / 2, kVP = VBITS / 2;  // 16-byte pieces per key / value share
+  static constexpr int kKS = KG == 1 ? 1 : 8 / KBITS;  // key scales per share: KIVI, one per plane
+  uint4 low[kN][kKP], high[kN], val[kN][kVP];
   // Scales and minimums stay scalar until the unpack: broadcasting them to half2 here would wait
   // for the loads at the prefetch instead of a block later.
-  __half ks[kN][KG], km[kN][KG];  // per piece: the key channel's scale / min per token group
-  __half vs[kN][VPL], vm[kN][VPL];  // per piece: the value token's scale / min per channel group
+  __half ks[kN][kKS], km[kN][kKS];  // per share: the key channel's scale / min per token group
+  __half vs[kN][VPL], vm[kN][VPL];  // per share: the value token's scale / min per channel group
 };
 
 // Kitty: the ranks of this thread's key channels in block `blk` (which high row holds their bits),
@@ -174,94 +188,152 @@ __device__ __forceinline__ void load_ranks(const Params& p, int b, int kh, int b
 
 // Block `blk`'s packed keys (if blk < kend: a key unit of a stream block) and the values of its
 // tokens in [lo, hi) that a value unit holds; zeros elsewhere.
-template <int D, int KG, int VPL>
+template <int D, int KG, int VPL, int KBITS, int VBITS>
 __device__ __forceinline__ void load_block(const Params& p, int b, int kh, int blk, int kend, int lo, int hi,
-                                           int tid, const int (&ranks)[D / 64], BlockRegs<D, KG, VPL>& r) {
-  constexpr int kN = BlockRegs<D, KG, VPL>::kN;
+                                           int tid, const int (&ranks)[D / 64],
+                                           BlockRegs<D, KG, VPL, KBITS, VBITS>& r) {
+  using Regs = BlockRegs<D, KG, VPL, KBITS, VBITS>;
+  constexpr int kN = Regs::kN, kKP = Regs::kKP, kVP = Regs::kVP;
+  constexpr int kKRow = 16 * KBITS;  // bytes per key channel row (128 tokens)
   const bool keys = blk < kend;
   const long kbase = (static_cast<long>(b) * p.k_units + (keys ? blk : 0)) * p.kvh + kh;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const int idx = tid + kThreads * i;  // piece: channel idx / 2, bytes 16 (idx % 2) ..
+    const int idx = tid + kThreads * i;  // share: channel idx / 2, bytes 16 kKP (idx % 2) ..
     const int c = idx >> 1, half = idx & 1;
-    r.low[i] = keys ? __ldg(reinterpret_cast<const uint4*>(p.k_low + (kbase * D + c) * 32 + half * 16))
-                    : make_uint4(0, 0, 0, 0);
-    r.high[i] = make_uint4(0, 0, 0, 0);
-    if (keys && p.nb > 0 && ranks[i] < p.nb)
-      r.high[i] = __ldg(reinterpret_cast<const uint4*>(p.k_high + (kbase * p.nb + ranks[i]) * 32 + half * 16));
+    // (The address inside the select: hoisted out of it, ptxas spills more at head_dim 256.)
 #pragma unroll
-    for (int t = 0; t < KG; ++t) {
-      r.ks[i][t] = keys ? p.k_scale[(kbase * KG + t) * D + c] : __float2half(0.f);
-      r.km[i][t] = keys ? p.k_min[(kbase * KG + t) * D + c] : __float2half(0.f);
+    for (int k = 0; k < kKP; ++k)
+      r.low[i][k] = keys ? __ldg(reinterpret_cast<const uint4*>(p.k_low + (kbase * D + c) * kKRow +
+                                                                (half * kKP + k) * 16))
+                         : make_uint4(0, 0, 0, 0);
+    if constexpr (KBITS == 2) {  // Kitty: the high row's piece beside the low one (KIVI-2: nb = 0, none;
+      // left in its code as before 4-bit: ptxas then compiles the 2-bit kernels as it did)
+      r.high[i] = make_uint4(0, 0, 0, 0);
+      if (keys && p.nb > 0 && ranks[i] < p.nb)
+        r.high[i] = __ldg(reinterpret_cast<const uint4*>(p.k_high + (kbase * p.nb + ranks[i]) * 32 + half * 16));
+    }
+#pragma unroll
+    for (int t = 0; t < Regs::kKS; ++t) {  // KIVI plane t: 2-bit, group t; 4-bit, tokens 64 t + 32 half + [0, 32)
+      const int grp = KG == 1 ? 0 : KBITS == 2 ? t : 2 * t + half;
+      r.ks[i][t] = keys ? p.k_scale[(kbase * KG + grp) * D + c] : __float2half(0.f);
+      r.km[i][t] = keys ? p.k_min[(kbase * KG + grp) * D + c] : __float2half(0.f);
     }
   }
-  constexpr int kPieces = D / 64;  // 16-byte pieces per value token (D / 4 bytes)
+  constexpr int kVRow = D * VBITS / 8;  // bytes per value token (plane u: channels u kVRow + [0, kVRow))
+  constexpr int kShares = D / 64;       // shares per value token, 16 kVP bytes each
   const int vgroups = D >> p.v_group_shift;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     const int idx = tid + kThreads * i;
-    const int tok = idx / kPieces, piece = idx % kPieces;
+    const int tok = idx / kShares, share = idx % kShares;
     const int j = blk * kBlock + tok;  // stream index
     const bool ok = j >= lo && j < hi && (j >> p.vt_shift) < p.v_units;
     const long unit = ok ? j >> p.vt_shift : 0, inner = ok ? j & (p.vt - 1) : 0;
     const long vbase = ((static_cast<long>(b) * p.v_units + unit) * p.kvh + kh) * p.vt + inner;
-    r.val[i] = ok ? __ldg(reinterpret_cast<const uint4*>(p.v_codes + vbase * (D / 4) + piece * 16))
-                  : make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int u = 0; u < VPL; ++u) {  // plane u: channels u D/4 + [16 piece, 16 piece + 16)
-      const int grp = (u * (D / 4) + piece * 16) >> p.v_group_shift;
+    for (int k = 0; k < kVP; ++k)
+      r.val[i][k] = ok ? __ldg(reinterpret_cast<const uint4*>(p.v_codes + vbase * kVRow + (share * kVP + k) * 16))
+                       : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < VPL; ++u) {  // plane u: channels u kVRow + 16 kVP share + [0, 16 kVP), one group
+      const int grp = (u * kVRow + share * 16 * kVP) >> p.v_group_shift;
       r.vs[i][u] = ok ? p.v_scale[vbase * vgroups + grp] : __float2half(0.f);
       r.vm[i][u] = ok ? p.v_min[vbase * vgroups + grp] : __float2half(0.f);
     }
   }
 }
 
-template <int D, int KG, int VPL>
-__device__ __forceinline__ void unpack_block(const BlockRegs<D, KG, VPL>& r, int tid, __half* kt, __half* vs) {
-  constexpr int kN = BlockRegs<D, KG, VPL>::kN;
+// Eight dequantized FP16 elements from two consecutive words of planar 4-bit codes (`p0`, `p1`, each
+// byte-permuted by 0x3120): plane t's codes (nibble t) of the words' 8 bytes, 8 consecutive elements.
+__device__ __forceinline__ uint4 dequant8_4bit(uint32_t p0, uint32_t p1, int t, __half2 s, __half2 mn) {
+  return make_uint4(dequant2((p0 >> (4 * t)) & 0x000f000fu, s, mn), dequant2((p0 >> (4 * t + 8)) & 0x000f000fu, s, mn),
+                    dequant2((p1 >> (4 * t)) & 0x000f000fu, s, mn), dequant2((p1 >> (4 * t + 8)) & 0x000f000fu, s, mn));
+}
+
+template <int D, int KG, int VPL, int KBITS, int VBITS>
+__device__ __forceinline__ void unpack_block(const BlockRegs<D, KG, VPL, KBITS, VBITS>& r, int tid, __half* kt,
+                                             __half* vs) {
+  using Regs = BlockRegs<D, KG, VPL, KBITS, VBITS>;
+  constexpr int kN = Regs::kN;
   constexpr int kKStride = kBlock + kPad, kVStride = D + kPad;
-  constexpr int kPieces = D / 64;
+  constexpr int kShares = D / 64;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     const int idx = tid + kThreads * i;
     const int c = idx >> 1, half = idx & 1;
-    const uint32_t lw[4] = {r.low[i].x, r.low[i].y, r.low[i].z, r.low[i].w};
-    const uint32_t hw[4] = {r.high[i].x, r.high[i].y, r.high[i].z, r.high[i].w};
+    if constexpr (KBITS == 2) {
+      const uint32_t lw[4] = {r.low[i][0].x, r.low[i][0].y, r.low[i][0].z, r.low[i][0].w};
+      const uint32_t hw[4] = {r.high[i].x, r.high[i].y, r.high[i].z, r.high[i].w};
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      // KIVI (KG = 4) has no boosted channels: no high bits to merge.
-      const uint32_t lp = byte_perm(lw[w], 0x3120), hp = KG == 1 ? byte_perm(hw[w], 0x3120) : 0u;
-      const int tok0 = half * 16 + w * 4;  // tokens tok0 .. tok0 + 3 of plane 0
+      for (int w = 0; w < 4; ++w) {
+        // KIVI (KG = 4) has no boosted channels: no high bits to merge.
+        const uint32_t lp = byte_perm(lw[w], 0x3120), hp = KG == 1 ? byte_perm(hw[w], 0x3120) : 0u;
+        const int tok0 = half * 16 + w * 4;  // tokens tok0 .. tok0 + 3 of plane 0
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {  // high bits shifted straight to bits 2-3 of each half
-        const uint32_t ha = t == 0 ? hp << 2 : hp >> (2 * t - 2), hb = hp >> (2 * t + 6);
-        const uint32_t ca = ((lp >> (2 * t)) & 0x00030003u) | (ha & 0x000c000cu);
-        const uint32_t cb = ((lp >> (2 * t + 8)) & 0x00030003u) | (hb & 0x000c000cu);
-        uint2 out;
-        const __half2 scale = __half2half2(r.ks[i][KG == 1 ? 0 : t]), mn = __half2half2(r.km[i][KG == 1 ? 0 : t]);
-        out.x = dequant2(ca, scale, mn);
-        out.y = dequant2(cb, scale, mn);
-        *reinterpret_cast<uint2*>(kt + c * kKStride + 32 * t + tok0) = out;
+        for (int t = 0; t < 4; ++t) {  // high bits shifted straight to bits 2-3 of each half
+          const uint32_t ha = t == 0 ? hp << 2 : hp >> (2 * t - 2), hb = hp >> (2 * t + 6);
+          const uint32_t ca = ((lp >> (2 * t)) & 0x00030003u) | (ha & 0x000c000cu);
+          const uint32_t cb = ((lp >> (2 * t + 8)) & 0x00030003u) | (hb & 0x000c000cu);
+          uint2 out;
+          const __half2 scale = __half2half2(r.ks[i][KG == 1 ? 0 : t]), mn = __half2half2(r.km[i][KG == 1 ? 0 : t]);
+          out.x = dequant2(ca, scale, mn);
+          out.y = dequant2(cb, scale, mn);
+          *reinterpret_cast<uint2*>(kt + c * kKStride + 32 * t + tok0) = out;
+        }
+      }
+    } else {  // 4-bit KIVI: byte k of a channel row holds token k (low nibble) and token 64 + k (high)
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {  // plane t: tokens 64 t + 32 half + [0, 32), group 2 t + half
+        const __half2 scale = __half2half2(r.ks[i][t]), mn = __half2half2(r.km[i][t]);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const uint32_t lw[4] = {r.low[i][k].x, r.low[i][k].y, r.low[i][k].z, r.low[i][k].w};
+#pragma unroll
+          for (int w = 0; w < 4; w += 2) {  // words w, w + 1: tokens tok0 .. tok0 + 7 of the plane
+            const int tok0 = half * 32 + k * 16 + w * 4;
+            *reinterpret_cast<uint4*>(kt + c * kKStride + 64 * t + tok0) =
+                dequant8_4bit(byte_perm(lw[w], 0x3120), byte_perm(lw[w + 1], 0x3120), t, scale, mn);
+          }
+        }
       }
     }
   }
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     const int idx = tid + kThreads * i;
-    const int tok = idx / kPieces, piece = idx % kPieces;
-    const uint32_t vw[4] = {r.val[i].x, r.val[i].y, r.val[i].z, r.val[i].w};
+    const int tok = idx / kShares, share = idx % kShares;
+    if constexpr (VBITS == 2) {
+      const uint32_t vw[4] = {r.val[i][0].x, r.val[i][0].y, r.val[i][0].z, r.val[i][0].w};
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint32_t vp = byte_perm(vw[w], 0x3120);
-      const int ch0 = piece * 16 + w * 4;  // channels ch0 .. ch0 + 3 of plane 0
+      for (int w = 0; w < 4; ++w) {
+        const uint32_t vp = byte_perm(vw[w], 0x3120);
+        const int ch0 = share * 16 + w * 4;  // channels ch0 .. ch0 + 3 of plane 0
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        uint2 out;
+        for (int u = 0; u < 4; ++u) {
+          uint2 out;
+          const int vg = VPL == 1 ? 0 : u;
+          const __half2 scale = __half2half2(r.vs[i][vg]), mn = __half2half2(r.vm[i][vg]);
+          out.x = dequant2((vp >> (2 * u)) & 0x00030003u, scale, mn);
+          out.y = dequant2((vp >> (2 * u + 8)) & 0x00030003u, scale, mn);
+          *reinterpret_cast<uint2*>(vs + tok * kVStride + u * (D / 4) + ch0) = out;
+        }
+      }
+    } else {  // 4-bit KIVI: byte k of a token row holds channel k (low nibble) and D / 2 + k (high)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {  // plane u: channels D / 2 u + 32 share + [0, 32)
         const int vg = VPL == 1 ? 0 : u;
         const __half2 scale = __half2half2(r.vs[i][vg]), mn = __half2half2(r.vm[i][vg]);
-        out.x = dequant2((vp >> (2 * u)) & 0x00030003u, scale, mn);
-        out.y = dequant2((vp >> (2 * u + 8)) & 0x00030003u, scale, mn);
-        *reinterpret_cast<uint2*>(vs + tok * kVStride + u * (D / 4) + ch0) = out;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const uint32_t vw[4] = {r.val[i][k].x, r.val[i][k].y, r.val[i][k].z, r.val[i][k].w};
+#pragma unroll
+          for (int w = 0; w < 4; w += 2) {  // words w, w + 1: channels ch0 .. ch0 + 7 of the plane
+            const int ch0 = share * 32 + k * 16 + w * 4;
+            *reinterpret_cast<uint4*>(vs + tok * kVStride + u * (D / 2) + ch0) =
+                dequant8_4bit(byte_perm(vw[w], 0x3120), byte_perm(vw[w + 1], 0x3120), u, scale, mn);
+          }
+        }
       }
     }
   }
@@ -334,7 +406,7 @@ __device__ __forceinline__ void fill_block(const Params& p, int b, int kh, int b
 // The staged path (any supported layout): blocks [first, last + tail) of the row, `nsplits` ways;
 // this CTA takes share `split`. Leaves its warps' partials in red_m / red_l and, scaled to the
 // CTA's max per query row, in osm [4][kRows][D] (float, over the dynamic shared memory).
-template <int D, int KG, int VPL>
+template <int D, int KG, int VPL, int KBITS, int VBITS>
 __device__ __forceinline__ void staged_path(const Params& p, int b, int kh, const Bounds& rb, int first, int split,
                                             int nsplits, unsigned char* smem, const __half (*qsm)[D + kPad],
                                             float (*red_m)[kRows], float (*red_l)[kRows]) {
@@ -356,16 +428,16 @@ __device__ __forceinline__ void staged_path(const Params& p, int b, int kh, cons
   for (int n = 0; n < D / 8; ++n) oacc[n][0] = oacc[n][1] = oacc[n][2] = oacc[n][3] = 0.f;
   float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
 
-  BlockRegs<D, KG, VPL> regs;
+  BlockRegs<D, KG, VPL, KBITS, VBITS> regs;
   int ranks[D / 64];
   if (b0 < b1) {
     load_ranks<D>(p, b, kh, b0, kend, tid, ranks);
-    load_block<D, KG, VPL>(p, b, kh, b0, kend, lo, hi, tid, ranks, regs);
+    load_block<D, KG, VPL, KBITS, VBITS>(p, b, kh, b0, kend, lo, hi, tid, ranks, regs);
     load_ranks<D>(p, b, kh, b0 + 1, kend, tid, ranks);
   }
   for (int blk = b0; blk < b1; ++blk) {
     __syncthreads();  // the previous block's reads of shared memory are done (and qsm written)
-    unpack_block<D, KG, VPL>(regs, tid, kt, vsm);
+    unpack_block<D, KG, VPL, KBITS, VBITS>(regs, tid, kt, vsm);
     const bool tail = p.tail && blk == last;
     const int end = (blk + 1) * kBlock;
     if (tail || (p.rk > 0 && end > rb.qk) || (p.rv > 0 && end > rb.qv)) {
@@ -373,7 +445,7 @@ __device__ __forceinline__ void staged_path(const Params& p, int b, int kh, cons
       fill_block<D>(p, b, kh, blk, tail, rb, tid, kt, vsm);  // before the next block's loads: registers
     }
     if (blk + 1 < b1) {
-      load_block<D, KG, VPL>(p, b, kh, blk + 1, kend, lo, hi, tid, ranks, regs);
+      load_block<D, KG, VPL, KBITS, VBITS>(p, b, kh, blk + 1, kend, lo, hi, tid, ranks, regs);
       load_ranks<D>(p, b, kh, blk + 2, kend, tid, ranks);
     }
     __syncthreads();
@@ -1369,13 +1441,14 @@ __device__ __forceinline__ void write_split(const Params& p, int b, int kh, int 
   }
 }
 
-// PACKED (Kitty pages, KG = VPL = 1; KIVI-2, KG = VPL = 4): splits [0, ns = splits - gsplits) run the
-// packed path, the last gsplits splits the staged path over the blocks the packed path leaves
-// (those holding FP16 ring tokens, the tail block). (Running those inside the last packed CTAs
-// instead measured slower at every point, H100: 8 x 8K 58.9 us vs 39.3, 1 x 8K 27.2 vs 16.2.)
-template <int D, int KG, int VPL, bool PACKED>
+// KG, VPL, KBITS, VBITS: see BlockRegs. PACKED (Kitty pages, KG = VPL = 1; KIVI-2, KG = VPL = 4; 2-bit
+// codes): splits [0, ns = splits - gsplits) run the packed path, the last gsplits splits the staged
+// path over the blocks the packed path leaves (those holding FP16 ring tokens, the tail block).
+// (Running those inside the last packed CTAs instead measured slower at every point, H100: 8 x 8K
+// 58.9 us vs 39.3, 1 x 8K 27.2 vs 16.2.)
+template <int D, int KG, int VPL, int KBITS, int VBITS, bool PACKED>
 __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_kernel(Params p) {
-  static_assert(!PACKED || (D == packed::kD && KG == VPL && (KG == 1 || KG == 4)),
+  static_assert(!PACKED || (D == packed::kD && KG == VPL && (KG == 1 || KG == 4) && KBITS == 2 && VBITS == 2),
                 "the packed path reads Kitty pages and KIVI-2 (value groups of 32 channels), head_dim 128");
   constexpr bool kKivi = KG == 4;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -1427,10 +1500,10 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
       const int blk0 = first + split * per, blk1 = min(blk0 + per, fend);
       packed::packed_path<kKivi>(p, b, kh, rb, blk0, blk1, smem, q4, inv, frag, red_m, red_l);
     } else {
-      staged_path<D, KG, VPL>(p, b, kh, rb, fend, split - ns, p.gsplits, smem, qsm, red_m, red_l);
+      staged_path<D, KG, VPL, KBITS, VBITS>(p, b, kh, rb, fend, split - ns, p.gsplits, smem, qsm, red_m, red_l);
     }
   } else {
-    staged_path<D, KG, VPL>(p, b, kh, rb, first, split, p.splits, smem, qsm, red_m, red_l);
+    staged_path<D, KG, VPL, KBITS, VBITS>(p, b, kh, rb, first, split, p.splits, smem, qsm, red_m, red_l);
   }
   __syncthreads();
   write_split<D>(p, b, kh, split, smem, red_m, red_l);
@@ -1450,43 +1523,52 @@ inline ffi::Error bad(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp quantized decode attention: " + msg);
 }
 
-// Whether the packed path reads this layout (see the packed namespace's head): Kitty pages with 16
-// or 32 boosted channels, or KIVI-2 (key groups of 32 tokens, value groups of 32 channels).
+// Whether the packed path reads this layout (see the packed namespace's head): 2-bit codes, Kitty
+// pages with 16 or 32 boosted channels, or KIVI-2 (key groups of 32 tokens, value groups of 32
+// channels).
 inline bool packed_reads(const Params& p, int64_t d) {
   const bool kitty = p.kg == 1 && (p.nb == 16 || p.nb == 32) && p.vt == kBlock && p.v_group == d;
   const bool kivi = p.kg == 4 && p.nb == 0 && p.vt == 1 && p.v_group == 32;
-  return d == packed::kD && p.g <= 8 && (kitty || kivi);
+  return d == packed::kD && p.g <= 8 && p.kbits == 2 && p.vbits == 2 && (kitty || kivi);
 }
 
-template <int D, int KG, int VPL, bool PACKED>
+template <int D, int KG, int VPL, int KBITS, int VBITS, bool PACKED>
 cudaError_t launch_variant(cudaStream_t stream, const Params& p, int batch) {
   size_t smem = smem_bytes<D>();
   if constexpr (PACKED) smem = std::max(smem, packed::smem_bytes<KG == 4>());
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      units_kernel<D, KG, VPL, PACKED>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(units_kernel<D, KG, VPL, KBITS, VBITS, PACKED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem));
   if (attr != cudaSuccess) return attr;
   // The grid split-major (blocks are dispatched in x, y, z order): every packed CTA (the first
   // splits, sized to fill the GPU once) starts before the short staged CTAs, which then fill the
   // slots the packed ones leave instead of pushing half of them into a second wave.
-  return jaxlp::launch_kernel(units_kernel<D, KG, VPL, PACKED>, dim3(p.kvh, batch, p.splits), dim3(kThreads), smem,
-                              stream, 1, false, p);
+  return jaxlp::launch_kernel(units_kernel<D, KG, VPL, KBITS, VBITS, PACKED>, dim3(p.kvh, batch, p.splits),
+                              dim3(kThreads), smem, stream, 1, false, p);
 }
 
-// Kitty (one key scale per channel, one value scale per token) or KIVI-2 (key scales per 32-token
-// plane, value scales per channel group); the packed path where gsplits < splits (head_dim 128:
-// Kitty pages, or KIVI-2 with value groups of 32 channels, packed_reads).
+// The staged path for these keys (KG scale groups of KBITS-bit codes) and the values: 2-bit with
+// one scale per token (Kitty) or over D, else one per plane (KIVI's groups); 4-bit KIVI with one
+// scale per plane (a single group over D reads as the same group in both planes).
+template <int D, int KG, int KBITS>
+cudaError_t launch_staged(cudaStream_t stream, const Params& p, int batch) {
+  if (p.vbits == 4) return launch_variant<D, KG, 2, KBITS, 4, false>(stream, p, batch);
+  if (p.v_group == D) return launch_variant<D, KG, 1, KBITS, 2, false>(stream, p, batch);
+  return launch_variant<D, KG, 4, KBITS, 2, false>(stream, p, batch);
+}
+
+// Kitty (one key scale per channel, one value scale per token) or KIVI with 2- or 4-bit keys and
+// values (key scales per 32 tokens, value scales per channel group); the packed path where gsplits
+// < splits (head_dim 128: Kitty pages, or KIVI-2 with value groups of 32 channels, packed_reads).
 template <int D>
 cudaError_t launch(cudaStream_t stream, const Params& p, int batch) {
-  const bool one_value_scale = p.v_group == D;
   if constexpr (D == packed::kD) {
     if (p.gsplits < p.splits)
-      return p.kg == 1 ? launch_variant<D, 1, 1, true>(stream, p, batch)    // Kitty
-                       : launch_variant<D, 4, 4, true>(stream, p, batch);   // KIVI-2
+      return p.kg == 1 ? launch_variant<D, 1, 1, 2, 2, true>(stream, p, batch)    // Kitty
+                       : launch_variant<D, 4, 4, 2, 2, true>(stream, p, batch);   // KIVI-2
   }
-  if (p.kg == 1 && one_value_scale) return launch_variant<D, 1, 1, false>(stream, p, batch);
-  if (p.kg == 1) return launch_variant<D, 1, 4, false>(stream, p, batch);
-  if (one_value_scale) return launch_variant<D, 4, 1, false>(stream, p, batch);
-  return launch_variant<D, 4, 4, false>(stream, p, batch);
+  if (p.kbits == 4) return launch_staged<D, 4, 4>(stream, p, batch);  // KIVI, 4-bit keys
+  return p.kg == 1 ? launch_staged<D, 1, 2>(stream, p, batch) : launch_staged<D, 4, 2>(stream, p, batch);
 }
 
 ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> bounds,
@@ -1497,22 +1579,28 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                      ffi::Buffer<ffi::F16> sink_k, ffi::Buffer<ffi::F16> sink_v, ffi::Buffer<ffi::F16> new_k,
                      ffi::Buffer<ffi::F16> new_v, ffi::Result<ffi::Buffer<ffi::F32>> o,
                      ffi::Result<ffi::Buffer<ffi::F32>> m, ffi::Result<ffi::Buffer<ffi::F32>> l, int64_t nb, int64_t kg,
-                     int64_t vt, int64_t v_group, int64_t tail, int64_t gsplits, float softcap) {
+                     int64_t vt, int64_t v_group, int64_t kbits, int64_t vbits, int64_t tail, int64_t gsplits,
+                     float softcap) {
   auto qd = q.dimensions();
   auto od = o->dimensions();
   auto kd = k_low.dimensions();
   auto vd = v_codes.dimensions();
   if (qd.size() != 4 || od.size() != 5 || kd.size() != 5 || vd.size() != 5)
-    return bad("expected q [B, KVH, G, D], o [B, KVH, S, G, D], key codes [B, U, KVH, D, 32], value codes "
-               "[B, U, KVH, T, D/4]");
+    return bad("expected q [B, KVH, G, D], o [B, KVH, S, G, D], key codes [B, U, KVH, D, 16 kbits], value codes "
+               "[B, U, KVH, T, D vbits / 8]");
   const int64_t batch = qd[0], kvh = qd[1], g = qd[2], d = qd[3];
   if (g < 1 || g > kRows) return bad("1 to 16 query heads per KV head, got " + std::to_string(g));
-  if (kd[0] != batch || kd[2] != kvh || kd[3] != d || kd[4] != 32) return bad("key codes do not match q");
-  if (vd[0] != batch || vd[2] != kvh || vd[3] != vt || vd[4] != d / 4) return bad("value codes do not match q");
+  if ((kbits != 2 && kbits != 4) || (vbits != 2 && vbits != 4)) return bad("key and value codes of 2 or 4 bits");
+  if (kbits == 4 && (kg != 4 || nb != 0)) return bad("4-bit keys are KIVI blocks: 4 scale groups, no boosted channels");
+  if (vbits == 4 && vt != 1) return bad("4-bit values are KIVI tokens: one token per unit");
+  if (kd[0] != batch || kd[2] != kvh || kd[3] != d || kd[4] != 16 * kbits) return bad("key codes do not match q");
+  if (vd[0] != batch || vd[2] != kvh || vd[3] != vt || vd[4] != d * vbits / 8) return bad("value codes do not match q");
   if (kg != 1 && kg != 4) return bad("key scale groups per block must be 1 or 4");
   if (vt != 1 && vt != kBlock) return bad("tokens per value unit must be 1 or 128, got " + std::to_string(vt));
-  if (v_group < 16 || v_group % 16 || d % v_group || (v_group & (v_group - 1)))  // a thread's piece of 16 channels takes one scale
-    return bad("value scale group must be a multiple of 16 channels dividing head_dim");
+  // A thread's share of a token row (BlockRegs), 8 vbits bytes, holds 8 vbits channels of each plane:
+  // with groups of a multiple of 8 vbits channels (2-bit: 16, 4-bit: 32), one scale per plane.
+  if (v_group < 8 * vbits || v_group % (8 * vbits) || d % v_group || (v_group & (v_group - 1)))
+    return bad("value scale group must be a multiple of 8 vbits channels (16 at 2 bits, 32 at 4) dividing head_dim");
   if (od[0] != batch || od[1] != kvh || od[3] != g || od[4] != d) return bad("output shape does not match q");
   auto bd = bounds.dimensions();
   if (bd.size() != 2 || bd[0] != batch || bd[1] != 8) return bad("bounds must be int32 [B, 8]");
@@ -1566,13 +1654,15 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   p.v_group = static_cast<int>(v_group);
   p.vt_shift = __builtin_ctz(static_cast<unsigned>(vt));
   p.v_group_shift = __builtin_ctz(static_cast<unsigned>(v_group));
+  p.kbits = static_cast<int>(kbits);
+  p.vbits = static_cast<int>(vbits);
   p.softcap = softcap;
   p.gsplits = static_cast<int>(gsplits);
   if (gsplits < 0 || gsplits > p.splits) return bad("gsplits must be in [0, splits]");
   if (batch > 65535 || p.splits > 65535) return bad("at most 65535 rows and 65535 splits (the grid's y and z)");
   if (gsplits < p.splits && !packed_reads(p, d))
     return bad("the packed path takes head_dim 128, at most 8 query heads per KV head, Kitty pages with 16 or 32 "
-               "boosted channels or KIVI-2 with value groups of 32 channels");
+               "boosted channels or KIVI-2 with value groups of 32 channels (2-bit codes only)");
   if (batch == 0 || kvh == 0) return ffi::Error::Success();
   cudaError_t e;
   switch (d) {
@@ -1594,7 +1684,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [B, KVH, G, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // bounds [B, 8]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // key low codes
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // key codes (Kitty: the low plane)
                                   .Arg<ffi::Buffer<ffi::U8>>()   // key high codes
                                   .Arg<ffi::Buffer<ffi::U8>>()   // key boost index
                                   .Arg<ffi::Buffer<ffi::F16>>()  // key scale
@@ -1617,6 +1707,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Attr<int64_t>("kg")
                                   .Attr<int64_t>("vt")
                                   .Attr<int64_t>("v_group")
+                                  .Attr<int64_t>("kbits")
+                                  .Attr<int64_t>("vbits")
                                   .Attr<int64_t>("tail")
                                   .Attr<int64_t>("gsplits")
                                   .Attr<float>("softcap"),

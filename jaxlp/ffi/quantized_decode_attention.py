@@ -1,4 +1,4 @@
-"""Decode attention over the packed 2-bit units of Kitty and KIVI caches, as a CUDA kernel (sm_90).
+"""Decode attention over the packed units of Kitty and 2- / 4-bit KIVI caches, as a CUDA kernel (sm_90).
 
     out, m, l = attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, scale=..., softcap=None)
 
@@ -10,11 +10,14 @@ both held quantized; ``out [B, H, D]`` float32 normalized by ``l``, ``m [B, H]``
 
 Layouts read (the kernel's block is 128 tokens; bit packing planar as in :mod:`jaxlp.kvcache.quant`):
 
-* keys, channel-major 2-bit codes per 128-token block ``[D, 32]``: Kitty pages (``low``, the
-  boosted channels' ``high [n_boost, 32]`` rows addressed by ``boost_idx [D]``, FP16 ``scale, min
-  [D]``) and KIVI-2 key blocks (FP16 ``scale, min [4, D]``, one per 32-token plane);
-* values, token-major 2-bit codes ``[D/4]`` per token: Kitty pages of 128 tokens (FP16 ``scale,
-  min`` per token) and KIVI-2 value tokens (FP16 ``scale, min`` per token and group of channels).
+* keys, channel-major codes per 128-token block: Kitty pages (2-bit ``low [D, 32]``, the boosted
+  channels' ``high [n_boost, 32]`` rows addressed by ``boost_idx [D]``, FP16 ``scale, min [D]``)
+  and KIVI key blocks of 2 or 4 bits (``codes [D, 16 bits]``, FP16 ``scale, min [4, D]``, one per
+  32-token group: 2-bit plane ``t`` = tokens ``[32 t, 32 t + 32)``, 4-bit low / high nibble =
+  tokens ``[0, 64)`` / ``[64, 128)``);
+* values, token-major codes per token: Kitty pages of 128 tokens (2-bit ``[D/4]``, FP16 ``scale,
+  min`` per token) and KIVI value tokens of 2 or 4 bits (``[D bits / 8]``; FP16 ``scale, min`` per
+  token and group of channels: a multiple of ``8 bits`` channels, :func:`layout`).
 
     out, m, l = attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, rings, sinks, new, ...)
 
@@ -26,21 +29,22 @@ the FP16 sink and the new token.
 Design (``quantized_decode_attention.cu``), two paths in one launch, both flash-decoding with
 ``mma.sync`` (FP32 softmax):
 
-* packed (head_dim 128, <= 8 query heads per KV head: Kitty pages with 16 or 32 boosted channels
-  and KIVI-2 with value groups of 32 channels, :func:`packed_reads`; taken wherever it reads unless
-  ``packed=False``): each warp walks its own fully packed blocks, copied by ``cp.async``, and feeds
-  the 2-bit codes straight from the packed words to 8-bit integer MMAs (m16n8k32, exact int32
-  sums): ``Q * key scale`` and ``P * value scale`` as 16-bit fixed point split into high and low
-  bytes (the MMA's rows ``g`` and ``g + 8``), the codes as bytes, one LOP3 per 4 codes; about
-  ``2e-4`` relative of the float32 reference. KIVI-2's key scale group ``t`` (32 tokens) is plane
-  ``t`` of the key codes and its value channel group ``u`` (32 channels) plane ``u`` of the value
-  codes: a block takes four ``Q * key scale`` fixed-point sets (each with its own range and
-  ``q . min``), four ``P * value scale`` sets and four ``P . value min`` sums, one per plane;
-* staged (other layouts and head dims, more than 8 query heads per KV head, and a whole-cache
-  call's blocks holding FP16 ring tokens or the sink): one CTA unpacks each block into shared
-  memory as FP16 (``code * scale + min`` by HFMA2; never to global memory), copies the ring tokens
-  over it, and reads it with ``ldmatrix``, FP16 m16n8k16 MMAs with the query heads as the 16 rows;
-  within about ``1e-3`` of the reference.
+* packed (head_dim 128, <= 8 query heads per KV head, 2-bit codes: Kitty pages with 16 or 32
+  boosted channels and KIVI-2 with value groups of 32 channels, :func:`packed_reads`; taken
+  wherever it reads unless ``packed=False``): each warp walks its own fully packed blocks, copied
+  by ``cp.async``, and feeds the 2-bit codes straight from the packed words to 8-bit integer MMAs
+  (m16n8k32, exact int32 sums): ``Q * key scale`` and ``P * value scale`` as 16-bit fixed point
+  split into high and low bytes (the MMA's rows ``g`` and ``g + 8``), the codes as bytes, one LOP3
+  per 4 codes; about ``2e-4`` relative of the float32 reference. KIVI-2's key scale group ``t``
+  (32 tokens) is plane ``t`` of the key codes and its value channel group ``u`` (32 channels)
+  plane ``u`` of the value codes: a block takes four ``Q * key scale`` fixed-point sets (each with
+  its own range and ``q . min``), four ``P * value scale`` sets and four ``P . value min`` sums,
+  one per plane;
+* staged (other layouts, 4-bit KIVI keys or values among them, other head dims, more than 8
+  query heads per KV head, and a whole-cache call's blocks holding FP16 ring tokens or the sink):
+  one CTA unpacks each block into shared memory as FP16 (``code * scale + min`` by HFMA2; never to
+  global memory), copies the ring tokens over it, and reads it with ``ldmatrix``, FP16 m16n8k16
+  MMAs with the query heads as the 16 rows; within about ``1e-3`` of the reference.
 
 Splits along the sequence are merged in float32 by XLA (:func:`jaxlp.attention.reference.merge_splits`).
 
@@ -76,6 +80,8 @@ class Layout:
     key_groups: int  # key scale groups per 128-token block: 1 (Kitty) or 4 (KIVI, 32 tokens each)
     value_tokens: int  # tokens per value unit: 128 (Kitty pages) or 1 (KIVI)
     value_group: int  # channels per value scale
+    key_bits: int = 2  # bits per key code: 2, or 4 (KIVI)
+    value_bits: int = 2  # bits per value code: 2, or 4 (KIVI)
 
 
 def layout(k_codec, v_codec, head_dim: int, group: int) -> Layout:
@@ -88,21 +94,28 @@ def layout(k_codec, v_codec, head_dim: int, group: int) -> Layout:
                          f"head, got {group}")
     k_layout, v_layout = getattr(k_codec, "layout", ""), getattr(v_codec, "layout", "")
     if k_layout == "kitty_keys" and k_codec.unit == BLOCK:
-        n_boost, key_groups = k_codec.n_boost, 1
-    elif k_layout == "kivi_keys" and k_codec.unit == BLOCK and k_codec.bits == 2 and k_codec.group == 32:
-        n_boost, key_groups = 0, 4
+        n_boost, key_groups, key_bits = k_codec.n_boost, 1, 2
+    elif k_layout == "kivi_keys" and k_codec.unit == BLOCK and k_codec.bits in (2, 4) and k_codec.group == 32:
+        n_boost, key_groups, key_bits = 0, 4, k_codec.bits
     else:
-        raise ValueError(f"the CUDA quantized-cache attention kernel reads Kitty pages and 2-bit KIVI key blocks "
-                         f"(128 tokens, groups of 32), not {k_codec!r}")
+        raise ValueError(f"the CUDA quantized-cache attention kernel reads Kitty pages and 2- or 4-bit KIVI key "
+                         f"blocks (128 tokens, groups of 32), not {k_codec!r}")
     if v_layout == "kitty_values" and v_codec.unit == BLOCK:
-        value_tokens, value_group = BLOCK, head_dim
-    elif (v_layout == "kivi_values" and v_codec.unit == 1 and v_codec.bits == 2 and head_dim % v_codec.group == 0
-          and v_codec.group % 16 == 0):  # a thread's 16-byte piece: 16 channels of one scale group
-        value_tokens, value_group = 1, v_codec.group
+        value_tokens, value_group, value_bits = BLOCK, head_dim, 2
+    elif v_layout == "kivi_values" and v_codec.unit == 1 and v_codec.bits in (2, 4):
+        # A thread's share of a token row, 8 bits bytes (one 16-byte piece at 2 bits, two at 4),
+        # holds 8 bits consecutive channels of each plane: it takes one scale per plane where the
+        # groups are a multiple of 8 bits channels (16 at 2 bits, 32 at 4).
+        value_tokens, value_group, value_bits = 1, v_codec.group, v_codec.bits
+        if head_dim % value_group or value_group % (8 * value_bits):
+            raise ValueError(f"the CUDA quantized-cache attention kernel reads {value_bits}-bit KIVI values in "
+                             f"groups of a multiple of {8 * value_bits} channels dividing head_dim (a thread's "
+                             f"{8 * value_bits} channels of a plane take one scale), not groups of {value_group} "
+                             f"at head_dim {head_dim} ({v_codec!r})")
     else:
-        raise ValueError(f"the CUDA quantized-cache attention kernel reads Kitty value pages and 2-bit KIVI values "
-                         f"(groups of a multiple of 16 channels), not {v_codec!r} at head_dim {head_dim}")
-    return Layout(n_boost, key_groups, value_tokens, value_group)
+        raise ValueError(f"the CUDA quantized-cache attention kernel reads Kitty value pages and 2- or 4-bit KIVI "
+                         f"values, not {v_codec!r}")
+    return Layout(n_boost, key_groups, value_tokens, value_group, key_bits, value_bits)
 
 
 def supports(k_codec, v_codec, head_dim: int, group: int) -> bool:
@@ -130,11 +143,12 @@ def default_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) -
 
 def packed_reads(lay: Layout, head_dim: int, group: int) -> bool:
     """Whether the packed path (no shared-memory FP16 tile, integer MMAs; the .cu file's ``packed``
-    namespace) reads this layout: head_dim 128, at most 8 query heads per KV head, and either Kitty
-    pages (keys with 16 or 32 boosted channels, value pages) or KIVI-2 (key blocks of four 32-token
-    scale groups, value tokens with groups of 32 channels: one scale group per 2-bit plane).
-    ``packed=None`` takes it wherever it reads."""
-    if head_dim != 128 or group > 8:
+    namespace) reads this layout: head_dim 128, at most 8 query heads per KV head, 2-bit codes (a
+    4-bit KIVI key or value stream takes the staged path), and either Kitty pages (keys with 16 or
+    32 boosted channels, value pages) or KIVI-2 (key blocks of four 32-token scale groups, value
+    tokens with groups of 32 channels: one scale group per 2-bit plane). ``packed=None`` takes it
+    wherever it reads."""
+    if head_dim != 128 or group > 8 or lay.key_bits != 2 or lay.value_bits != 2:
         return False
     kitty = lay.key_groups == 1 and lay.n_boost in (16, 32) and lay.value_tokens == BLOCK
     kivi = lay.key_groups == 4 and lay.n_boost == 0 and lay.value_tokens == 1 and lay.value_group == 32
@@ -213,15 +227,17 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
         k_low, k_scale, k_min = k_store.codes, k_store.scale, k_store.min
         k_high = k_boost = jnp.zeros((1,), jnp.uint8)
     v_codes = v_store.codes
-    if lay.value_tokens == 1:  # [B, T, KVH, 1, D/4]: one-token units
-        v_codes = v_codes.reshape(v_codes.shape[:3] + (1, d // 4))
-    for name, x, shape in (("key codes", k_low, (b, k_low.shape[1], kvh, d, 32)),
-                           ("value codes", v_codes, (b, v_codes.shape[1], kvh, lay.value_tokens, d // 4))):
+    k_row, v_row = BLOCK * lay.key_bits // 8, d * lay.value_bits // 8  # bytes per key channel / value token
+    if lay.value_tokens == 1:  # [B, T, KVH, 1, D bits / 8]: one-token units
+        v_codes = v_codes.reshape(v_codes.shape[:3] + (1, v_codes.shape[-1]))
+    for name, x, shape in (("key codes", k_low, (b, k_low.shape[1], kvh, d, k_row)),
+                           ("value codes", v_codes, (b, v_codes.shape[1], kvh, lay.value_tokens, v_row))):
         if x.shape != shape or x.dtype != jnp.uint8:
             raise ValueError(f"attend_units: {name} must be uint8 {shape}, got {x.dtype} {x.shape}")
     if packed and not packed_reads(lay, d, g):
         raise ValueError(f"attend_units: the packed path does not read {lay} at head_dim {d} with {g} query heads "
-                         f"per KV head (packed_reads)")
+                         f"per KV head (packed_reads: head_dim 128, <= 8 query heads per KV head, 2-bit codes of "
+                         f"Kitty pages with 16 or 32 boosted channels or KIVI-2 with value groups of 32)")
     on_packed = packed_reads(lay, d, g) if packed is None else packed
     if staged_splits is not None and (staged_splits < 1 or not on_packed):
         raise ValueError(f"attend_cache: staged_splits must be >= 1 and takes the packed path (packed_reads), got "
@@ -243,6 +259,7 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
     o, m, l = call(qg, bounds, k_low, k_high, k_boost, half(k_scale), half(k_min), v_codes, half(v_store.scale),
                    half(v_store.min), *k_ring, *v_ring, *sink, *new, nb=np.int64(lay.n_boost),
                    kg=np.int64(lay.key_groups), vt=np.int64(lay.value_tokens), v_group=np.int64(lay.value_group),
-                   tail=np.int64(tail), gsplits=np.int64(general), softcap=np.float32(softcap or 0.0))
+                   kbits=np.int64(lay.key_bits), vbits=np.int64(lay.value_bits), tail=np.int64(tail),
+                   gsplits=np.int64(general), softcap=np.float32(softcap or 0.0))
     out, m_all, den = merge_splits(o, m, l)
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)

@@ -175,7 +175,7 @@ def test_gpu_query_scaling_in_the_kernel_matches_float64(fp8):
     o, _, l = cuda.attend_units(q, *args, scale=scale, new=(*new, jnp.asarray(ok)), query_scaling=scaling)
     assert np.isfinite(np.asarray(o)).all()
     assert rel(np.asarray(o), want_o) < 2e-3
-    o_xla, _, _ = cuda.attend_units(jax.jit(scaling)(q), *args, scale=scale, new=(*new, jnp.asarray(ok)))
+    o_xla, _, _ = cuda.attend_units(jax.jit(lambda sc, q: sc(q))(scaling, q), *args, scale=scale, new=(*new, jnp.asarray(ok)))
     assert rel(np.asarray(o), np.asarray(o_xla)) < 1e-3
 
 

@@ -180,7 +180,7 @@ def test_generation_gives_the_same_greedy_tokens(name):
 ON_GPU = jax.default_backend() == "gpu"
 
 
-CUDA_READS = ("kivi-k2v2", "kitty", "kitty-pro")  # 2-bit units: jaxlp.ffi.quantized_decode_attention
+CUDA_READS = ("kivi-k2v2", "kivi-k4v4", "kitty", "kitty-pro")  # Kitty and KIVI units: jaxlp.ffi.quantized_decode_attention
 # FireQ's per-token INT4 units: jaxlp.ffi.int4_decode_attention
 KERNELS = [(n, "pallas") for n in QUANTIZED] + [(n, "cuda") for n in CUDA_READS + ("fireq-int4",)]
 
@@ -223,7 +223,7 @@ def test_gpu_decode_step_at_the_reasoner_shape(name, attention):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", CUDA_READS + ("kivi-k2v2*",))
+@pytest.mark.parametrize("name", CUDA_READS + ("kivi-k2v2*", "kivi-k2v4*", "kivi-k4v2*"))
 def test_gpu_cuda_step_is_one_kernel_over_rings_sink_and_rewound_rows(name):
     """The CUDA step reads units, rings, sink and the new token in one kernel: rows at page
     boundaries, below the sink, and rows that rewind (stale ring slots read from their units), with
@@ -303,7 +303,7 @@ def teacher_forced_logits(model, fmt, prompts, tokens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["kitty", "kitty-pro", "kivi-k2v2", "kivi-k2v2*", "kivi-k4v4", "fireq-int4"])
+@pytest.mark.parametrize("name", ["kitty", "kitty-pro", "kivi-k2v2", "kivi-k2v2*", "kivi-k4v4", "kivi-k2v4*", "kivi-k4v2*", "fireq-int4"])
 def test_gpu_generation_steps_match_the_reference(name):
     """The shipped reasoner in BF16 on the GPU, fed the reference's greedy tokens: every decode
     step's logits through the kernels ("auto": CUDA or Pallas over the packed units) stay within a
