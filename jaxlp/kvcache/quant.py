@@ -7,7 +7,7 @@ Asymmetric min-max over ``axis`` with ``b`` bits (KIVI, Kitty):
     x_hat = code * scale + min
 
 The codes are computed from the FP16-rounded scale and min (the values that dequantization
-reads), in float32. Both divisions are multiplications by the float32 reciprocal, written out
+reads), in float32 (kept rounded on XLA:GPU too: :func:`jaxlp.formats.base.cast_rounded`). Both divisions are multiplications by the float32 reciprocal, written out
 because that is what XLA makes of a division by a broadcast or a constant: the rule is then the
 same on every backend and in the CUDA store (:mod:`jaxlp.ffi.quantized_cache_store`). It differs
 from a true division only where ``(x - min) / scale`` is exactly ``k + 0.5`` (with FP16 operands,
@@ -34,6 +34,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxlp.formats.base import cast_rounded
+
 SCALE_FLOOR = 1e-6
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -54,8 +56,8 @@ def minmax_quantize_levels(x: jax.Array, levels, axis: int) -> tuple[jax.Array, 
     lo = jnp.min(x, axis=axis, keepdims=True)
     hi = jnp.max(x, axis=axis, keepdims=True)
     levels = jnp.asarray(levels, jnp.float32)
-    scale = jnp.maximum((hi - lo) * (1 / levels), SCALE_FLOOR).astype(jnp.float16)
-    lo = lo.astype(jnp.float16)
+    scale = cast_rounded(jnp.maximum((hi - lo) * (1 / levels), SCALE_FLOOR), jnp.float16)
+    lo = cast_rounded(lo, jnp.float16)
     codes = jnp.floor((x - lo.astype(jnp.float32)) * (1 / scale.astype(jnp.float32)) + 0.5)
     return jnp.clip(codes, 0, levels).astype(jnp.uint8), scale, lo
 
@@ -68,7 +70,7 @@ def minmax_dequantize(codes: jax.Array, scale: jax.Array, lo: jax.Array) -> jax.
 def fp8_scale(absmax: jax.Array, qmax: float) -> jax.Array:
     """``absmax / qmax`` rounded to FP8 E4M3 (saturating at 448), at least ``2**-9``."""
     s = jnp.clip(absmax.astype(jnp.float32) * (1 / qmax), FP8_MIN_SUBNORMAL, FP8_MAX)
-    return s.astype(FP8)
+    return cast_rounded(s, FP8)
 
 
 def absmax_int4_quantize(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
@@ -84,7 +86,7 @@ def fake_quantize_fp8(x: jax.Array, axis: int = -1) -> jax.Array:
     x = x.astype(jnp.float32)
     s = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / FP8_MAX
     s = jnp.where(s > 0, s, 1.0)
-    return (x / s).astype(FP8).astype(jnp.float32) * s
+    return cast_rounded(x / s, FP8).astype(jnp.float32) * s
 
 
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlp.formats.base import cast_rounded
+
 FP8_MAX = 448.0
 P_SCALE = 256.0  # the probabilities in [0, 1] times this before their E4M3 rounding (exact power of two)
 LOG2E = math.log2(math.e)
@@ -82,7 +84,7 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) -> jax.
     scores = jnp.where(causal, scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - m)
-    p8 = (p * P_SCALE).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    p8 = cast_rounded(p * P_SCALE, jnp.float8_e4m3fn).astype(jnp.float32)
     o = jnp.einsum("bkgqj,bjkd->bqkgd", p8, v8.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     l_sum = jnp.sum(p, axis=-1)  # [b, kvh, g, q]
     o = o / jnp.moveaxis(l_sum, -1, 1)[..., None] * (sv[:, None, :, None, None] / P_SCALE)
