@@ -39,7 +39,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
         "nvfp4_ffi.cu",  # argument checks, dispatch and the XLA FFI handlers
     ),
     "sampling": ("sampling.cu",),  # the fused sampling kernels and their handlers (jaxlp.ffi.sampling)
-    # decode attention over packed 2-bit Kitty / KIVI units (jaxlp.ffi.quantized_decode_attention)
+    # decode attention over packed Kitty / KIVI (2- or 4-bit) units (jaxlp.ffi.quantized_decode_attention)
     "quantized_decode_attention": ("quantized_decode_attention.cu",),
     # decode attention over per-token INT4 units, FireQ's cache (jaxlp.ffi.int4_decode_attention)
     "int4_decode_attention": ("int4_decode_attention.cu",),

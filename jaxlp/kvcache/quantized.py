@@ -37,17 +37,17 @@ full-precision ``[B, max_len, KVH, D]`` keys and values with :meth:`dequantize`,
 :func:`jaxlp.attention.reference.causal_attention` in float32. One-token (decode) steps on a GPU
 (the format's ``attention`` field: "auto", "cuda", "pallas", "interpret"; "xla" keeps the
 reference) never build them. CUDA (:func:`jaxlp.ffi.quantized_decode_attention.attend_cache`,
-2-bit Kitty and KIVI units) reads the whole step in one kernel: packed units, the FP16 rings where
+Kitty pages and 2- or 4-bit KIVI units) reads the whole step in one kernel: packed units, the FP16 rings where
 they hold a token, the sink and the new token; FireQ's per-token INT4 units and the new token go
-through :func:`jaxlp.ffi.int4_decode_attention.attend_units` (no sink, no ring: one kernel too). Pallas
+through :func:`jaxlp.ffi.int4_decode_attention.attend_units` (no sink, no ring: one kernel too,
+which also runs FireQ's :class:`QueryScaling`). Pallas
 (:func:`jaxlp.pallas.quantized_decode_attention.attend_units`, every format) reads the packed units
 that hold both keys and values, XLA attends the sink, the at most ``max(ring)`` newer stream tokens
-and the new token, and the two softmax partials are merged. With the CUDA attention on Kitty pages or
-KIVI-2 (2-bit keys and values, groups of 32), the step's store is one in-place kernel too
-(:func:`jaxlp.ffi.quantized_cache_store.store_token`) instead of :meth:`~QuantizedLayerCache.store`
-(Kitty: its ``lax.cond``, whose predicate XLA:GPU reads back on the host, stalling every layer of
-every step; KIVI-2, whose values encode a token at every step without a conditional: its gathers,
-decode and scatters).
+and the new token, and the two softmax partials are merged. With the CUDA attention, the step's
+store is one in-place kernel too (:func:`jaxlp.ffi.quantized_cache_store.store_token`: Kitty pages,
+every KIVI variant, FireQ) instead of :meth:`~QuantizedLayerCache.store` (Kitty: its ``lax.cond``,
+whose predicate XLA:GPU reads back on the host, stalling every layer of every step; KIVI and FireQ,
+whose values encode a token at every step without a conditional: its gathers, decode and scatters).
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def _partial_attention(q, k, v, seen, *, scale, softcap):
 
 
 def cuda_kernel(k_codec, v_codec, head_dim: int, group: int):
-    """The CUDA decode-attention module that reads these codecs (2-bit Kitty / KIVI units:
+    """The CUDA decode-attention module that reads these codecs (Kitty pages, 2- or 4-bit KIVI units:
     :mod:`jaxlp.ffi.quantized_decode_attention`; per-token INT4, FireQ:
     :mod:`jaxlp.ffi.int4_decode_attention`), or None."""
     for kernel in (cuda_attention, cuda_int4):
@@ -460,7 +460,7 @@ class QuantizedLayerCache(LayerCache):
 
     def _store_one(self, k, v, p, implementation: str) -> "QuantizedLayerCache":
         """:meth:`store` of one token per row (``k, v [B, KVH, D]`` at ``p [B]``): with the CUDA
-        attention on Kitty pages, KIVI-2 or FireQ's INT4 tokens (:func:`jaxlp.ffi.quantized_cache_store.supports`),
+        attention on Kitty pages, KIVI (2- or 4-bit) or FireQ's INT4 tokens (:func:`jaxlp.ffi.quantized_cache_store.supports`),
         one in-place kernel (:func:`jaxlp.ffi.quantized_cache_store.store_token`: no ``lax.cond``, whose
         predicate XLA reads back on the host every step, and no gathers and scatters of whole units); else
         :meth:`store`."""
