@@ -129,10 +129,11 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
                                      jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
                                      jax.ShapeDtypeStruct((b, kvh, splits, g), f32)))
     as_u8 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
-    o, m, l = call(q.astype(jnp.float32).reshape(b, kvh, g, d), channel_scales, bounds, k_store.codes.reshape(b, tokens, kvh, d // 2), as_u8(k_store.scale[..., 0]),
-                   v_store.codes.reshape(b, tokens, kvh, d // 2), as_u8(v_store.scale[..., 0]), fp16_clipped(new_k),
-                   fp16_clipped(new_v), scale=np.float32(scale), softcap=np.float32(softcap or 0.0),
-                   fp8_queries=np.int32(fp8))
+    flat = lambda st: st.codes.reshape(b, tokens, kvh, d // 2)  # noqa: E731
+    o, m, l = call(q.astype(jnp.float32).reshape(b, kvh, g, d), channel_scales, bounds,
+                   flat(k_store), as_u8(k_store.scale[..., 0]), flat(v_store), as_u8(v_store.scale[..., 0]),
+                   fp16_clipped(new_k), fp16_clipped(new_v), scale=np.float32(scale),
+                   softcap=np.float32(softcap or 0.0), fp8_queries=np.int32(fp8))
     out, m_all, den = merge_splits(o, m, l)
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)
 

@@ -7,10 +7,11 @@ Asymmetric min-max over ``axis`` with ``b`` bits (KIVI, Kitty):
     x_hat = code * scale + min
 
 The codes are computed from the FP16-rounded scale and min (the values that dequantization
-reads), in float32 (kept rounded on XLA:GPU too: :func:`jaxlp.formats.base.cast_rounded`). Both divisions are multiplications by the float32 reciprocal, written out
-because that is what XLA makes of a division by a broadcast or a constant: the rule is then the
-same on every backend and in the CUDA store (:mod:`jaxlp.ffi.quantized_cache_store`). It differs
-from a true division only where ``(x - min) / scale`` is exactly ``k + 0.5`` (with FP16 operands,
+reads), in float32; the roundings pass :func:`jaxlp.formats.base.cast_rounded`, since XLA:GPU
+drops a float32 -> float16 -> float32 round trip. Both divisions are multiplications by the
+float32 reciprocal, written out because that is what XLA makes of a division by a broadcast or a
+constant: the rule is then the same on every backend and in the CUDA store
+(:mod:`jaxlp.ffi.quantized_cache_store`). It differs from a true division only where ``(x - min) / scale`` is exactly ``k + 0.5`` (with FP16 operands,
 about one code in 7,500; the reciprocal then rounds 2% of those down), where the two neighbouring
 codes are equally close. Symmetric absmax INT4 with FP8 E4M3 scales (FireQ), the divisions
 likewise products with the float32 reciprocal:

@@ -259,9 +259,8 @@ class QuantizedLayerCache(LayerCache):
         if q.shape[:2] != (b, s) or k.shape != v.shape or k.shape[:2] != (b, s):
             raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} do not match positions {positions.shape}")
         implementation = None if fresh or s != 1 else self._decode_implementation(q.shape[2])
-        if query_scaling is not None and not (implementation and self._int4_step(q.shape[2], q.shape[3])):
-            q = query_scaling(q)
-            query_scaling = None
+        if query_scaling is not None and implementation is None:  # else _attend_one (or its kernel) applies it
+            q, query_scaling = query_scaling(q), None
         if fresh:  # a prompt on empty rows: its own tokens, in full precision, are all it attends
             out = prompt_attention(q, k, v, positions, self.max_len, scale=scale, window=window, softcap=softcap,
                                    attention=self.attention)
