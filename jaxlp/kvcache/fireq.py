@@ -89,10 +89,6 @@ class FireQLayerCache(LayerCache):
         """The queries' transform: divided by the CRS scales, through FP8 if ``fp8_queries``."""
         return QueryScaling(self.k_scale, self.fp8_queries)
 
-    def queries(self, q: jax.Array) -> jax.Array:
-        """``q [B, S, H, D]`` as attended: divided by the CRS scales, through FP8 (float32 out)."""
-        return self.query_scaling(q)
-
     def attend(self, q, k, v, positions, *, scale, window, softcap, fresh=False):
         out, inner = self.inner.attend(
             q, k.astype(jnp.float32) * self.k_scale, v, positions,
