@@ -7,7 +7,9 @@ Parts (``--parts``, default all):
   whole step (``layer.attend``: the packed-unit kernel, the XLA part over sink / ring / new
   token, the merge, and the store), and for the quantized caches the attention alone, the store
   alone and the packed-unit kernel alone (``attend_units``, CUDA or Pallas as the layer picks);
-  BF16 is the dense cache's flash-decoding kernel. Bytes: what
+  BF16 is the dense cache's flash-decoding kernel. Each loop iteration steps copies of the
+  layer's cache in turn until it has read ``--rotate-mb`` (past the L2 cache, as a model's layers
+  do; one copy read over and over measures the L2 cache at small points). Bytes: what
   the step must read (codes and metadata of every cached token; BF16 K and V), as % of the
   measured copy bandwidth, and the ratio to BF16 at the same point.
 - ``decode``: ms per token of a Qwen3-8B-shaped model with ``--layers`` layers (random BF16
@@ -129,8 +131,9 @@ def loop_us(body, carry, args, profile: dict | None = None) -> float:
     # A difference of a few ms drowns in the host's jitter (a 15 us step x 32 steps): lengthen the
     # long loop until the difference is MIN_DIFFERENCE_S (the steps repeat the same work).
     diff = times[n2] - times[n1]
-    if diff < MIN_DIFFERENCE_S and n2 < MAX_STEPS:
-        n2 = min(MAX_STEPS, n1 + int(np.ceil((n2 - n1) * MIN_DIFFERENCE_S / max(diff, 1e-4))))
+    longer = min(MAX_STEPS, n1 + int(np.ceil((n2 - n1) * MIN_DIFFERENCE_S / max(diff, 1e-4))))
+    if diff < MIN_DIFFERENCE_S and longer > n2:
+        n2 = longer
         timed(n2)  # compiles the new length
         timed(n2)
     if profile is not None:
@@ -153,9 +156,26 @@ def units_kernel(inner, num_heads):
     return functools.partial(units_attention.attend_units, interpret=impl != "pallas")
 
 
+def rotation_copies(layer_bytes: float, rotate_bytes: float, limit: int = 64) -> int:
+    """How many copies of a layer's cache the attention part cycles through so that one pass
+    reads at least ``rotate_bytes`` (METHOD.md: inputs that fit in the L2 cache, 50 MB on an H100,
+    repeated over one buffer measure the cache, not memory): ``ceil(rotate_bytes / layer_bytes)``,
+    1 .. ``limit``."""
+    return int(min(limit, max(1, np.ceil(rotate_bytes / max(layer_bytes, 1.0)))))
+
+
+def per_layer_profile(profile: dict, copies: int) -> dict:
+    """A :func:`loop_us` profile of an iteration over ``copies`` layers, per layer."""
+    return {"gpu_us_per_token": profile["gpu_us_per_token"] / copies,
+            "by_kind_us": {k: t / copies for k, t in profile["by_kind_us"].items()},
+            "top_kernels_us": [[n, t / copies] for n, t in profile["top_kernels_us"]]}
+
+
 def attention_part(args, config, rows):
     """One layer's one-token step in a donated loop: attend + store (what a decode step pays per
-    layer), and for the quantized caches its parts: attend alone, store alone, the kernel alone."""
+    layer), and for the quantized caches its parts: attend alone, store alone, the kernel alone.
+    Each loop iteration steps ``copies`` distinct copies of the layer's cache in turn, as a model's
+    layers do (:func:`rotation_copies`); every time is per layer (the iteration's / ``copies``)."""
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     h, d = config.num_heads, config.head_dim
@@ -165,51 +185,65 @@ def attention_part(args, config, rows):
             for name in args.formats:
                 on_gpu = jax.default_backend() == "gpu"  # off a GPU (smoke runs): the kernels' interpreter
                 fmt = kvcache.get(name) if on_gpu or name == "bf16" else kvcache.get(name, attention="interpret")
+                layer_bytes = step_bytes(fmt, config, batch, context)
+                copies = rotation_copies(layer_bytes, args.rotate_mb * 2**20)
                 try:
                     layer = filled_layer(fmt, config, batch, context, context + 8)
+                    layers = tuple([layer] + [jax.tree.map(jnp.copy, layer) for _ in range(copies - 1)])
                 except Exception as e:  # noqa: BLE001  (out of memory at the largest points)
                     print(f"{name} B={batch} ctx={context}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
+                del layer
                 key = jax.random.key(batch + context)
                 q = jax.random.normal(key, (batch, 1, h, d), jnp.bfloat16)
                 kv = jax.random.normal(jax.random.fold_in(key, 1), (batch, 1, config.num_kv_heads, d), jnp.bfloat16)
                 pos = jnp.full((batch, 1), context, jnp.int32)
 
                 def step(i, carry):
-                    lay, acc = carry
-                    out, lay = lay.attend(q, kv, kv, pos, scale=d**-0.5, window=None, softcap=None)
-                    return lay, acc + out[0, 0, 0, 0].astype(jnp.float32)
+                    lays, acc = carry
+                    stepped = []
+                    for lay in lays:
+                        out, lay = lay.attend(q, kv, kv, pos, scale=d**-0.5, window=None, softcap=None)
+                        stepped.append(lay)
+                        acc = acc + out[0, 0, 0, 0].astype(jnp.float32)
+                    return tuple(stepped), acc
 
                 profile = {} if args.profile else None
-                step_us = loop_us(step, (jax.tree.map(jnp.copy, layer), jnp.float32(0)), args, profile)
+                carry = (tuple(jax.tree.map(jnp.copy, lay) for lay in layers), jnp.float32(0))  # donated
+                step_us = loop_us(step, carry, args, profile) / copies
                 row = dict(part="attention", format=name, batch=batch, context=context, step_us=step_us,
-                           bytes=step_bytes(fmt, config, batch, context))
+                           bytes=layer_bytes, copies=copies)
                 if profile:
-                    row["step_profile"] = profile
-                inner = getattr(layer, "inner", layer)
-                if hasattr(inner, "k_store"):
+                    row["step_profile"] = per_layer_profile(profile, copies)
+                inners = [getattr(lay, "inner", lay) for lay in layers]
+                inner = inners[0]
+                if args.breakdown and hasattr(inner, "k_store"):
                     def attend(i, acc):
-                        out = inner._attend_one(q[:, 0], kv[:, 0], kv[:, 0], pos[:, 0], scale=d**-0.5, window=None,
-                                                softcap=None)
-                        return acc + out[0, 0, 0]
+                        for lay in inners:
+                            out = lay._attend_one(q[:, 0], kv[:, 0], kv[:, 0], pos[:, 0], scale=d**-0.5, window=None,
+                                                  softcap=None)
+                            acc = acc + out[0, 0, 0]
+                        return acc
 
                     implementation = inner._decode_implementation(h)
 
-                    def store(i, lay):  # the one-token store the step runs (CUDA on Kitty pages, else XLA)
-                        return lay._store_one(kv[:, 0], kv[:, 0], pos[:, 0], implementation)
+                    def store(i, lays):  # the one-token store the step runs (CUDA where it has one, else XLA)
+                        return tuple(lay._store_one(kv[:, 0], kv[:, 0], pos[:, 0], implementation) for lay in lays)
 
                     m = jnp.full((batch,), context - inner.sink_len, jnp.int32)
                     hi = jnp.minimum(inner.k_spec.quantized(m), inner.v_spec.quantized(m))
                     kernel_fn = units_kernel(inner, h)
 
                     def kernel(i, acc):
-                        o, _, l = kernel_fn(q[:, 0], inner.k_store, inner.v_store, inner.k_spec.codec,
-                                            inner.v_spec.codec, jnp.zeros_like(hi), hi, scale=d**-0.5)
-                        return acc + o[0, 0, 0] + l[0, 0]
+                        for lay in inners:
+                            o, _, l = kernel_fn(q[:, 0], lay.k_store, lay.v_store, lay.k_spec.codec, lay.v_spec.codec,
+                                                jnp.zeros_like(hi), hi, scale=d**-0.5)
+                            acc = acc + o[0, 0, 0] + l[0, 0]
+                        return acc
 
-                    row["attend_us"] = loop_us(attend, jnp.float32(0), args)
-                    row["store_us"] = loop_us(store, jax.tree.map(jnp.copy, inner), args)
-                    row["kernel_us"] = loop_us(kernel, jnp.float32(0), args)
+                    row["attend_us"] = loop_us(attend, jnp.float32(0), args) / copies
+                    row["store_us"] = loop_us(store, tuple(jax.tree.map(jnp.copy, lay) for lay in inners), args) / copies
+                    row["kernel_us"] = loop_us(kernel, jnp.float32(0), args) / copies
                 row["floor_us"] = row["bytes"] / bandwidth * 1e6
                 row["copy_pct"] = 100 * row["floor_us"] / step_us
                 if name == "bf16":
@@ -217,7 +251,7 @@ def attention_part(args, config, rows):
                 row["x_bf16"] = None if bf16_us is None else bf16_us / step_us
                 rows.append(row)
                 print(row, flush=True)
-                del layer
+                layers = inners = inner = None  # free the copies before the next point
 
 
 def decode_loop(graphdef, params, cache, tokens, positions, steps):
@@ -355,6 +389,11 @@ def main(argv=None):
     p.add_argument("--contexts", type=ints, default=[4096, 32768, 131072])
     p.add_argument("--batches", type=ints, default=[1, 8, 32])
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                   help="attention part: also time the quantized caches' attend, store and kernel alone")
+    p.add_argument("--rotate-mb", type=float, default=256.0,
+                   help="attention part: cycle through copies of a layer's cache until one pass reads this many MiB "
+                        "(well past the L2 cache; 0: one copy)")
     p.add_argument("--tiny", action="store_true", help="a small model (CPU smoke runs)")
     p.add_argument("--decode-contexts", type=ints, default=[8192, 32768])
     p.add_argument("--decode-batches", type=ints, default=[1, 8, 32])

@@ -71,3 +71,27 @@ def test_decode_part_with_profile_writes_the_kernel_split_per_row(bk, tmp_path):
     for r in rows:
         assert r["part"] == "decode" and r["ms_per_token"] == r["ms_per_token"]  # a number, not NaN
         assert set(r["step_profile"]) == {"gpu_us_per_token", "by_kind_us", "top_kernels_us"}
+
+
+def test_rotation_copies_read_past_the_cache_and_stay_bounded(bk):
+    assert bk.rotation_copies(33.5e6, 256 * 2**20) == 9  # BF16, 1 x 8K, Qwen3-8B heads: 8.0 copies -> 9
+    assert bk.rotation_copies(2e9, 256 * 2**20) == 1  # already far past the L2 cache
+    assert bk.rotation_copies(1e3, 256 * 2**20) == 64  # tiny layers: capped
+    assert bk.rotation_copies(1e6, 0) == 1  # --rotate-mb 0: one copy
+
+
+def test_attention_part_steps_each_copy_and_reports_per_layer(bk, tmp_path, monkeypatch):
+    """``--parts attention`` on a tiny config with two copies per point: rows carry the copy
+    count and per-layer times (numbers, not NaN), the quantized rows their parts."""
+    monkeypatch.setattr(bk, "MIN_DIFFERENCE_S", 0.0)  # time the given loop lengths only
+    monkeypatch.setattr(bk, "copy_bandwidth", lambda: 1e11)  # not 80 GB of copies on the CPU
+    out = tmp_path / "attention.json"
+    bk.main(["--tiny", "--parts", "attention", "--formats", "bf16,kitty-pro", "--contexts", "1024", "--batches", "1",
+             "--rotate-mb", str(1.5 * 1024 * 2 * 2 * 64 * 2 / 2**20), "--n1", "1", "--n2", "2", "--repeats", "1",
+             "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["format"] for r in rows] == ["bf16", "kitty-pro"]
+    assert rows[0]["copies"] == 2
+    for r in rows:
+        assert r["step_us"] == r["step_us"] and r["copies"] >= 2
+    assert all(rows[1][k] == rows[1][k] for k in ("attend_us", "store_us", "kernel_us"))
