@@ -133,6 +133,7 @@ def prompts(batch, length, vocab, seed):
 
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("NCCL collectives", ("nccl",)),
     ("nvfp4 GEMV", ("gemv_kernel", "pipe_kernel")),
     ("nvfp4 activation staging", ("stage_a4_kernel", "stage_a16_kernel")),
     ("nvfp4 GEMM", ("gemm_kernel",)),

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jaxlp  # noqa: E402
-from bench_decode import CONTEXTS, QWEN3_8B, build_model, prompts  # noqa: E402
+from bench_decode import CONTEXTS, QWEN3_8B, build_model, prompts, step_profile  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
 from jaxlp.models import from_hf_config, shard_model  # noqa: E402
 from jaxlp.progress import Reporter  # noqa: E402
@@ -37,14 +37,17 @@ from jaxlp.quantization import quantize_model, set_implementation  # noqa: E402
 FORMATS = ("bf16", "w4a16")
 
 
-def decode_ms(model, batch: int, ctx: str, *, n1: int, n2: int, repeats: int):
-    """(ms per token, greedy tokens of the n2-token call)."""
+def decode_ms(model, batch: int, ctx: str, *, n1: int, n2: int, repeats: int, profile: dict | None = None):
+    """(ms per token, greedy tokens of the n2-token call); with ``profile`` (a dict), also the GPU
+    kernel time per token by kernel, summed over the devices (``bench_decode.step_profile``)."""
     p = prompts(batch, CONTEXTS[ctx], model.config.vocab_size, seed=batch * 31 + len(ctx))
     run = lambda n: jaxlp.generate(model, p, max_new_tokens=n, stop_tokens=(), kv_cache="bf16")  # noqa: E731
     tokens = np.asarray(run(n2).tokens)  # compiles
     run(n1)
     long = harness.time_call(lambda: run(n2).tokens, repeats=repeats)
     short = harness.time_call(lambda: run(n1).tokens, repeats=repeats)
+    if profile is not None:
+        profile.update(step_profile(lambda: run(n2).tokens, lambda: run(n1).tokens, n2 - n1, top=16))
     return 1e-3 * (long.median_us - short.median_us) / (n2 - n1), tokens
 
 
@@ -59,6 +62,8 @@ def main(argv=None):
     ap.add_argument("--n2", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="a small model of the same family (smoke runs)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also split each run's GPU time per token by kernel (profiler traces, all devices summed)")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args(argv)
     degrees = [int(t) for t in args.tp.split(",")]
@@ -87,11 +92,16 @@ def main(argv=None):
                 if fmt == "w4a16":
                     model = quantize_model(model, "w4a16-nvfp4", mesh=mesh)
                     set_implementation(model, "auto")
-                ms, tokens = decode_ms(model, args.batch, args.context, n1=args.n1, n2=args.n2, repeats=args.repeats)
+                profile = {} if args.profile else None
+                ms, tokens = decode_ms(model, args.batch, args.context, n1=args.n1, n2=args.n2, repeats=args.repeats,
+                                       profile=profile)
                 if tp == 1:
                     tokens_at_1[fmt] = tokens
                 same = bool(np.array_equal(tokens, tokens_at_1[fmt]))
-                rec = dict(tp=tp, format=fmt, ms_per_token=ms, same_tokens_as_tp1=same)
+                rec = dict(tp=tp, format=fmt, ms_per_token=ms, same_tokens_as_tp1=same,
+                           equal_token_fraction=float(np.mean(tokens == tokens_at_1[fmt])))
+                if profile:
+                    rec["step_profile"] = profile
                 result["runs"].append(rec)
                 print(json.dumps(rec), flush=True)
                 if args.out:  # after every run: a call cut at its time limit keeps what it measured

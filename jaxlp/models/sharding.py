@@ -2,8 +2,10 @@
 
 Megatron layout: query/key/value projections and MLP gate/up are *column-parallel* (output
 features split: heads, MLP columns), ``o_proj`` and ``down_proj`` *row-parallel* (input features
-split), embeddings, norms and the LM head replicated. A projection whose heads do not divide
-``tp`` (a single KV head) is replicated.
+split), the LM head *vocabulary-parallel* (column-parallel over the vocabulary: each device reads
+its share of the largest matrix of a decode step; the sampler gathers the logits), embeddings
+(also a tied LM head) and norms replicated. A projection whose heads do not divide ``tp`` (a single
+KV head), or an LM head whose vocabulary does not, is replicated.
 
 Quantized weights (:class:`jaxlp.formats.QuantizedArray` ``[N, K]``) split along their block
 structure: column-parallel, every field with a leading axis of N rows (packed codes, block and
@@ -44,6 +46,8 @@ def role(name: str, config: ModelConfig, tp: int) -> str | None:
         heads = config.num_kv_heads
     if heads is not None and heads % tp:
         return None
+    if base == "lm_head":
+        return "column" if config.vocab_size % tp == 0 else None
     if re.search(r"self_attn\.[qkv]_proj$|mlp\.(gate|up)_proj$", base):
         return "column"
     if re.search(r"self_attn\.o_proj$|mlp\.down_proj$", base):

@@ -1,5 +1,7 @@
 """Tensor parallelism: on 4 simulated CPU devices, sharded logits equal single-device ones."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +47,7 @@ def test_mesh_needs_tp_axis(hf_checkpoint):
 from flax import nnx  # noqa: E402
 
 from jaxlp.models import ModelConfig, Transformer, shard_model  # noqa: E402
+from jaxlp.models.sharding import role  # noqa: E402
 from jaxlp.quantization import RECIPES, quantize_model, save_quantized  # noqa: E402
 
 
@@ -224,14 +227,20 @@ def test_greedy_tokens_under_tp_with_quantized_caches(w4a16_pair, cache):
     assert runs[1].sequences() == runs[0].sequences()
 
 
-def test_a_quantized_lm_head_is_replicated_and_gives_the_single_device_logits(base):
-    """``lm_head=True``: the quantized output projection stays whole on every device (as the BF16
-    one), beside the sharded decoder layers."""
+def test_the_lm_head_splits_over_the_vocabulary_and_gives_the_single_device_logits(base):
+    """The LM head, BF16 or quantized (``lm_head=True``), is vocabulary-parallel: each device holds
+    its rows (and their block scales), beside the sharded decoder layers; the logits and greedy
+    tokens are the single device's."""
     from jaxlp.quantization import get_recipe
 
-    single = quantize_model(base, get_recipe("w4a16-nvfp4").replace(lm_head=True))
-    sharded = shard_model(nnx.clone(single), mesh_of(4))
-    fields = [leaf for leaf in jax.tree.leaves(sharded.lm_head.weight.get_value()) if leaf.ndim == 2]
-    assert fields and all(f.sharding.spec in (P(), P(None, None)) for f in fields)
-    ids = token_ids(0)
-    assert rel(jax.jit(lambda m, x: m(x))(sharded, ids), single(ids)) <= 1e-4
+    assert role("lm_head.weight", base.config, 4) == "column"
+    assert role("lm_head.weight", dataclasses.replace(base.config, vocab_size=base.config.vocab_size + 1), 4) is None
+    for single in (base, quantize_model(base, get_recipe("w4a16-nvfp4").replace(lm_head=True))):
+        sharded = shard_model(nnx.clone(single), mesh_of(4))
+        fields = [leaf for leaf in jax.tree.leaves(sharded.lm_head.weight.get_value()) if leaf.ndim == 2]
+        assert fields and all(f.sharding.spec[0] == "tp" for f in fields)
+        ids = token_ids(0)
+        assert rel(jax.jit(lambda m, x: m(x))(sharded, ids), single(ids)) <= 1e-4
+        prompts = [token_ids(3, (1, 7))[0].tolist()]
+        runs = [jaxlp.generate(m, prompts, max_new_tokens=4, stop_tokens=()) for m in (single, sharded)]
+        assert runs[1].sequences() == runs[0].sequences()

@@ -20,6 +20,7 @@ def bd():
     ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "cuBLAS / cuDNN"),
     ("void cutlass::Kernel2<cutlass_80_tensorop_s16816gemm_bf16_64x64_32x6_nt_align2>(...)", "cuBLAS / cuDNN"),
     ("input_reduce_fusion_144", "XLA fusions and other"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "NCCL collectives"),
 ])
 def test_kernel_kinds(bd, name, kind):
     assert bd.kernel_kind(name) == kind

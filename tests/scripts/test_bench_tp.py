@@ -1,0 +1,29 @@
+"""scripts/bench_tp.py on 4 simulated CPU devices (conftest): TP = 1 and 2 side by side, the token
+check against TP = 1, and with ``--profile`` each run's kernel split (no GPU kernels here, but its
+fields are there)."""
+
+import json
+
+import jax
+import pytest
+
+from conftest import load_script
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
+
+
+def test_tiny_run_writes_each_degree_with_its_token_check_and_profile(tmp_path):
+    out = tmp_path / "tp.json"
+    result = load_script("bench_tp").main(["--tiny", "--layers", "1", "--tp", "1,2", "--formats", "bf16", "--n1", "1",
+                                           "--n2", "3", "--repeats", "1", "--profile", "--out", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["tp"], r["format"]) for r in runs] == [(1, "bf16"), (2, "bf16")]
+    assert runs == result["runs"]
+    for r in runs:
+        assert r["same_tokens_as_tp1"] and r["equal_token_fraction"] == 1.0
+        assert set(r["step_profile"]) == {"gpu_us_per_token", "by_kind_us", "top_kernels_us"}
+
+
+def test_degrees_must_start_at_one():
+    with pytest.raises(SystemExit):
+        load_script("bench_tp").main(["--tiny", "--tp", "2"])
