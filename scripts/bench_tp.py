@@ -8,8 +8,8 @@ same family, for smoke runs on simulated CPU devices with
 (the ``length`` differencing of ``scripts/bench_decode.py``: time of n2 tokens minus n1, over
 n2 - n1). Each TP degree places the same weights with :func:`jaxlp.models.shard_model` over the
 first N devices; NVFP4 W4A16 is quantized once per degree (``quantize_model(mesh=...)``), kernels
-``"auto"``. Prints a table (speed-up over TP = 1 per format), checks that every degree gives the
-TP = 1 greedy tokens, and writes JSON.
+``"auto"``. Prints a table (speed-up over TP = 1 per format), compares every degree with TP = 1
+(the greedy tokens, and the prompt's logits: relative error), and writes JSON.
 """
 
 from __future__ import annotations
@@ -51,6 +51,19 @@ def decode_ms(model, batch: int, ctx: str, *, n1: int, n2: int, repeats: int, pr
     return 1e-3 * (long.median_us - short.median_us) / (n2 - n1), tokens
 
 
+def prompt_logits(model, ctx: str) -> np.ndarray:
+    """The prompt's logits ``[1, S, V]`` (float32) in one jitted forward pass: the comparison of a
+    TP degree with TP = 1 that greedy tokens cannot give (a random model's top-2 margins sit within
+    BF16 rounding, and rounding each device's partial product differs from one device's)."""
+    ids = np.asarray(prompts(1, CONTEXTS[ctx], model.config.vocab_size, seed=7))
+    return np.asarray(jax.jit(lambda m, x: m(x))(model, ids), np.float32)
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", default="1,2", help="TP degrees, comma separated (1 first: the baseline)")
@@ -83,7 +96,7 @@ def main(argv=None):
     base = build_model(config)
     result = {**harness.run_metadata(argv), "model": f"Qwen3-8B shape, {args.layers} layers, random weights",
               "batch": args.batch, "context": args.context, "runs": []}
-    tokens_at_1 = {}
+    tokens_at_1, logits_at_1 = {}, {}
     with Reporter().bar("tensor-parallel decode", len(degrees) * len(formats)) as advance:
         for tp in degrees:
             mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",)) if tp > 1 else None
@@ -92,6 +105,9 @@ def main(argv=None):
                 if fmt == "w4a16":
                     model = quantize_model(model, "w4a16-nvfp4", mesh=mesh)
                     set_implementation(model, "auto")
+                logits = prompt_logits(model, args.context)
+                if tp == 1:
+                    logits_at_1[fmt] = logits
                 profile = {} if args.profile else None
                 ms, tokens = decode_ms(model, args.batch, args.context, n1=args.n1, n2=args.n2, repeats=args.repeats,
                                        profile=profile)
@@ -99,7 +115,8 @@ def main(argv=None):
                     tokens_at_1[fmt] = tokens
                 same = bool(np.array_equal(tokens, tokens_at_1[fmt]))
                 rec = dict(tp=tp, format=fmt, ms_per_token=ms, same_tokens_as_tp1=same,
-                           equal_token_fraction=float(np.mean(tokens == tokens_at_1[fmt])))
+                           equal_token_fraction=float(np.mean(tokens == tokens_at_1[fmt])),
+                           logits_rel_to_tp1=relative_error(logits, logits_at_1[fmt]))
                 if profile:
                     rec["step_profile"] = profile
                 result["runs"].append(rec)
@@ -111,10 +128,10 @@ def main(argv=None):
 
     base_ms = {r["format"]: r["ms_per_token"] for r in result["runs"] if r["tp"] == 1}
     print(f"\n## decode ms/token, {jax.devices()[0].device_kind}, {args.layers} layers, batch {args.batch}")
-    print(f"{'format':8s} {'tp':>3s} {'ms/tok':>8s} {'x tp=1':>7s} {'tokens':>7s}")
+    print(f"{'format':8s} {'tp':>3s} {'ms/tok':>8s} {'x tp=1':>7s} {'tokens':>7s} {'logits vs tp=1':>15s}")
     for r in result["runs"]:
         print(f"{r['format']:8s} {r['tp']:3d} {r['ms_per_token']:8.3f} {base_ms[r['format']] / r['ms_per_token']:6.2f}x "
-              f"{'same' if r['same_tokens_as_tp1'] else 'DIFFER':>7s}")
+              f"{'same' if r['same_tokens_as_tp1'] else 'DIFFER':>7s} {r['logits_rel_to_tp1']:15.2e}")
     return result
 
 
