@@ -142,7 +142,8 @@ def shard_model(model, mesh: Mesh):
     """Place the model's parameters for tensor parallelism over ``mesh`` (in place; returned).
     Layers with a ``set_parallel(mesh, role)`` method (quantized linears) are told their role, and
     those with ``set_mesh(mesh)`` (attention) the mesh when the heads split, so that their kernels
-    run on local shards. Parameters already on their target shardings stay where they are."""
+    run on local shards; the model (``set_logits_mesh``) gathers the logits of a vocabulary-parallel
+    LM head. Parameters already on their target shardings stay where they are."""
     mesh = tp_mesh(mesh)
     tp = mesh.shape[AXIS]
     c = model.config
@@ -154,6 +155,9 @@ def shard_model(model, mesh: Mesh):
             layer.set_parallel(mesh, role(name, c, tp) if tp > 1 else None)
         if hasattr(layer, "set_mesh"):  # attention with a cache: on the local heads
             layer.set_mesh(mesh if local_heads else None)
+        if hasattr(layer, "set_logits_mesh"):  # the model: whole logits after a vocabulary-parallel head
+            split = tp > 1 and getattr(layer, "lm_head", None) is not None and role("lm_head", c, tp) == "column"
+            layer.set_logits_mesh(mesh if split else None)
     flat = nnx.to_flat_state(nnx.state(model))
     for path, var in flat:
         name = ".".join(str(p) for p in path)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlp.kvcache.base import KVCache
 from jaxlp.attention.reference import causal_attention
@@ -165,6 +165,13 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([DecoderLayer(c, i, dtype=dtype, rngs=rngs) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, offset=c.norm_offset, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
+        self.logits_mesh: Mesh | None = None
+
+    def set_logits_mesh(self, mesh: Mesh | None) -> None:
+        """With the LM head split over the vocabulary on ``mesh`` (tensor parallelism), the logits
+        are gathered whole on every device before they leave :meth:`logits`, so that a sampler
+        (XLA, or a CUDA kernel that knows nothing of meshes) reads every row in full."""
+        self.logits_mesh = mesh
 
     def forward(self, input_ids: jax.Array, positions: jax.Array | None = None, cache: KVCache | None = None,
                 fresh: bool = False):
@@ -197,6 +204,8 @@ class Transformer(nnx.Module):
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = jnp.tanh(logits / cap) * cap
+        if self.logits_mesh is not None:
+            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.logits_mesh, P()))
         return logits.astype(jnp.float32)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
