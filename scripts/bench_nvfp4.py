@@ -36,7 +36,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -240,11 +239,6 @@ def busy_ns(intervals) -> int:
     return total
 
 
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="docs/bench_nvfp4.json")
@@ -334,7 +328,7 @@ def main(argv=None):
                         continue
                     y = ffi_nvfp4.nvfp4_gemv(x, sh.q[0], act_tensor_scale=gx, config=cfg)
                     checks.append({"m": m, "mode": "w4a4" if gx is not None else "w4a16", "config": cfg.name,
-                                   "rel_err_vs_xla": rel_err(y.astype(jnp.float32), ref)})
+                                   "rel_err_vs_xla": harness.relative_error(y.astype(jnp.float32), ref)})
                     if checks[-1]["rel_err_vs_xla"] > 4e-3:
                         print(f"!! {name} M={m} {cfg.name} {checks[-1]['mode']} rel err "
                               f"{checks[-1]['rel_err_vs_xla']:.2e}", flush=True)

@@ -150,12 +150,12 @@ def main_small_m(args, argv):
         for cfg in pallas:
             try:
                 y = jax.jit(lambda x, q, cfg=cfg: nm.nvfp4_matmul(x, q, config=cfg))(x, sh.q[0])
-                check[f"pallas_{cfg.name}"] = bn.rel_err(np.asarray(y.astype(jnp.float32)), ref)
+                check[f"pallas_{cfg.name}"] = harness.relative_error(np.asarray(y.astype(jnp.float32)), ref)
             except Exception as e:  # noqa: BLE001
                 check[f"pallas_{cfg.name}"] = f"{type(e).__name__}: {str(e)[:300]}"
         for cfg in gemv[:1]:
             y = ffi_nvfp4.nvfp4_gemv(x, sh.q[0], config=cfg)
-            check[f"gemv_{cfg.name}"] = bn.rel_err(np.asarray(y.astype(jnp.float32)), ref)
+            check[f"gemv_{cfg.name}"] = harness.relative_error(np.asarray(y.astype(jnp.float32)), ref)
         result["checks"].append(check)
         print_check(f"{name} (M = 8, rel. err. vs float64)", check)
         nbytes = bn.nvfp4_bytes(n, k)
@@ -289,12 +289,12 @@ def main(argv=None):
         for cfg in pallas:
             try:
                 y = jax.jit(lambda x, q, cfg=cfg: nm.nvfp4_matmul(x, q, config=cfg))(x, sh.q[0])
-                check[f"pallas_{cfg.name}"] = bn.rel_err(y.astype(jnp.float32), ref)
+                check[f"pallas_{cfg.name}"] = harness.relative_error(y.astype(jnp.float32), ref)
             except Exception as e:  # noqa: BLE001
                 check[f"pallas_{cfg.name}"] = f"{type(e).__name__}: {str(e)[:200]}"
         if gemm:
             y = ffi_nvfp4.nvfp4_gemv(x, sh.q[0], config=gemm[0])
-            check[f"gemm_{gemm[0].name}"] = bn.rel_err(y.astype(jnp.float32), ref)
+            check[f"gemm_{gemm[0].name}"] = harness.relative_error(y.astype(jnp.float32), ref)
         result["checks"].append(check)
         print_check(name, check)
 

@@ -59,11 +59,6 @@ def prompt_logits(model, ctx: str) -> np.ndarray:
     return np.asarray(jax.jit(lambda m, x: m(x))(model, ids), np.float32)
 
 
-def relative_error(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", default="1,2", help="TP degrees, comma separated (1 first: the baseline)")
@@ -116,7 +111,7 @@ def main(argv=None):
                 same = bool(np.array_equal(tokens, tokens_at_1[fmt]))
                 rec = dict(tp=tp, format=fmt, ms_per_token=ms, same_tokens_as_tp1=same,
                            equal_token_fraction=float(np.mean(tokens == tokens_at_1[fmt])),
-                           logits_rel_to_tp1=relative_error(logits, logits_at_1[fmt]))
+                           logits_rel_to_tp1=harness.relative_error(logits, logits_at_1[fmt]))
                 if profile:
                     rec["step_profile"] = profile
                 result["runs"].append(rec)

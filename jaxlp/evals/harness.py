@@ -1,4 +1,5 @@
-"""The benchmark harness: wall-clock timing, run metadata, JSON results and a plot helper.
+"""The benchmark harness: wall-clock timing, run metadata, JSON results, a plot helper and the
+relative error that benchmark checks report.
 
 ``time_call`` runs ``fn(*args)`` ``warmup`` times (compilation, caches), then ``repeats`` times
 ``number`` back-to-back calls, waiting for the last result (``jax.block_until_ready``) before
@@ -51,6 +52,12 @@ def time_call(fn: Callable, *args, warmup: int = 1, repeats: int = 5, number: in
         times.append((time.perf_counter() - start) / number)
     us = np.asarray(times) * 1e6
     return Timing(float(np.median(us)), float(us.min()), float(us.max() - us.min()), repeats, out)
+
+
+def relative_error(a, b) -> float:
+    """``||a - b|| / ||b||`` in float64 (Frobenius norms; 0 / 0 counts as 0)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:

@@ -6,6 +6,7 @@ import platform
 import sys
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -50,3 +51,10 @@ def test_plot_lines(tmp_path):
     assert path.stat().st_size > 1000
     with pytest.raises(ValueError, match="series 'c' has 2 values for 3 x values"):
         harness.plot_lines(tmp_path / "u.png", [1, 2, 3], {"c": [1, 2]}, xlabel="x", ylabel="y")
+
+
+def test_relative_error_against_float64():
+    a, b = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), np.array([[1.0, 2.0], [3.0, 5.0]], np.float32)
+    assert harness.relative_error(a, b) == pytest.approx(1.0 / np.sqrt(39.0), rel=1e-12)
+    assert harness.relative_error(b, b) == 0.0
+    assert harness.relative_error(np.zeros(3), np.zeros(3)) == 0.0  # 0 / 0: no NaN
