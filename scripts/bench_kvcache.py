@@ -7,14 +7,17 @@ Parts (``--parts``, default all):
   whole step (``layer.attend``: the packed-unit kernel, the XLA part over sink / ring / new
   token, the merge, and the store), and for the quantized caches the attention alone, the store
   alone and the packed-unit kernel alone (``attend_units``, CUDA or Pallas as the layer picks);
-  BF16 is the dense cache's flash-decoding kernel. Each loop iteration steps copies of the
+  BF16 is the dense cache's flash-decoding kernel. The steps decode from position ``context`` on
+  (a loop of n steps attends to context + 0 .. n - 1 tokens) and every loop starts there again
+  with the layer's rings as they were (:func:`with_rings`). Each loop iteration steps copies of the
   layer's cache in turn until it has read ``--rotate-mb`` (past the L2 cache, as a model's layers
   do; one copy read over and over measures the L2 cache at small points). Bytes: what
   the step must read (codes and metadata of every cached token; BF16 K and V), as % of the
   measured copy bandwidth, and the ratio to BF16 at the same point.
 - ``decode``: ms per token of a Qwen3-8B-shaped model with ``--layers`` layers (random BF16
   weights, greedy), per format x batch x context: a jitted loop of one-token forward steps over
-  a cache holding ``context`` tokens, timed at two loop lengths (their difference / steps).
+  a cache holding ``context`` tokens, timed at two loop lengths (their difference / steps), every
+  loop from position ``context`` with the rings restored.
 - ``capacity``: Kitty's headline: for a cache budget ``--budget-gb`` (all layers) and a context,
   the largest batch each format fits (:func:`jaxlp.kvcache.max_batch_size`) and its tokens/s.
 - ``prefill``: ``--prefill`` (e.g. ``8x32768:kitty-pro``): a real prompt of that batch x length
@@ -56,7 +59,8 @@ from jaxlp.pallas import quantized_decode_attention as units_attention  # noqa: 
 FORMATS = ("bf16", "kitty", "kitty-pro", "kivi-k2v2", "kivi-k2v2*", "fireq-int4")
 CHUNK = 4096
 MIN_DIFFERENCE_S = 0.02  # loop_us: the two loop lengths' times differ by at least this much
-MAX_STEPS = 8192
+MAX_STEPS = 1024  # loop_us's longest loop; the attention part's caches hold context + MAX_STEPS + 8 tokens
+RING_FIELDS = ("k_ring", "k_ring_pos", "v_ring", "v_ring_pos")  # a quantized layer's full-precision window
 
 
 def model_config(layers: int, tiny: bool = False):
@@ -94,6 +98,27 @@ def _store_chunk(layer, k, v, positions):
     return layer.store(k, v, positions)
 
 
+def rings_of(layer) -> dict:
+    """Copies of the FP16 rings and slot positions of a quantized layer (FireQ's inside it; none for
+    BF16 or FireQ, which have no ring): what :func:`with_rings` puts back."""
+    inner = getattr(layer, "inner", layer)
+    return {name: jnp.copy(getattr(inner, name)) for name in RING_FIELDS if hasattr(inner, name)}
+
+
+def with_rings(layer, rings: dict):
+    """``layer`` with copies of ``rings`` (:func:`rings_of` of the layer as it was at the position
+    a timed loop starts from). The steps of a loop store at advancing positions, as decoding does;
+    the next loop starts again from that position, which would make every step a rewind (each
+    ring slot then holds a later token than the one the step quantizes, and the KIVI and Kitty
+    stores decode it from its old codes instead, a slower path). With the rings restored the loop
+    repeats the same decoding steps. Units the loop rewrites get the same bytes again."""
+    if not rings:
+        return layer
+    if hasattr(layer, "inner"):
+        return dataclasses.replace(layer, inner=with_rings(layer.inner, rings))
+    return dataclasses.replace(layer, **{name: jnp.copy(x) for name, x in rings.items()})
+
+
 def step_bytes(fmt, config, batch, context) -> float:
     """Bytes a one-token step must read for ``context`` cached tokens (all rows, one layer)."""
     return batch * fmt.bytes_per_token(config) * context
@@ -105,21 +130,25 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / (t.median_us * 1e-6)
 
 
-def loop_us(body, carry, args, profile: dict | None = None) -> float:
+def loop_us(body, carry, args, profile: dict | None = None, reset=None) -> float:
     """Microseconds per iteration of ``body(i, carry)`` in a jitted ``fori_loop`` with the carry
     donated (as a decode loop runs): ``(t(n2) - t(n1)) / (n2 - n1)``, medians of ``--repeats``,
-    ``n2`` lengthened until the difference is ``MIN_DIFFERENCE_S`` (the body must repeat the same
-    work every iteration, as these steps do: same position, same slots). With ``profile`` (a
-    dict): also fills it with the GPU kernel time per iteration by kernel, from profiler traces of
-    one call at each length (``bench_decode.step_profile``)."""
+    ``n2`` lengthened (to ``MAX_STEPS`` at most) until the difference is ``MIN_DIFFERENCE_S`` (the
+    body's iterations must cost the same: same work, or steps at advancing positions as in
+    decoding, a few tokens apart). ``reset(carry)``: the carry each loop starts from, given the
+    last loop's (not timed; e.g. :func:`with_rings`). With ``profile`` (a dict): also fills it with
+    the GPU kernel time per iteration by kernel, from profiler traces of one call at each length
+    (``bench_decode.step_profile``)."""
     run = jax.jit(lambda c, n: jax.lax.fori_loop(0, n, body, c), static_argnums=1, donate_argnums=0,
                   compiler_options=args.compiler_options or None)
     times = {}
     state = {"carry": carry}
+    reset = reset or (lambda c: c)
 
     def timed(n):
         samples = []
         for _ in range(args.repeats):
+            state["carry"] = jax.block_until_ready(reset(state["carry"]))
             t0 = time.perf_counter()
             state["carry"] = jax.block_until_ready(run(state["carry"], n))
             samples.append(time.perf_counter() - t0)
@@ -138,8 +167,8 @@ def loop_us(body, carry, args, profile: dict | None = None) -> float:
         timed(n2)
     if profile is not None:
         def call(n):
-            def go():
-                state["carry"] = run(state["carry"], n)
+            def go():  # the reset's copies are in both lengths' traces: they cancel
+                state["carry"] = run(reset(state["carry"]), n)
                 return state["carry"]
             return go
 
@@ -188,7 +217,7 @@ def attention_part(args, config, rows):
                 layer_bytes = step_bytes(fmt, config, batch, context)
                 copies = rotation_copies(layer_bytes, args.rotate_mb * 2**20)
                 try:
-                    layer = filled_layer(fmt, config, batch, context, context + 8)
+                    layer = filled_layer(fmt, config, batch, context, context + MAX_STEPS + 8)
                     layers = tuple([layer] + [jax.tree.map(jnp.copy, layer) for _ in range(copies - 1)])
                 except Exception as e:  # noqa: BLE001  (out of memory at the largest points)
                     print(f"{name} B={batch} ctx={context}: {type(e).__name__}: {str(e)[:120]}", flush=True)
@@ -199,18 +228,20 @@ def attention_part(args, config, rows):
                 kv = jax.random.normal(jax.random.fold_in(key, 1), (batch, 1, config.num_kv_heads, d), jnp.bfloat16)
                 pos = jnp.full((batch, 1), context, jnp.int32)
 
-                def step(i, carry):
+                def step(i, carry):  # decoding from position `context` on
                     lays, acc = carry
                     stepped = []
                     for lay in lays:
-                        out, lay = lay.attend(q, kv, kv, pos, scale=d**-0.5, window=None, softcap=None)
+                        out, lay = lay.attend(q, kv, kv, pos + i, scale=d**-0.5, window=None, softcap=None)
                         stepped.append(lay)
                         acc = acc + out[0, 0, 0, 0].astype(jnp.float32)
                     return tuple(stepped), acc
 
+                rings = [rings_of(lay) for lay in layers]
                 profile = {} if args.profile else None
                 carry = (tuple(jax.tree.map(jnp.copy, lay) for lay in layers), jnp.float32(0))  # donated
-                step_us = loop_us(step, carry, args, profile) / copies
+                step_us = loop_us(step, carry, args, profile, reset=lambda c: (
+                    tuple(with_rings(lay, r) for lay, r in zip(c[0], rings)), c[1])) / copies
                 row = dict(part="attention", format=name, batch=batch, context=context, step_us=step_us,
                            bytes=layer_bytes, copies=copies)
                 if profile:
@@ -228,7 +259,7 @@ def attention_part(args, config, rows):
                     implementation = inner._decode_implementation(h)
 
                     def store(i, lays):  # the one-token store the step runs (CUDA where it has one, else XLA)
-                        return tuple(lay._store_one(kv[:, 0], kv[:, 0], pos[:, 0], implementation) for lay in lays)
+                        return tuple(lay._store_one(kv[:, 0], kv[:, 0], pos[:, 0] + i, implementation) for lay in lays)
 
                     m = jnp.full((batch,), context - inner.sink_len, jnp.int32)
                     hi = jnp.minimum(inner.k_spec.quantized(m), inner.v_spec.quantized(m))
@@ -242,7 +273,8 @@ def attention_part(args, config, rows):
                         return acc
 
                     row["attend_us"] = loop_us(attend, jnp.float32(0), args) / copies
-                    row["store_us"] = loop_us(store, tuple(jax.tree.map(jnp.copy, lay) for lay in inners), args) / copies
+                    row["store_us"] = loop_us(store, tuple(jax.tree.map(jnp.copy, lay) for lay in inners), args,
+                                              reset=lambda c: tuple(with_rings(lay, r) for lay, r in zip(c, rings))) / copies
                     row["kernel_us"] = loop_us(kernel, jnp.float32(0), args) / copies
                 row["floor_us"] = row["bytes"] / bandwidth * 1e6
                 row["copy_pct"] = 100 * row["floor_us"] / step_us
@@ -271,6 +303,11 @@ def decode_ms(model, fmt, batch, context, args, profile: dict | None = None) -> 
     config = model.config
     layer = filled_layer(fmt, config, batch, context, context + args.n2 + 8)
     cache = kvcache.KVCache(tuple([layer] + [jax.tree.map(jnp.copy, layer) for _ in range(config.num_layers - 1)]))
+    rings = [rings_of(lay) for lay in cache.layers]  # each loop decodes from `context` again: see with_rings
+
+    def fresh(c):
+        return kvcache.KVCache(tuple(with_rings(lay, r) for lay, r in zip(c.layers, rings)))
+
     graphdef, params = nnx.split(model)
     run = jax.jit(decode_loop, static_argnums=0, donate_argnums=2, compiler_options=args.compiler_options or None)
     tokens = jnp.zeros((batch,), jnp.int32)
@@ -279,7 +316,8 @@ def decode_ms(model, fmt, batch, context, args, profile: dict | None = None) -> 
     for n in (args.n1, args.n2, args.n1, args.n2):  # warm, then timed: median of repeats per length
         samples = []
         for _ in range(args.repeats):
-            t = harness.time_call(lambda c: run(graphdef, params, c, tokens, positions, n), cache, warmup=0, repeats=1)
+            t = harness.time_call(lambda c: run(graphdef, params, c, tokens, positions, n),
+                                  jax.block_until_ready(fresh(cache)), warmup=0, repeats=1)
             cache = t.output[0]
             samples.append(t.median_us)
         times[n] = float(np.median(samples))
@@ -288,7 +326,7 @@ def decode_ms(model, fmt, batch, context, args, profile: dict | None = None) -> 
 
         def call(n):
             def go():
-                state["cache"] = run(graphdef, params, state["cache"], tokens, positions, n)[0]
+                state["cache"] = run(graphdef, params, fresh(state["cache"]), tokens, positions, n)[0]
                 return state["cache"]
             return go
 

@@ -44,6 +44,7 @@
 
 #include "launch.cuh"
 #include "mma_sync.cuh"
+#include "split_merge.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -387,7 +388,9 @@ ffi::Error Int4Impl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
                     ffi::Buffer<ffi::U8> k_codes, ffi::Buffer<ffi::U8> k_scale, ffi::Buffer<ffi::U8> v_codes,
                     ffi::Buffer<ffi::U8> v_scale, ffi::Buffer<ffi::F16> new_k, ffi::Buffer<ffi::F16> new_v,
                     ffi::Result<ffi::Buffer<ffi::F32>> o, ffi::Result<ffi::Buffer<ffi::F32>> m,
-                    ffi::Result<ffi::Buffer<ffi::F32>> l, float scale, float softcap, int32_t fp8_queries) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> l, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                    ffi::Result<ffi::Buffer<ffi::F32>> m_all, ffi::Result<ffi::Buffer<ffi::F32>> den, float scale,
+                    float softcap, int32_t fp8_queries) {
   auto qd = q.dimensions(), od = o->dimensions(), kd = k_codes.dimensions(), vd = v_codes.dimensions();
   auto ksd = k_scale.dimensions(), vsd = v_scale.dimensions(), bd = bounds.dimensions();
   if (qd.size() != 4 || od.size() != 5 || kd.size() != 4 || vd.size() != 4 || ksd.size() != 3 || vsd.size() != 3)
@@ -399,6 +402,9 @@ ffi::Error Int4Impl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   for (auto x : {ksd, vsd})
     if (x[0] != batch || x[1] != tokens || x[2] != kvh) return bad("scales do not match the codes");
   if (od[0] != batch || od[1] != kvh || od[3] != g || od[4] != d) return bad("output shape does not match q");
+  if (out->element_count() != batch * kvh * g * d || m_all->element_count() != batch * kvh * g ||
+      den->element_count() != batch * kvh * g)
+    return bad("merged outputs must be out [B, KVH, G, D], m and l [B, KVH, G]");
   if (bd.size() != 2 || bd[0] != batch || bd[1] != 4) return bad("bounds must be int32 [B, 4]");
   auto cd = q_channel_scale.dimensions();
   if (cd.size() != 2 || cd[0] != kvh || cd[1] != d) return bad("query channel scales must be float32 [KVH, D]");
@@ -433,6 +439,9 @@ ffi::Error Int4Impl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
     case 128: e = jaxlp::launch_kernel(int4_tokens_kernel<128>, grid, dim3(kThreads), 0, stream, 1, false, p); break;
     default: return bad("head_dim must be 64 or 128, got " + std::to_string(d));
   }
+  if (e == cudaSuccess)
+    e = jaxlp::split_merge(stream, p.o, p.m, p.l, out->typed_data(), m_all->typed_data(), den->typed_data(),
+                           static_cast<int>(batch * kvh), p.splits, p.g, static_cast<int>(d));
   if (e != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp int4 decode attention launch: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
@@ -454,6 +463,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpInt4DecodeAttention, jaxlp_int4attn::Int4Impl
                                   .Arg<ffi::Buffer<ffi::F16>>()  // new value
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o [B, KVH, S, G, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m [B, KVH, S, G]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // l
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, KVH, G, D]: the splits merged (split_merge.cuh)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m [B, KVH, G]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")

@@ -20,9 +20,9 @@ a warp takes 32 tokens at a time, loads their codes straight into registers, con
 exactly (one LOP3 per two codes and an HSUB2 / HFMA2) and runs S = Q K^T and O += (P * value scale) V
 on ``mma.sync`` m16n8k16 (the query heads of the KV head as the 16 rows, FP32 accumulators; the
 token's key scale multiplies its scores). Queries and ``P * value scale`` enter as FP16: about
-``1e-4`` relative of the float64 result. Splits are merged in float32 by XLA
-(:func:`jaxlp.attention.reference.merge_splits`). Head dims 64 and 128, 1..16 query heads per KV
-head.
+``1e-4`` relative of the float64 result. Splits are merged in float32 by a second launch of the
+same call (``split_merge.cuh``, following :func:`jaxlp.attention.reference.merge_splits`). Head dims
+64 and 128, 1..16 query heads per KV head.
 
 The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlp.attention.reference import merge_splits
 from jaxlp.ffi import build
 from jaxlp.ffi.quantized_decode_attention import fp16_clipped
 
@@ -125,15 +124,17 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
             raise ValueError(f"attend_units: query channel scales must be [KVH, D] = {(kvh, d)}, got "
                              f"{channel_scales.shape}")
     f32 = jnp.float32
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((b, kvh, splits, g, d), f32),
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((b, kvh, splits, g, d), f32),  # the splits' partials
                                      jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
-                                     jax.ShapeDtypeStruct((b, kvh, splits, g), f32)))
+                                     jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
+                                     jax.ShapeDtypeStruct((b, kvh, g, d), f32),  # merged (split_merge.cuh)
+                                     jax.ShapeDtypeStruct((b, kvh, g), f32),
+                                     jax.ShapeDtypeStruct((b, kvh, g), f32)))
     as_u8 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
     flat = lambda st: st.codes.reshape(b, tokens, kvh, d // 2)  # noqa: E731
-    o, m, l = call(q.astype(jnp.float32).reshape(b, kvh, g, d), channel_scales, bounds,
-                   flat(k_store), as_u8(k_store.scale[..., 0]), flat(v_store), as_u8(v_store.scale[..., 0]),
-                   fp16_clipped(new_k), fp16_clipped(new_v), scale=np.float32(scale),
-                   softcap=np.float32(softcap or 0.0), fp8_queries=np.int32(fp8))
-    out, m_all, den = merge_splits(o, m, l)
+    *_, out, m_all, den = call(q.astype(jnp.float32).reshape(b, kvh, g, d), channel_scales, bounds,
+                               flat(k_store), as_u8(k_store.scale[..., 0]), flat(v_store),
+                               as_u8(v_store.scale[..., 0]), fp16_clipped(new_k), fp16_clipped(new_v),
+                               scale=np.float32(scale), softcap=np.float32(softcap or 0.0), fp8_queries=np.int32(fp8))
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)
 

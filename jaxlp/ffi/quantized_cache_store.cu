@@ -300,27 +300,36 @@ __device__ void encode_kivi_keys(const Params& p, size_t unit, const __half* til
 
 // KIVI value token jt (unit jt, VB bits) of head h: the new token where jt = j, else ring slot jt % R
 // where it holds jt, else the unit's old codes (a rewound row). Thread c < D takes channel c, warp w
-// the scale group w (channels [32 w, 32 w + 32)); the codes meet in shared memory (D bytes) to be
-// packed, m = D VB / 8 bytes (byte k: channels k + m q at bits VB q). Ends with a __syncthreads after
-// every read of the ring (the caller then overwrites the slot).
+// the scale group w (channels [32 w, 32 w + 32)); the new token, the slot's value and the slot's
+// position are loaded together (the value before its position is known: one round trip, not two).
+// `to_ring`: thread c then writes the new token's channel c to ring slot j % R itself, after its
+// own read of the ring (the slots' heads and channels are the threads'; no other thread reads it).
+// The codes meet in shared memory (D bytes) to be packed, m = D VB / 8 bytes (byte k: channels
+// k + m q at bits VB q). Ends with a __syncthreads after every read of the slot's position.
 template <int VB>
 __device__ void encode_kivi_value(const Params& p, const Stream& s, int b, int h, int j, int jt, const __half* x,
-                                  uint8_t* codes) {
+                                  bool to_ring, uint8_t* codes) {
   using Bits = Packing<VB>;
   const int d = p.d, c = threadIdx.x, m = d / Bits::kPer, groups = d / kGroup;
   const size_t unit = (static_cast<size_t>(b) * s.units + jt) * p.kvh + h;
   if (c < d) {  // whole warps (D is a multiple of 32)
-    __half xh;
+    const bool ring = s.r > 0 && jt != j;
+    const size_t slots = static_cast<size_t>(b) * (s.r > 0 ? s.r : 1);
     const int slot = s.r > 0 ? jt % s.r : 0;
+    const __half xn = x[c];
+    const __half xr = ring ? s.ring[((slots + slot) * p.kvh + h) * d + c] : __float2half(0.f);
+    const int held = ring ? s.ring_pos[slots + slot] : -1;
+    __half xh;
     if (jt == j) {
-      xh = x[c];
-    } else if (s.r > 0 && s.ring_pos[static_cast<size_t>(b) * s.r + slot] == jt) {
-      xh = s.ring[((static_cast<size_t>(b) * s.r + slot) * p.kvh + h) * d + c];
+      xh = xn;
+    } else if (held == jt) {
+      xh = xr;
     } else {
       const uint32_t code = (p.v_codes[unit * m + c % m] >> (VB * (c / m))) & Bits::kMask;
       xh = __float2half_rn(fmaf(static_cast<float>(code), __half2float(p.v_scale[unit * groups + c / kGroup]),
                                 __half2float(p.v_min[unit * groups + c / kGroup])));
     }
+    if (to_ring) s.ring[((slots + j % s.r) * p.kvh + h) * d + c] = xn;
     const float xf = __half2float(xh);
     float mn = xf, mx = xf;
     for (int o = 16; o; o >>= 1) {
@@ -334,7 +343,7 @@ __device__ void encode_kivi_value(const Params& p, const Stream& s, int b, int h
     }
     codes[c] = static_cast<uint8_t>(code_of(xf, __half2float(m16), __frcp_rn(__half2float(s16)), Bits::kLevels));
   }
-  __syncthreads();  // every ring read of this head is done; the codes are in shared memory
+  __syncthreads();  // every read of the slot's position by this head is done; the codes are in shared memory
   if (c < m) {
     uint32_t byte = 0;
     for (int q = 0; q < Bits::kPer; ++q) byte |= codes[c + q * m] << (VB * q);
@@ -372,7 +381,7 @@ __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
     const int q0 = quantized<1>(j, s.lag), q1 = quantized<1>(j + 1, s.lag);
     encode = q1 > q0 && q0 < s.units;
     to_ring = s.r > 0 && j >= q1;
-    if (encode) encode_kivi_value<VB>(p, s, b, h, j, q0, x, smem);
+    if (encode) encode_kivi_value<VB>(p, s, b, h, j, q0, x, to_ring, smem);  // and the ring's copy
   } else {  // 128-token units
     const int q0 = quantized<kPage>(j, s.lag), q1 = quantized<kPage>(j + 1, s.lag), u = q0 / kPage;
     encode = q1 > q0 && u < s.units;
@@ -394,11 +403,13 @@ __global__ void __launch_bounds__(kThreads) store_kernel(const Params p) {
   }
   if (to_ring) {
     const int slot = j % s.r;
-    copy_token(s.ring + (static_cast<size_t>(b) * s.r + slot) * token + h * d, x, d);
+    if (!(F == kKivi && which == 1 && encode))  // (KIVI values: encode_kivi_value copied it)
+      copy_token(s.ring + (static_cast<size_t>(b) * s.r + slot) * token + h * d, x, d);
     if (threadIdx.x == 0) {
       bool last = h == 0;
       if (encode) {  // the other heads' CTAs may still read the slot's position: the last one writes it
-        __threadfence();
+        // No fence: this CTA's reads of the position returned before the barrier that ended its
+        // encode (branches used them), so the last CTA's write cannot reach them.
         last = atomicInc(&g_arrivals[2 * b + which], static_cast<unsigned>(p.kvh - 1)) ==
                static_cast<unsigned>(p.kvh - 1);
       }

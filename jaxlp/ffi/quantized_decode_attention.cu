@@ -22,8 +22,8 @@
 //      G <= 16 real ones first), masked to the row's stream range [lo, hi), soft-capped, then an
 //      online softmax (base 2) and O += P V (P in FP16), operands from shared memory by ldmatrix.
 // The 4 warps' partials are merged in shared memory; the CTA writes its split's unnormalized
-// output o (relative to its max m), m (natural log units) and l = sum exp(s - m); XLA merges the
-// splits. An empty range gives o = 0, m = -inf, l = 0.
+// output o (relative to its max m), m (natural log units) and l = sum exp(s - m); a second launch
+// merges the splits (split_merge.cuh). An empty range gives o = 0, m = -inf, l = 0.
 //
 // The whole cache in one call (the cache call, `tail` = 1): the stream range [lo, hi) then runs to
 // the row's last token, and a token's key (value) is read from the FP16 ring, slot j % R, where
@@ -44,6 +44,7 @@
 
 #include "async_copy.cuh"
 #include "launch.cuh"
+#include "split_merge.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -244,57 +245,58 @@ __device__ __forceinline__ void load_block(const Params& p, int b, int kh, int b
   }
 }
 
-// Eight dequantized FP16 elements from two consecutive words of planar 4-bit codes (`p0`, `p1`, each
-// byte-permuted by 0x3120): plane t's codes (nibble t) of the words' 8 bytes, 8 consecutive elements.
-__device__ __forceinline__ uint4 dequant8_4bit(uint32_t p0, uint32_t p1, int t, __half2 s, __half2 mn) {
-  return make_uint4(dequant2((p0 >> (4 * t)) & 0x000f000fu, s, mn), dequant2((p0 >> (4 * t + 8)) & 0x000f000fu, s, mn),
-                    dequant2((p1 >> (4 * t)) & 0x000f000fu, s, mn), dequant2((p1 >> (4 * t + 8)) & 0x000f000fu, s, mn));
+// Plane t's BITS-bit codes of a byte-permuted word (byte_perm 0x3120: bytes 0, 2 in the low half,
+// 1, 3 in the high one) in its two 16-bit lanes: of bytes 0 and 1 (`upper` false) or 2 and 3 (true).
+template <int BITS>
+__device__ __forceinline__ uint32_t plane_codes(uint32_t p, int t, bool upper) {
+  return (p >> (BITS * t + (upper ? 8 : 0))) & (BITS == 2 ? 0x00030003u : 0x000f000fu);
 }
 
+// Eight dequantized FP16 elements, consecutive in plane t, from two consecutive byte-permuted
+// words of planar BITS-bit codes (`p0`, `p1`); `h0`, `h1`: the same words of Kitty's boosted high
+// bits (2-bit planes added as bits 2-3 of the codes; 0 where there are none).
+template <int BITS>
+__device__ __forceinline__ uint4 dequant8(uint32_t p0, uint32_t p1, uint32_t h0, uint32_t h1, int t, __half2 s,
+                                          __half2 mn) {
+  const auto code = [t](uint32_t p, uint32_t h, bool upper) {
+    return plane_codes<BITS>(p, t, upper) | (plane_codes<2>(h, t, upper) << 2);
+  };
+  return make_uint4(dequant2(code(p0, h0, false), s, mn), dequant2(code(p0, h0, true), s, mn),
+                    dequant2(code(p1, h1, false), s, mn), dequant2(code(p1, h1, true), s, mn));
+}
+
+// Block registers -> the FP16 tiles (keys channel-major, values token-major), 16-byte stores of 8
+// consecutive elements of a plane: a 16-byte piece of a key share, word w of its 4, holds tokens
+// plane * t + 4 w + [0, 4) of each plane t (4-bit keys: the low and high nibbles, tokens k and
+// 64 + k of byte k); a value piece likewise channels of each plane.
 template <int D, int KG, int VPL, int KBITS, int VBITS>
 __device__ __forceinline__ void unpack_block(const BlockRegs<D, KG, VPL, KBITS, VBITS>& r, int tid, __half* kt,
                                              __half* vs) {
   using Regs = BlockRegs<D, KG, VPL, KBITS, VBITS>;
-  constexpr int kN = Regs::kN;
+  constexpr int kN = Regs::kN, kKP = Regs::kKP, kVP = Regs::kVP;
   constexpr int kKStride = kBlock + kPad, kVStride = D + kPad;
   constexpr int kShares = D / 64;
+  constexpr int kKPlanes = 8 / KBITS, kKPlane = 16 * KBITS;      // planes of a key row, tokens per plane
+  constexpr int kVPlanes = 8 / VBITS, kVPlane = D * VBITS / 8;   // planes of a value row, channels per plane
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     const int idx = tid + kThreads * i;
     const int c = idx >> 1, half = idx & 1;
-    if constexpr (KBITS == 2) {
-      const uint32_t lw[4] = {r.low[i][0].x, r.low[i][0].y, r.low[i][0].z, r.low[i][0].w};
-      const uint32_t hw[4] = {r.high[i].x, r.high[i].y, r.high[i].z, r.high[i].w};
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        // KIVI (KG = 4) has no boosted channels: no high bits to merge.
-        const uint32_t lp = byte_perm(lw[w], 0x3120), hp = KG == 1 ? byte_perm(hw[w], 0x3120) : 0u;
-        const int tok0 = half * 16 + w * 4;  // tokens tok0 .. tok0 + 3 of plane 0
+    for (int k = 0; k < kKP; ++k) {
+      const uint4 lo = r.low[i][k], hi = KG == 1 ? r.high[i] : make_uint4(0, 0, 0, 0);  // KIVI: no boosted bits
+      const uint32_t lw[4] = {byte_perm(lo.x, 0x3120), byte_perm(lo.y, 0x3120), byte_perm(lo.z, 0x3120),
+                              byte_perm(lo.w, 0x3120)};
+      const uint32_t hw[4] = {byte_perm(hi.x, 0x3120), byte_perm(hi.y, 0x3120), byte_perm(hi.z, 0x3120),
+                              byte_perm(hi.w, 0x3120)};
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {  // high bits shifted straight to bits 2-3 of each half
-          const uint32_t ha = t == 0 ? hp << 2 : hp >> (2 * t - 2), hb = hp >> (2 * t + 6);
-          const uint32_t ca = ((lp >> (2 * t)) & 0x00030003u) | (ha & 0x000c000cu);
-          const uint32_t cb = ((lp >> (2 * t + 8)) & 0x00030003u) | (hb & 0x000c000cu);
-          uint2 out;
-          const __half2 scale = __half2half2(r.ks[i][KG == 1 ? 0 : t]), mn = __half2half2(r.km[i][KG == 1 ? 0 : t]);
-          out.x = dequant2(ca, scale, mn);
-          out.y = dequant2(cb, scale, mn);
-          *reinterpret_cast<uint2*>(kt + c * kKStride + 32 * t + tok0) = out;
-        }
-      }
-    } else {  // 4-bit KIVI: byte k of a channel row holds token k (low nibble) and token 64 + k (high)
+      for (int t = 0; t < kKPlanes; ++t) {
+        const __half2 scale = __half2half2(r.ks[i][KG == 1 ? 0 : t]), mn = __half2half2(r.km[i][KG == 1 ? 0 : t]);
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {  // plane t: tokens 64 t + 32 half + [0, 32), group 2 t + half
-        const __half2 scale = __half2half2(r.ks[i][t]), mn = __half2half2(r.km[i][t]);
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const uint32_t lw[4] = {r.low[i][k].x, r.low[i][k].y, r.low[i][k].z, r.low[i][k].w};
-#pragma unroll
-          for (int w = 0; w < 4; w += 2) {  // words w, w + 1: tokens tok0 .. tok0 + 7 of the plane
-            const int tok0 = half * 32 + k * 16 + w * 4;
-            *reinterpret_cast<uint4*>(kt + c * kKStride + 64 * t + tok0) =
-                dequant8_4bit(byte_perm(lw[w], 0x3120), byte_perm(lw[w + 1], 0x3120), t, scale, mn);
-          }
+        for (int w = 0; w < 4; w += 2) {
+          const int tok0 = kKPlane * t + 16 * kKP * half + 16 * k + 4 * w;
+          *reinterpret_cast<uint4*>(kt + c * kKStride + tok0) =
+              dequant8<KBITS>(lw[w], lw[w + 1], hw[w], hw[w + 1], t, scale, mn);
         }
       }
     }
@@ -303,36 +305,19 @@ __device__ __forceinline__ void unpack_block(const BlockRegs<D, KG, VPL, KBITS, 
   for (int i = 0; i < kN; ++i) {
     const int idx = tid + kThreads * i;
     const int tok = idx / kShares, share = idx % kShares;
-    if constexpr (VBITS == 2) {
-      const uint32_t vw[4] = {r.val[i][0].x, r.val[i][0].y, r.val[i][0].z, r.val[i][0].w};
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const uint32_t vp = byte_perm(vw[w], 0x3120);
-        const int ch0 = share * 16 + w * 4;  // channels ch0 .. ch0 + 3 of plane 0
+    for (int k = 0; k < kVP; ++k) {
+      const uint4 v = r.val[i][k];
+      const uint32_t vw[4] = {byte_perm(v.x, 0x3120), byte_perm(v.y, 0x3120), byte_perm(v.z, 0x3120),
+                              byte_perm(v.w, 0x3120)};
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          uint2 out;
-          const int vg = VPL == 1 ? 0 : u;
-          const __half2 scale = __half2half2(r.vs[i][vg]), mn = __half2half2(r.vm[i][vg]);
-          out.x = dequant2((vp >> (2 * u)) & 0x00030003u, scale, mn);
-          out.y = dequant2((vp >> (2 * u + 8)) & 0x00030003u, scale, mn);
-          *reinterpret_cast<uint2*>(vs + tok * kVStride + u * (D / 4) + ch0) = out;
-        }
-      }
-    } else {  // 4-bit KIVI: byte k of a token row holds channel k (low nibble) and D / 2 + k (high)
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {  // plane u: channels D / 2 u + 32 share + [0, 32)
+      for (int u = 0; u < kVPlanes; ++u) {
         const int vg = VPL == 1 ? 0 : u;
         const __half2 scale = __half2half2(r.vs[i][vg]), mn = __half2half2(r.vm[i][vg]);
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const uint32_t vw[4] = {r.val[i][k].x, r.val[i][k].y, r.val[i][k].z, r.val[i][k].w};
-#pragma unroll
-          for (int w = 0; w < 4; w += 2) {  // words w, w + 1: channels ch0 .. ch0 + 7 of the plane
-            const int ch0 = share * 32 + k * 16 + w * 4;
-            *reinterpret_cast<uint4*>(vs + tok * kVStride + u * (D / 2) + ch0) =
-                dequant8_4bit(byte_perm(vw[w], 0x3120), byte_perm(vw[w + 1], 0x3120), u, scale, mn);
-          }
+        for (int w = 0; w < 4; w += 2) {
+          const int ch0 = kVPlane * u + 16 * kVP * share + 16 * k + 4 * w;
+          *reinterpret_cast<uint4*>(vs + tok * kVStride + ch0) = dequant8<VBITS>(vw[w], vw[w + 1], 0u, 0u, u, scale, mn);
         }
       }
     }
@@ -1578,7 +1563,9 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                      ffi::Buffer<ffi::S32> k_ring_pos, ffi::Buffer<ffi::F16> v_ring, ffi::Buffer<ffi::S32> v_ring_pos,
                      ffi::Buffer<ffi::F16> sink_k, ffi::Buffer<ffi::F16> sink_v, ffi::Buffer<ffi::F16> new_k,
                      ffi::Buffer<ffi::F16> new_v, ffi::Result<ffi::Buffer<ffi::F32>> o,
-                     ffi::Result<ffi::Buffer<ffi::F32>> m, ffi::Result<ffi::Buffer<ffi::F32>> l, int64_t nb, int64_t kg,
+                     ffi::Result<ffi::Buffer<ffi::F32>> m, ffi::Result<ffi::Buffer<ffi::F32>> l,
+                     ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> m_all,
+                     ffi::Result<ffi::Buffer<ffi::F32>> den, int64_t nb, int64_t kg,
                      int64_t vt, int64_t v_group, int64_t kbits, int64_t vbits, int64_t tail, int64_t gsplits,
                      float softcap) {
   auto qd = q.dimensions();
@@ -1602,6 +1589,9 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   if (v_group < 8 * vbits || v_group % (8 * vbits) || d % v_group || (v_group & (v_group - 1)))
     return bad("value scale group must be a multiple of 8 vbits channels (16 at 2 bits, 32 at 4) dividing head_dim");
   if (od[0] != batch || od[1] != kvh || od[3] != g || od[4] != d) return bad("output shape does not match q");
+  if (out->element_count() != batch * kvh * g * d || m_all->element_count() != batch * kvh * g ||
+      den->element_count() != batch * kvh * g)
+    return bad("merged outputs must be out [B, KVH, G, D], m and l [B, KVH, G]");
   auto bd = bounds.dimensions();
   if (bd.size() != 2 || bd[0] != batch || bd[1] != 8) return bad("bounds must be int32 [B, 8]");
   auto rkd = k_ring.dimensions(), rvd = v_ring.dimensions(), skd = sink_k.dimensions(), svd = sink_v.dimensions();
@@ -1671,6 +1661,9 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
     case 256: e = launch<256>(stream, p, static_cast<int>(batch)); break;
     default: return bad("head_dim must be 64, 128 or 256, got " + std::to_string(d));
   }
+  if (e == cudaSuccess)
+    e = jaxlp::split_merge(stream, p.o, p.m, p.l, out->typed_data(), m_all->typed_data(), den->typed_data(),
+                           static_cast<int>(batch * kvh), p.splits, p.g, static_cast<int>(d));
   if (e != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal,
                       std::string("jaxlp quantized decode attention launch: ") + cudaGetErrorString(e));
@@ -1702,6 +1695,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Arg<ffi::Buffer<ffi::F16>>()  // new value
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o [B, KVH, S, G, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m [B, KVH, S, G]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // l
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, KVH, G, D]: the splits merged (split_merge.cuh)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m [B, KVH, G]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
                                   .Attr<int64_t>("nb")
                                   .Attr<int64_t>("kg")

@@ -46,7 +46,9 @@ Design (``quantized_decode_attention.cu``), two paths in one launch, both flash-
   global memory), copies the ring tokens over it, and reads it with ``ldmatrix``, FP16 m16n8k16
   MMAs with the query heads as the 16 rows; within about ``1e-3`` of the reference.
 
-Splits along the sequence are merged in float32 by XLA (:func:`jaxlp.attention.reference.merge_splits`).
+Splits along the sequence are merged in float32 by a second launch of the same call
+(``split_merge.cuh``: one kernel instead of XLA's two or three fusions of
+:func:`jaxlp.attention.reference.merge_splits`, the reference it follows).
 
 The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
@@ -59,7 +61,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlp.attention.reference import merge_splits
 from jaxlp.ffi import build
 
 TARGET = "jaxlp_quantized_decode_attention"
@@ -252,14 +253,16 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
         LIBRARY.load()
     qg = q.astype(jnp.float32).reshape(b, kvh, g, d) * jnp.float32(scale)
     f32 = jnp.float32
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((b, kvh, splits, g, d), f32),
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((b, kvh, splits, g, d), f32),  # the splits' partials
                                      jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
-                                     jax.ShapeDtypeStruct((b, kvh, splits, g), f32)))
+                                     jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
+                                     jax.ShapeDtypeStruct((b, kvh, g, d), f32),  # merged (split_merge.cuh)
+                                     jax.ShapeDtypeStruct((b, kvh, g), f32),
+                                     jax.ShapeDtypeStruct((b, kvh, g), f32)))
     half = lambda x: x.astype(jnp.float16)  # noqa: E731
-    o, m, l = call(qg, bounds, k_low, k_high, k_boost, half(k_scale), half(k_min), v_codes, half(v_store.scale),
+    *_, out, m_all, den = call(qg, bounds, k_low, k_high, k_boost, half(k_scale), half(k_min), v_codes, half(v_store.scale),
                    half(v_store.min), *k_ring, *v_ring, *sink, *new, nb=np.int64(lay.n_boost),
                    kg=np.int64(lay.key_groups), vt=np.int64(lay.value_tokens), v_group=np.int64(lay.value_group),
                    kbits=np.int64(lay.key_bits), vbits=np.int64(lay.value_bits), tail=np.int64(tail),
                    gsplits=np.int64(general), softcap=np.float32(softcap or 0.0))
-    out, m_all, den = merge_splits(o, m, l)
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)

@@ -432,8 +432,10 @@ def test_kivi_kernel_model_through_decode_steps(name):
                                         ("kivi-k2v2*", 128, 8), ("kivi-k4v4", 64, 2), ("kivi-k4v4", 128, 8),
                                         ("kivi-k4v4", 256, 1), ("kivi-k2v4*", 64, 2), ("kivi-k2v4*", 128, 8),
                                         ("kivi-k2v4*", 256, 1), ("kivi-k4v2*", 64, 2), ("kivi-k4v2*", 128, 8),
-                                        ("kivi-k4v2*", 256, 1)])
+                                        ("kivi-k4v2*", 256, 1), ("kivi-k2v2*", 256, 8), ("kivi-k4v4", 128, 12)])
 def test_gpu_kivi_store_matches_the_reference_byte_for_byte(name, d, kvh):
+    """Every row kind of kivi_rows, byte for byte (up to 12 head CTAs per row and stream meeting at
+    the slot positions' counter)."""
     off = 32 if name.endswith("*") else 0
     stored, positions = kivi_rows(off)
     layer = prompt_layer(name, stored, 520, kvh, d, seed=d + kvh)

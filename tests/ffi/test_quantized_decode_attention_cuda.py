@@ -616,10 +616,11 @@ def dequant2(c, scale, mn):
     return (x * np.float64(scale)[..., None] + np.float64(mn)[..., None]).astype(np.float16)
 
 
-def dequant8_4bit(p0, p1, t, scale, mn):
-    """``dequant8_4bit``: plane t (nibble t) of the bytes of two words (each byte-permuted 0x3120)."""
-    mask = np.uint32(0x000F000F)
-    parts = [(p >> np.uint32(4 * t + sh)) & mask for p in (p0, p1) for sh in (0, 8)]
+def dequant8(p0, p1, t, bits, scale, mn):
+    """``dequant8`` (no boosted bits): plane t's ``bits``-bit codes of the bytes of two words (each
+    byte-permuted 0x3120), 8 consecutive elements of the plane."""
+    mask = np.uint32(0x00030003 if bits == 2 else 0x000F000F)
+    parts = [(p >> np.uint32(bits * t + sh)) & mask for p in (p0, p1) for sh in (0, 8)]
     return np.concatenate([dequant2(x, scale, mn) for x in parts], axis=-1)
 
 
@@ -637,7 +638,7 @@ def staged_key_tile(codes, scale, mn, bits):
     d = codes.shape[0]
     words = np.ascontiguousarray(codes).view("<u4")  # [D, 4 bits]: four words per 16-byte piece
     kt, writes = np.zeros((d, 128), np.float16), np.zeros((d, 128), np.int64)
-    kp = bits // 2  # 16-byte pieces per share (half a channel row)
+    kp, plane = bits // 2, 16 * bits  # 16-byte pieces per share (half a channel row), tokens per plane
 
     def put(c, tok0, x):
         cols = tok0[:, None] + np.arange(x.shape[-1])
@@ -647,21 +648,13 @@ def staged_key_tile(codes, scale, mn, bits):
     for i in range(d // 64):
         idx = THREADS + 128 * i
         c, half = idx >> 1, idx & 1
-        piece = [words[c[:, None], 4 * (half * kp + k)[:, None] + np.arange(4)] for k in range(kp)]  # [128, 4] each
-        if bits == 2:
-            for w in range(4):
-                lp = perm3120(piece[0][:, w])
-                for t in range(4):  # group t: scale row t
-                    x = np.concatenate([dequant2((lp >> np.uint32(2 * t + sh)) & np.uint32(0x00030003), scale[t, c],
-                                                 mn[t, c]) for sh in (0, 8)], axis=-1)
-                    put(c, 32 * t + half * 16 + w * 4, x)
-        else:
-            for t in range(2):  # plane t: tokens 64 t + 32 half + [0, 32), group 2 t + half
-                s, m = scale[2 * t + half, c], mn[2 * t + half, c]
-                for k in range(2):
-                    for w in (0, 2):
-                        x = dequant8_4bit(perm3120(piece[k][:, w]), perm3120(piece[k][:, w + 1]), t, s, m)
-                        put(c, 64 * t + half * 32 + k * 16 + w * 4, x)
+        for k in range(kp):
+            piece = words[c[:, None], 4 * (half * kp + k)[:, None] + np.arange(4)]  # [128, 4]
+            for t in range(8 // bits):  # plane t: 2-bit, group t; 4-bit, tokens 64 t + 32 half + .., group 2 t + half
+                grp = t if bits == 2 else 2 * t + half
+                for w in (0, 2):
+                    x = dequant8(perm3120(piece[:, w]), perm3120(piece[:, w + 1]), t, bits, scale[grp, c], mn[grp, c])
+                    put(c, plane * t + 16 * kp * half + 16 * k + 4 * w, x)
     return kt, writes
 
 
@@ -683,22 +676,14 @@ def staged_value_tile(codes, scale, mn, bits):
     for i in range(d // 64):
         idx = THREADS + 128 * i
         tok, share = idx // shares, idx % shares
-        piece = [words[tok[:, None], 4 * (share * vp + k)[:, None] + np.arange(4)] for k in range(vp)]
-        grp = [(u * vrow + share * 16 * vp) // group for u in range(8 // bits)]  # plane u's scale group
-        if bits == 2:
-            for w in range(4):
-                lp = perm3120(piece[0][:, w])
-                for u in range(4):
-                    x = np.concatenate([dequant2((lp >> np.uint32(2 * u + sh)) & np.uint32(0x00030003),
-                                                 scale[tok, grp[u]], mn[tok, grp[u]]) for sh in (0, 8)], axis=-1)
-                    put(tok, u * (d // 4) + share * 16 + w * 4, x)
-        else:
-            for u in range(2):  # plane u: channels u D / 2 + 32 share + [0, 32)
-                s, m = scale[tok, grp[u]], mn[tok, grp[u]]
-                for k in range(2):
-                    for w in (0, 2):
-                        x = dequant8_4bit(perm3120(piece[k][:, w]), perm3120(piece[k][:, w + 1]), u, s, m)
-                        put(tok, u * (d // 2) + share * 32 + k * 16 + w * 4, x)
+        for k in range(vp):
+            piece = words[tok[:, None], 4 * (share * vp + k)[:, None] + np.arange(4)]
+            for u in range(8 // bits):  # plane u: channels u vrow + 16 vp share + [0, 16 vp), one scale group
+                grp = (u * vrow + share * 16 * vp) // group
+                for w in (0, 2):
+                    x = dequant8(perm3120(piece[:, w]), perm3120(piece[:, w + 1]), u, bits, scale[tok, grp],
+                                 mn[tok, grp])
+                    put(tok, u * vrow + 16 * vp * share + 16 * k + 4 * w, x)
     return vt, writes
 
 

@@ -5,10 +5,13 @@ fields are there)."""
 import json
 import types
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from conftest import load_script
+from jaxlp import kvcache
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +98,47 @@ def test_attention_part_steps_each_copy_and_reports_per_layer(bk, tmp_path, monk
     for r in rows:
         assert r["step_us"] == r["step_us"] and r["copies"] >= 2
     assert all(rows[1][k] == rows[1][k] for k in ("attend_us", "store_us", "kernel_us"))
+
+
+def test_with_rings_restores_the_window_a_loop_starts_from(bk):
+    """A KIVI layer stepped past position p and rewound to p: each step's store finds a ring slot
+    holding a later token (a rewind), unless the rings are put back as they were at p; then the
+    state after a second pass of the same steps equals the first pass's, byte for byte."""
+    config = bk.model_config(1, tiny=True)
+    fmt = kvcache.get("kivi-k2v2*")
+    layer = bk.filled_layer(fmt, config, 2, 200, 260)
+    rings = bk.rings_of(layer)
+    assert set(rings) == set(bk.RING_FIELDS)
+    kv = jax.random.normal(jax.random.key(0), (2, 1, config.num_kv_heads, config.head_dim), jnp.bfloat16)
+
+    def steps(lay):
+        for i in range(3):
+            lay = lay.store(kv, kv, jnp.full((2, 1), 200 + i, jnp.int32))
+        return lay
+
+    first = steps(layer)
+    # The value token the first step quantizes (lag 128): its slot held it at 200, not after the pass.
+    jt = 200 - layer.sink_len - 128
+    slot = jt % layer.v_ring_pos.shape[1]
+    assert int(rings["v_ring_pos"][0, slot]) == jt and int(first.v_ring_pos[0, slot]) != jt
+    restored = bk.with_rings(first, rings)
+    assert int(restored.v_ring_pos[0, slot]) == jt
+    np.testing.assert_array_equal(np.asarray(restored.k_store.codes), np.asarray(first.k_store.codes))
+    again = steps(restored)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert bk.rings_of(kvcache.get("bf16").init(config, 1, 16).layers[0]) == {}
+
+
+def test_loop_us_resets_the_carry_before_every_loop(bk, monkeypatch):
+    monkeypatch.setattr(bk, "MIN_DIFFERENCE_S", 0.0)  # the loop lengths 1 and 3 only
+    args = types.SimpleNamespace(n1=1, n2=3, repeats=2, compiler_options={})
+    resets = []
+
+    def reset(c):
+        resets.append(float(c[0]))
+        return jnp.zeros_like(c)
+
+    bk.loop_us(lambda i, c: c + 1.0, jnp.zeros((4,), jnp.float32), args, reset=reset)
+    # before every loop (4 lengths x 2 repeats): the carry is the last loop's, then back to zero
+    assert len(resets) >= 8 and resets[0] == 0.0 and set(resets[1:]) <= {1.0, 3.0} and 3.0 in resets
