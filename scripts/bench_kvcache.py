@@ -28,6 +28,7 @@ zeros), 4096 positions per call; every layer gets a copy of the same layer state
 
     python scripts/bench_kvcache.py --out docs/bench_kvcache_h100.json --plot docs/kvcache_capacity_h100.png
     python scripts/bench_kvcache.py --replot docs/bench_kvcache_h100.json --plot capacity.png  # no GPU needed
+    python scripts/bench_kvcache.py --replot docs/bench_kvcache_s25_h100.json --attention-plot attention.png
 """
 
 from __future__ import annotations
@@ -273,8 +274,9 @@ def attention_part(args, config, rows):
                         return acc
 
                     row["attend_us"] = loop_us(attend, jnp.float32(0), args) / copies
+                    restore = lambda c: tuple(with_rings(lay, r) for lay, r in zip(c, rings))  # noqa: E731
                     row["store_us"] = loop_us(store, tuple(jax.tree.map(jnp.copy, lay) for lay in inners), args,
-                                              reset=lambda c: tuple(with_rings(lay, r) for lay, r in zip(c, rings))) / copies
+                                              reset=restore) / copies
                     row["kernel_us"] = loop_us(kernel, jnp.float32(0), args) / copies
                 row["floor_us"] = row["bytes"] / bandwidth * 1e6
                 row["copy_pct"] = 100 * row["floor_us"] / step_us
@@ -450,9 +452,11 @@ def main(argv=None):
                    help="XLA options for the timed programs, e.g. xla_gpu_enable_command_buffer=FUSION,CONDITIONAL "
                         "(';' between options)")
     p.add_argument("--out", default=None)
-    p.add_argument("--plot", default=None)
+    p.add_argument("--plot", default=None, help="the capacity part's tokens/s per format (PNG)")
+    p.add_argument("--attention-plot", default=None,
+                   help="the attention part: each format's step as x BF16 and as %% of its bytes' floor (PNG)")
     p.add_argument("--replot", default=None, metavar="JSON",
-                   help="measure nothing: the table and --plot of a saved --out file's rows")
+                   help="measure nothing: the table and plots of a saved --out file's rows")
     args = p.parse_args(argv)
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
@@ -477,8 +481,38 @@ def main(argv=None):
     return result
 
 
+def attention_plot(rows, path):
+    """Two panels over the attention part's (batch, context) points: each quantized format's step
+    as x BF16 (bars; the line at 1 is BF16) and as % of its bytes' floor at the measured copy
+    bandwidth."""
+    att = [r for r in rows if r["part"] == "attention"]
+    points = sorted({(r["batch"], r["context"]) for r in att}, key=lambda p: (p[1], p[0]))
+    formats = list(dict.fromkeys(r["format"] for r in att if r["format"] != "bf16"))
+    at = {(r["format"], r["batch"], r["context"]): r for r in att}
+    plt = harness.pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    width = 0.8 / max(len(formats) + 1, 1)
+    xs = np.arange(len(points))
+    for i, name in enumerate(["bf16"] + formats):
+        got = [at.get((name, b, c)) for b, c in points]
+        off = xs + (i - len(formats) / 2) * width
+        if name != "bf16":  # the same color per format in both panels
+            top.bar(off, [r["x_bf16"] if r and r["x_bf16"] else np.nan for r in got], width, label=name,
+                    color=f"C{i}")
+        bottom.bar(off, [r["copy_pct"] if r else np.nan for r in got], width, label=name, color=f"C{i}")
+    top.axhline(1.0, color="k", lw=0.8)
+    top.set(ylabel="x BF16 (attention step)", title="decode attention step per layer, Qwen3-8B heads")
+    top.legend(fontsize=8, ncol=4)
+    bottom.set(ylabel="% of the bytes' floor", xticks=xs, xticklabels=[f"{b} x {c // 1024}K" for b, c in points])
+    bottom.legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def report(args, rows):
-    """The capacity plot (``--plot``) and the table of ``rows``."""
+    """The capacity plot (``--plot``), the attention plot (``--attention-plot``) and the table of ``rows``."""
+    if getattr(args, "attention_plot", None) and any(r["part"] == "attention" for r in rows):
+        attention_plot(rows, args.attention_plot)
     if args.plot and any(r["part"] == "capacity" for r in rows):
         cap = [r for r in rows if r["part"] == "capacity"]
         plt = harness.pyplot()

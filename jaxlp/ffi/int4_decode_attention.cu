@@ -464,7 +464,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpInt4DecodeAttention, jaxlp_int4attn::Int4Impl
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o [B, KVH, S, G, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m [B, KVH, S, G]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, KVH, G, D]: the splits merged (split_merge.cuh)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, KVH, G, D]: merged (split_merge.cuh)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m [B, KVH, G]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
                                   .Attr<float>("scale")

@@ -317,7 +317,8 @@ __device__ __forceinline__ void unpack_block(const BlockRegs<D, KG, VPL, KBITS, 
 #pragma unroll
         for (int w = 0; w < 4; w += 2) {
           const int ch0 = kVPlane * u + 16 * kVP * share + 16 * k + 4 * w;
-          *reinterpret_cast<uint4*>(vs + tok * kVStride + ch0) = dequant8<VBITS>(vw[w], vw[w + 1], 0u, 0u, u, scale, mn);
+          *reinterpret_cast<uint4*>(vs + tok * kVStride + ch0) =
+              dequant8<VBITS>(vw[w], vw[w + 1], 0u, 0u, u, scale, mn);
         }
       }
     }
@@ -1696,7 +1697,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o [B, KVH, S, G, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m [B, KVH, S, G]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, KVH, G, D]: the splits merged (split_merge.cuh)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, KVH, G, D]: merged (split_merge.cuh)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m [B, KVH, G]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // l
                                   .Attr<int64_t>("nb")

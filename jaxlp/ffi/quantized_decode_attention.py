@@ -260,9 +260,10 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
                                      jax.ShapeDtypeStruct((b, kvh, g), f32),
                                      jax.ShapeDtypeStruct((b, kvh, g), f32)))
     half = lambda x: x.astype(jnp.float16)  # noqa: E731
-    *_, out, m_all, den = call(qg, bounds, k_low, k_high, k_boost, half(k_scale), half(k_min), v_codes, half(v_store.scale),
-                   half(v_store.min), *k_ring, *v_ring, *sink, *new, nb=np.int64(lay.n_boost),
-                   kg=np.int64(lay.key_groups), vt=np.int64(lay.value_tokens), v_group=np.int64(lay.value_group),
-                   kbits=np.int64(lay.key_bits), vbits=np.int64(lay.value_bits), tail=np.int64(tail),
-                   gsplits=np.int64(general), softcap=np.float32(softcap or 0.0))
+    *_, out, m_all, den = call(qg, bounds, k_low, k_high, k_boost, half(k_scale), half(k_min), v_codes,
+                               half(v_store.scale), half(v_store.min), *k_ring, *v_ring, *sink, *new,
+                               nb=np.int64(lay.n_boost), kg=np.int64(lay.key_groups), vt=np.int64(lay.value_tokens),
+                               v_group=np.int64(lay.value_group), kbits=np.int64(lay.key_bits),
+                               vbits=np.int64(lay.value_bits), tail=np.int64(tail), gsplits=np.int64(general),
+                               softcap=np.float32(softcap or 0.0))
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)

@@ -142,3 +142,16 @@ def test_loop_us_resets_the_carry_before_every_loop(bk, monkeypatch):
     bk.loop_us(lambda i, c: c + 1.0, jnp.zeros((4,), jnp.float32), args, reset=reset)
     # before every loop (4 lengths x 2 repeats): the carry is the last loop's, then back to zero
     assert len(resets) >= 8 and resets[0] == 0.0 and set(resets[1:]) <= {1.0, 3.0} and 3.0 in resets
+
+
+def test_replot_draws_the_attention_points_from_saved_rows(bk, tmp_path):
+    """``--replot`` of saved attention rows (no GPU): the table, and a PNG with both panels."""
+    rows = [dict(part="attention", format=f, batch=b, context=c, step_us=us, copy_pct=pct, x_bf16=x)
+            for b, c in ((1, 4096), (8, 32768))
+            for f, us, pct, x in (("bf16", 20.0, 30.0, 1.0), ("kitty-pro", 15.0, 8.0, 20.0 / 15.0),
+                                  ("kivi-k4v4", 19.0, 11.0, 20.0 / 19.0))]
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps({"rows": rows}))
+    png = tmp_path / "attention.png"
+    bk.main(["--replot", str(saved), "--attention-plot", str(png)])
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
