@@ -100,8 +100,9 @@ def _store_chunk(layer, k, v, positions):
 
 
 def rings_of(layer) -> dict:
-    """Copies of the FP16 rings and slot positions of a quantized layer (FireQ's inside it; none for
-    BF16 or FireQ, which have no ring): what :func:`with_rings` puts back."""
+    """Copies of the FP16 rings and slot positions of a quantized layer (a FireQ layer's inner
+    cache's, which are empty: FireQ has no ring; ``{}`` for the dense caches): what
+    :func:`with_rings` puts back."""
     inner = getattr(layer, "inner", layer)
     return {name: jnp.copy(getattr(inner, name)) for name in RING_FIELDS if hasattr(inner, name)}
 
