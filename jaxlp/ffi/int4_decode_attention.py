@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlp.ffi import build
-from jaxlp.ffi.quantized_decode_attention import fp16_clipped
+from jaxlp.ffi.quantized_decode_attention import fp16_clipped, split_outputs
 
 TARGET = "jaxlp_int4_decode_attention"
 LIBRARY = build.Library("int4_decode_attention", {TARGET: "JaxlpInt4DecodeAttention"})
@@ -123,13 +123,7 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
         if channel_scales.shape != (kvh, d):
             raise ValueError(f"attend_units: query channel scales must be [KVH, D] = {(kvh, d)}, got "
                              f"{channel_scales.shape}")
-    f32 = jnp.float32
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((b, kvh, splits, g, d), f32),  # the splits' partials
-                                     jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
-                                     jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
-                                     jax.ShapeDtypeStruct((b, kvh, g, d), f32),  # merged (split_merge.cuh)
-                                     jax.ShapeDtypeStruct((b, kvh, g), f32),
-                                     jax.ShapeDtypeStruct((b, kvh, g), f32)))
+    call = jax.ffi.ffi_call(TARGET, split_outputs(b, kvh, splits, g, d))
     as_u8 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
     flat = lambda st: st.codes.reshape(b, tokens, kvh, d // 2)  # noqa: E731
     *_, out, m_all, den = call(q.astype(jnp.float32).reshape(b, kvh, g, d), channel_scales, bounds,

@@ -205,6 +205,16 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
                  softcap=softcap, splits=splits, packed=packed, staged_splits=staged_splits)
 
 
+def split_outputs(b: int, kvh: int, splits: int, g: int, d: int) -> tuple:
+    """The results of a flash-decoding call whose handler merges its splits (``split_merge.cuh``):
+    the partials ``o [B, KVH, S, G, D], m, l [B, KVH, S, G]`` (the merge's input, unused after),
+    then the merged ``out [B, KVH, G, D], m, l [B, KVH, G]``, all float32."""
+    f32 = jnp.float32
+    return (jax.ShapeDtypeStruct((b, kvh, splits, g, d), f32), jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
+            jax.ShapeDtypeStruct((b, kvh, splits, g), f32), jax.ShapeDtypeStruct((b, kvh, g, d), f32),
+            jax.ShapeDtypeStruct((b, kvh, g), f32), jax.ShapeDtypeStruct((b, kvh, g), f32))
+
+
 def fp16_clipped(x):
     """``x`` as FP16, clipped to its range (no inf from a large BF16 / float32 number)."""
     if x.dtype == jnp.float16:
@@ -252,13 +262,7 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
     if build.on_gpu():
         LIBRARY.load()
     qg = q.astype(jnp.float32).reshape(b, kvh, g, d) * jnp.float32(scale)
-    f32 = jnp.float32
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((b, kvh, splits, g, d), f32),  # the splits' partials
-                                     jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
-                                     jax.ShapeDtypeStruct((b, kvh, splits, g), f32),
-                                     jax.ShapeDtypeStruct((b, kvh, g, d), f32),  # merged (split_merge.cuh)
-                                     jax.ShapeDtypeStruct((b, kvh, g), f32),
-                                     jax.ShapeDtypeStruct((b, kvh, g), f32)))
+    call = jax.ffi.ffi_call(TARGET, split_outputs(b, kvh, splits, g, d))
     half = lambda x: x.astype(jnp.float16)  # noqa: E731
     *_, out, m_all, den = call(qg, bounds, k_low, k_high, k_boost, half(k_scale), half(k_min), v_codes,
                                half(v_store.scale), half(v_store.min), *k_ring, *v_ring, *sink, *new,
