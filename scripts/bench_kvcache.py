@@ -121,6 +121,11 @@ def with_rings(layer, rings: dict):
     return dataclasses.replace(layer, **{name: jnp.copy(x) for name, x in rings.items()})
 
 
+def restore_rings(layers, rings) -> tuple:
+    """:func:`with_rings` over ``layers`` and their ``rings`` (``[rings_of(layer) for layer in ...]``)."""
+    return tuple(with_rings(lay, r) for lay, r in zip(layers, rings, strict=True))
+
+
 def step_bytes(fmt, config, batch, context) -> float:
     """Bytes a one-token step must read for ``context`` cached tokens (all rows, one layer)."""
     return batch * fmt.bytes_per_token(config) * context
@@ -242,8 +247,8 @@ def attention_part(args, config, rows):
                 rings = [rings_of(lay) for lay in layers]
                 profile = {} if args.profile else None
                 carry = (tuple(jax.tree.map(jnp.copy, lay) for lay in layers), jnp.float32(0))  # donated
-                step_us = loop_us(step, carry, args, profile, reset=lambda c: (
-                    tuple(with_rings(lay, r) for lay, r in zip(c[0], rings)), c[1])) / copies
+                restart = lambda c: (restore_rings(c[0], rings), c[1])  # noqa: E731
+                step_us = loop_us(step, carry, args, profile, reset=restart) / copies
                 row = dict(part="attention", format=name, batch=batch, context=context, step_us=step_us,
                            bytes=layer_bytes, copies=copies)
                 if profile:
@@ -275,9 +280,8 @@ def attention_part(args, config, rows):
                         return acc
 
                     row["attend_us"] = loop_us(attend, jnp.float32(0), args) / copies
-                    restore = lambda c: tuple(with_rings(lay, r) for lay, r in zip(c, rings))  # noqa: E731
                     row["store_us"] = loop_us(store, tuple(jax.tree.map(jnp.copy, lay) for lay in inners), args,
-                                              reset=restore) / copies
+                                              reset=lambda c: restore_rings(c, rings)) / copies
                     row["kernel_us"] = loop_us(kernel, jnp.float32(0), args) / copies
                 row["floor_us"] = row["bytes"] / bandwidth * 1e6
                 row["copy_pct"] = 100 * row["floor_us"] / step_us
@@ -309,7 +313,7 @@ def decode_ms(model, fmt, batch, context, args, profile: dict | None = None) -> 
     rings = [rings_of(lay) for lay in cache.layers]  # each loop decodes from `context` again: see with_rings
 
     def fresh(c):
-        return kvcache.KVCache(tuple(with_rings(lay, r) for lay, r in zip(c.layers, rings)))
+        return kvcache.KVCache(restore_rings(c.layers, rings))
 
     graphdef, params = nnx.split(model)
     run = jax.jit(decode_loop, static_argnums=0, donate_argnums=2, compiler_options=args.compiler_options or None)
