@@ -460,6 +460,7 @@ def main(argv=None):
     p.add_argument("--plot", default=None, help="the capacity part's tokens/s per format (PNG)")
     p.add_argument("--attention-plot", default=None,
                    help="the attention part: each format's step as x BF16 and as %% of its bytes' floor (PNG)")
+    p.add_argument("--decode-plot", default=None, help="the decode part: each format's ms/token as x BF16 (PNG)")
     p.add_argument("--replot", default=None, metavar="JSON",
                    help="measure nothing: the table and plots of a saved --out file's rows")
     args = p.parse_args(argv)
@@ -486,38 +487,60 @@ def main(argv=None):
     return result
 
 
+def format_bars(ax, rows, value, with_bf16=True) -> list:
+    """Bars of ``value(row)`` per format at each (batch, context) point of ``rows`` (one part's),
+    BF16 first and each format in the same color on every panel; returns the points in x order."""
+    points = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda p: (p[1], p[0]))
+    formats = list(dict.fromkeys(r["format"] for r in rows if r["format"] != "bf16"))
+    at = {(r["format"], r["batch"], r["context"]): r for r in rows}
+    width = 0.8 / max(len(formats) + 1, 1)
+    xs = np.arange(len(points))
+    for i, name in enumerate(["bf16"] + formats):
+        if name == "bf16" and not with_bf16:
+            continue
+        got = [at.get((name, b, c)) for b, c in points]
+        ax.bar(xs + (i - len(formats) / 2) * width, [value(r) if r and value(r) else np.nan for r in got], width,
+               label=name, color=f"C{i}")
+    ax.set(xticks=xs, xticklabels=[f"{b} x {c // 1024}K" for b, c in points])
+    ax.legend(fontsize=8, ncol=4)
+    return points
+
+
 def attention_plot(rows, path):
     """Two panels over the attention part's (batch, context) points: each quantized format's step
     as x BF16 (bars; the line at 1 is BF16) and as % of its bytes' floor at the measured copy
     bandwidth."""
     att = [r for r in rows if r["part"] == "attention"]
-    points = sorted({(r["batch"], r["context"]) for r in att}, key=lambda p: (p[1], p[0]))
-    formats = list(dict.fromkeys(r["format"] for r in att if r["format"] != "bf16"))
-    at = {(r["format"], r["batch"], r["context"]): r for r in att}
     plt = harness.pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    width = 0.8 / max(len(formats) + 1, 1)
-    xs = np.arange(len(points))
-    for i, name in enumerate(["bf16"] + formats):
-        got = [at.get((name, b, c)) for b, c in points]
-        off = xs + (i - len(formats) / 2) * width
-        if name != "bf16":  # the same color per format in both panels
-            top.bar(off, [r["x_bf16"] if r and r["x_bf16"] else np.nan for r in got], width, label=name,
-                    color=f"C{i}")
-        bottom.bar(off, [r["copy_pct"] if r else np.nan for r in got], width, label=name, color=f"C{i}")
+    format_bars(top, att, lambda r: r["x_bf16"], with_bf16=False)
     top.axhline(1.0, color="k", lw=0.8)
     top.set(ylabel="x BF16 (attention step)", title="decode attention step per layer, Qwen3-8B heads")
-    top.legend(fontsize=8, ncol=4)
-    bottom.set(ylabel="% of the bytes' floor", xticks=xs, xticklabels=[f"{b} x {c // 1024}K" for b, c in points])
-    bottom.legend(fontsize=8, ncol=4)
+    format_bars(bottom, att, lambda r: r["copy_pct"])
+    bottom.set(ylabel="% of the bytes' floor")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def decode_plot(rows, path, layers):
+    """The decode part: each quantized format's ms/token through the model as x BF16 (bars; the
+    line at 1 is BF16) at each (batch, context) point."""
+    dec = [r for r in rows if r["part"] == "decode"]
+    plt = harness.pyplot()
+    fig, ax = plt.subplots(figsize=(11, 4))
+    format_bars(ax, dec, lambda r: r["x_bf16"], with_bf16=False)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(ylabel="x BF16 (decode ms/token)", title=f"decode through {layers} Qwen3-8B layers, one token per step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def report(args, rows):
-    """The capacity plot (``--plot``), the attention plot (``--attention-plot``) and the table of ``rows``."""
+    """The plots asked for (``--plot``: capacity, ``--attention-plot``, ``--decode-plot``) and the table of ``rows``."""
     if getattr(args, "attention_plot", None) and any(r["part"] == "attention" for r in rows):
         attention_plot(rows, args.attention_plot)
+    if getattr(args, "decode_plot", None) and any(r["part"] == "decode" for r in rows):
+        decode_plot(rows, args.decode_plot, args.layers)
     if args.plot and any(r["part"] == "capacity" for r in rows):
         cap = [r for r in rows if r["part"] == "capacity"]
         plt = harness.pyplot()

@@ -155,3 +155,19 @@ def test_replot_draws_the_attention_points_from_saved_rows(bk, tmp_path):
     png = tmp_path / "attention.png"
     bk.main(["--replot", str(saved), "--attention-plot", str(png)])
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_replot_draws_the_decode_and_capacity_points_from_saved_rows(bk, tmp_path, capsys):
+    """``--replot`` of saved decode and capacity rows: both PNGs and the table's lines."""
+    rows = [dict(part="decode", format=f, batch=b, context=8192, ms_per_token=ms, x_bf16=2.0 / ms)
+            for b in (1, 32) for f, ms in (("bf16", 2.0), ("kitty-pro", 1.6), ("kivi-k2v2*", 1.8))]
+    rows += [dict(part="capacity", format=f, batch=n, context=8192, budget_gb=40.0, ms_per_token=20.0,
+                  tokens_per_s=n / 20.0 * 1e3) for f, n in (("bf16", 157), ("kitty-pro", 867))]
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps({"rows": rows}))
+    decode_png, capacity_png = tmp_path / "decode.png", tmp_path / "capacity.png"
+    bk.main(["--replot", str(saved), "--decode-plot", str(decode_png), "--plot", str(capacity_png)])
+    for png in (decode_png, capacity_png):
+        assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr().out
+    assert "1.600 ms/token, x1.25 vs bf16" in out and "43350 tok/s at B=867" in out
