@@ -32,6 +32,10 @@ prefill admitted in between shows here); the mean decode step time (``Engine.ste
 per step); output tokens/s, total (prompt + output) tokens/s and requests/s over the duration
 (start -> last request finished); slots, cache bytes, mean / max running requests, and the
 programs compiled after warm-up (must be 0: the engine never recompiles once warm).
+With ``--generate-baseline`` each engine also gets a row (rate ``generate``): ``jaxlp.generate``'s
+decode step on as many of the workload's prompts as the engine has slots, same model, cache and
+sampler, beside the engine's step of its last rate (``engine_over_generate``: the engine's
+overhead, host round trips between its decode calls included).
 
 Results: JSON under ``--out`` (rewritten after every run, so a run cut short keeps what it
 measured), a plot (``--plot``, default ``--out`` with ``.png``: TTFT p50, TPOT p50 and output
@@ -80,7 +84,7 @@ from bench_decode import QWEN3_8B, build_model  # noqa: E402
 
 from jaxlp import kvcache  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
-from jaxlp.generation import prompt_bucket  # noqa: E402
+from jaxlp.generation import generate, prompt_bucket  # noqa: E402
 from jaxlp.models import from_hf_config  # noqa: E402
 from jaxlp.quantization import RECIPES, quantize_model, set_implementation  # noqa: E402
 from jaxlp.quantization.activations import STATIC  # noqa: E402
@@ -213,6 +217,29 @@ def run_workload(engine: Engine, requests: list[dict], arrivals: np.ndarray, sam
     )
 
 
+def generate_step_ms(model, requests: list[dict], batch: int, cache: str, max_len: int, sampler, short: int,
+                     long: int, repeats: int = 3) -> float:
+    """``jaxlp.generate``'s decode step (ms) on ``batch`` of the workload's prompts (cycled), the
+    same model, cache format and sampler as an engine of ``batch`` slots: the time of ``long`` new
+    tokens less that of ``short``, over their difference (the prompt call cancels), medians of
+    ``repeats`` after one untimed call per length (its compilation). No stop token: every row
+    decodes every step, as the engine's fixed-shape slot batch does."""
+    prompts = [requests[i % len(requests)]["prompt"] for i in range(batch)]
+    times = {}
+    for n in (short, long):
+        def call(n=n):
+            return generate(model, prompts, max_new_tokens=n, sampler=sampler, kv_cache=cache, stop_tokens=[],
+                            max_length=max_len).tokens  # NumPy: the call has finished
+        call()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - t0)
+        times[n] = float(np.median(samples))
+    return (times[long] - times[short]) / (long - short) * 1e3
+
+
 # ---------------------------------------------------------------- models and engines
 
 def model_config(layers: int, tiny: bool):
@@ -287,6 +314,11 @@ def print_table(runs: list[dict], header: str) -> None:
     print(cols)
     for r in runs:
         head = f"{r['recipe']:12s} {r['kv_cache']:10s} {str(r['rate']):>5s}"
+        if "generate_step_ms" in r:
+            versus = (f"; the engine's {r['engine_step_ms']:.2f} ms is x{r['engine_over_generate']:.3f} of it"
+                      if "engine_step_ms" in r else "")
+            print(f"{head} {r['slots']:5d} jaxlp.generate's decode step {r['generate_step_ms']:.2f} ms{versus}")
+            continue
         if "output_tokens_per_s" not in r:
             print(f"{head} {r.get('error', r.get('skipped', ''))[:100]}")
             continue
@@ -333,6 +365,9 @@ def main(argv=None):
                     help="positions per slot (default: longest prompt + longest output)")
     ap.add_argument("--steps-per-call", type=int, default=None, help="decode steps per device call (default 4)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip runs that start after this many seconds")
+    ap.add_argument("--generate-baseline", action="store_true",
+                    help="also time jaxlp.generate's decode step at each engine's slot count (the engine-overhead "
+                         "goal: its decode step against generate's, same batch and formats)")
     args = ap.parse_args(argv)
     defaults = dict(layers=8, num_prompts=64, input_len="1024", output_len="256", rates="1,2,4,8,inf",
                     steps_per_call=4)
@@ -395,7 +430,7 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory)
                 runs.extend(dict(base, rate=rate_label(rate), error=f"{type(e).__name__}: {str(e)[:300]}")
                             for rate in rates)
-                del engine
+                engine = None  # free what was built
                 continue
             failed = None
             for rate in rates:
@@ -412,6 +447,16 @@ def main(argv=None):
                 runs.append(rec)
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}, flush=True)
                 result["elapsed_s"] = time.time() - start
+                harness.write_json(args.out, result)
+            if args.generate_baseline and not failed:
+                short, long = max(1, out_range[0] // 8), out_range[0]  # within max_len for every prompt
+                ms = generate_step_ms(model_r, requests, engine.slots, cache, max_len, sampler, short, long)
+                steps = [r["step_mean_ms"] for r in runs[-len(rates):] if r.get("step_mean_ms")]
+                row = dict(base, rate="generate", slots=engine.slots, generate_step_ms=ms, generate_steps=[short, long])
+                if steps:  # the engine's decode step (its fullest run's: the last rate) against generate's
+                    row.update(engine_step_ms=steps[-1], engine_over_generate=steps[-1] / ms)
+                runs.append(row)
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
                 harness.write_json(args.out, result)
             del engine
             gc.collect()

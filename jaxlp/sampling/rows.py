@@ -117,9 +117,26 @@ class RowSampler:
         out["key"] = seed_key(seed)
         return out
 
-    def sample(self, settings: RowSettings, state: ReSETState, logits: jax.Array, steps: jax.Array) -> SampleOutput:
+    @staticmethod
+    def is_greedy(sampler: Any) -> bool:
+        """Whether ``sampler`` (one :meth:`row` takes) always picks the argmax: Greedy, or
+        Categorical at a temperature that :func:`sample_with_row_keys` treats as greedy."""
+        return isinstance(sampler, Greedy) or (type(sampler) is Categorical and
+                                               float(sampler.temperature) <= GREEDY_TEMPERATURE)
+
+    def sample(self, settings: RowSettings, state: ReSETState, logits: jax.Array, steps: jax.Array, *,
+               greedy: bool = False) -> SampleOutput:
         """Tokens int32 [B] of rows at their ``steps [B]`` (tokens generated so far), the
-        temperature used (0 for argmax), the new state and the raw-logit entropy."""
+        temperature used (0 for argmax), the new state and the raw-logit entropy.
+
+        ``greedy`` (static; the caller knows every row :meth:`is_greedy`): the argmax alone, the
+        tokens the full draw gives such rows, without its passes over the logits (entropy,
+        nucleus, noise); the ReSET rule is not stepped (no row uses it) and the entropy is NaN."""
+        if greedy:
+            tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            nan = jnp.full(tokens.shape, jnp.nan, jnp.float32)
+            return SampleOutput(tokens, jnp.zeros(tokens.shape, jnp.float32), self._rule(settings).record(state, tokens),
+                                nan)
         entropy, row_max = entropy_and_max(logits, self.implementation)
         rule_temperature, state, _ = self._rule(settings).step(state, entropy)
         temperature = jnp.where(settings.entropy_rule, rule_temperature, settings.temperature)

@@ -44,7 +44,7 @@ from jaxlp import kvcache
 from jaxlp.errors import check_int
 from jaxlp.generation import prompt_bucket
 from jaxlp.quantization import precision as precision_lib
-from jaxlp.sampling.base import Greedy, Sampler
+from jaxlp.sampling.base import Categorical, Greedy, Sampler
 from jaxlp.sampling.boundaries import boundary_ids
 from jaxlp.sampling.rows import RowSampler, RowSettings
 
@@ -118,6 +118,7 @@ class Request:
     _read: int = 0
     _sent: int = 0
     _row: dict | None = None
+    _greedy: bool = True  # its sampler always takes the argmax (RowSampler.is_greedy)
 
     @property
     def finished(self) -> bool:
@@ -166,9 +167,10 @@ def _prefill_program(graphdef, params, state, tokens, length, slot, row, use_fp8
     return new
 
 
-def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, graphdef_fp8=None):
+def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, graphdef_fp8=None, greedy=False):
     """``steps`` decode steps of every slot: ``(state, tokens [B, steps], reasons [B, steps])``;
     a token is -1 where the row emitted none, a reason is RUNNING until the row's last token.
+    ``greedy``: every running row is greedy (:meth:`RowSampler.sample`'s argmax-only path).
     With a precision choice (``graphdef_fp8``), the one ``use_fp8`` of the call picks between two
     whole loops (one conditional per call, not per step: a per-step one cost 5-38% of an 8-layer
     step on the H100, docs/perf.md session 19)."""
@@ -180,7 +182,7 @@ def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, 
     def body(model_graphdef, s, _):
         running = s["active"]
         bad = ~jnp.all(jnp.isfinite(s["logits"]), axis=-1)
-        out = sampler.sample(s["settings"], s["sampler_state"], s["logits"], s["generated"])
+        out = sampler.sample(s["settings"], s["sampler_state"], s["logits"], s["generated"], greedy=greedy)
         emit = running & ~bad
         generated = s["generated"] + emit
         stop = jnp.any(out.tokens[:, None] == s["stop_ids"], axis=-1)
@@ -208,7 +210,7 @@ def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, 
 
 _prefill_jit = jax.jit(_prefill_program, static_argnames=("graphdef", "cache_format", "max_len", "sampler", "batched",
                                                          "graphdef_fp8"), donate_argnames=("state",))
-_decode_jit = jax.jit(_decode_program, static_argnames=("graphdef", "steps", "sampler", "graphdef_fp8"),
+_decode_jit = jax.jit(_decode_program, static_argnames=("graphdef", "steps", "sampler", "graphdef_fp8", "greedy"),
                       donate_argnames=("state",))
 
 
@@ -344,6 +346,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id or f"req-{next(self._ids)}", [int(t) for t in prompt_ids], params, listener)
         request._row = row
+        request._greedy = self.sampler.is_greedy(params.sampler)
         with self._lock:
             free = sum(r is None for r in self._running)
             if len(self._waiting) >= self.max_waiting + free:
@@ -371,10 +374,15 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def warmup(self, prompt_lengths: Sequence[int] = (1,)) -> None:
-        """Compile the decode program and the prefill of the buckets of ``prompt_lengths``
-        (the state is left as it was: every slot free)."""
-        for n in sorted({prompt_bucket(n) for n in prompt_lengths}):
-            request = self.submit([0] * min(n, self.max_len - 1), SamplingParams(max_tokens=1))
+        """Compile the decode programs (calls whose rows are all greedy, and the others) and the
+        prefill of the buckets of ``prompt_lengths`` (the state is left as it was: every slot free)."""
+        buckets = sorted({prompt_bucket(n) for n in prompt_lengths})
+        # A greedy request per bucket, then a sampled one: the decode program of calls whose rows
+        # are all greedy (argmax only) and the one of calls with a sampled row.
+        warm = [(n, SamplingParams(max_tokens=1)) for n in buckets]
+        warm.append((buckets[0], SamplingParams(sampler=Categorical(temperature=1.0), max_tokens=1)))
+        for n, params in warm:
+            request = self.submit([0] * min(n, self.max_len - 1), params)
             while not request.finished:
                 self.step()
 
@@ -440,9 +448,10 @@ class Engine:
     def _decode(self, outputs: list[Output]) -> None:
         alive = jnp.asarray([r is not None for r in self._running])
         start = time.perf_counter()
+        greedy = all(r is None or r._greedy for r in self._running)
         self.state, tokens, reasons = _decode_jit(self.graphdef, self.params, self.state, alive, jnp.bool_(self.fp8),
                                                   steps=self.steps_per_call, sampler=self.sampler,
-                                                  graphdef_fp8=self.graphdef_fp8)
+                                                  graphdef_fp8=self.graphdef_fp8, greedy=greedy)
         tokens, reasons = np.asarray(tokens), np.asarray(reasons)
         now = time.perf_counter()
         self.step_seconds.append((now - start) / self.steps_per_call)

@@ -56,3 +56,18 @@ def test_tiny_sweep(bs, tmp_path):
     assert runs[("bf16", "inf")]["running_max"] == runs[("bf16", "inf")]["slots"]
     assert runs[("bf16", 8.0)]["duration_s"] > runs[("bf16", "inf")]["duration_s"]
     assert (tmp_path / "serving.png").is_file() and saved["plot"] == str(tmp_path / "serving.png")
+
+
+def test_generate_baseline_row(bs, tmp_path):
+    """``--generate-baseline``: a row per engine with jaxlp.generate's decode step at the engine's
+    slot count and the engine's own step against it."""
+    out = tmp_path / "serving.json"
+    result = bs.main(["--tiny", "--kv-caches", "bf16", "--rates", "inf", "--slots", "3", "--generate-baseline",
+                      "--out", str(out)])
+    rows = [r for r in result["runs"] if r["rate"] == "generate"]
+    assert len(rows) == 1
+    row, run = rows[0], [r for r in result["runs"] if r["rate"] == "inf"][0]
+    assert row["slots"] == run["slots"] == 3 and row["generate_steps"] == [1, 8]
+    assert row["generate_step_ms"] > 0 and row["engine_step_ms"] == run["step_mean_ms"]
+    assert row["engine_over_generate"] == row["engine_step_ms"] / row["generate_step_ms"]
+    assert json.loads(out.read_text())["runs"][-1]["rate"] == "generate"

@@ -14,6 +14,7 @@ sampler, seed and cache format.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 
@@ -215,6 +216,34 @@ def test_row_sampler_rows_equal_their_samplers(tok):
             np.testing.assert_allclose(float(out.temperature[r]), float(ref.temperature[0]), rtol=1e-6)
     # The rows did not all draw the same way (the test would be weak if every row were greedy).
     assert len({int(t) for t in out.tokens}) > 3
+
+
+def test_row_sampler_greedy_path_is_the_full_draw_of_greedy_rows(tok):
+    """``sample(..., greedy=True)`` (the engine's calls whose rows are all greedy): the tokens and
+    temperatures the full draw gives greedy rows, ties and a NaN row included, and the ReSET state
+    recording the same tokens; is_greedy names exactly the argmax samplers."""
+    rows = RowSampler(implementation="xla")
+    samplers = [Greedy(), Categorical(temperature=0.0, top_p=0.5), Categorical(temperature=0.0, min_p=0.3), Greedy()]
+    assert all(RowSampler.is_greedy(s) for s in samplers)
+    assert not any(RowSampler.is_greedy(s) for s in (Categorical(temperature=0.7), Categorical(),
+                                                     ReSETConfig.from_tokenizer(tok, 0.0, 0.0)))
+    table = [rows.row(s, seed) for seed, s in enumerate(samplers)]
+    settings = RowSettings(**{k: jnp.asarray(np.stack([t[k] for t in table])) for k in table[0]})
+    logits = np.random.default_rng(3).normal(size=(len(samplers), VOCAB_SIZE)).astype(np.float32) * 3
+    logits[1, [5, 9]] = logits[1].max() + 1.0  # a tie: the first index wins in both paths
+    logits[3, 7] = np.nan
+    steps = jnp.asarray([0, 3, 8, 1], jnp.int32)
+    state = rows.init(len(samplers))
+    full = jax.jit(rows.sample)(settings, state, jnp.asarray(logits), steps)
+    fast = jax.jit(functools.partial(rows.sample, greedy=True))(settings, state, jnp.asarray(logits), steps)
+    np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(full.tokens))
+    np.testing.assert_array_equal(np.asarray(fast.tokens)[:3], np.nanargmax(logits[:3], axis=-1))
+    assert int(fast.tokens[1]) == 5
+    np.testing.assert_array_equal(np.asarray(fast.temperature), np.zeros(4, np.float32))
+    np.testing.assert_array_equal(np.asarray(full.temperature), np.zeros(4, np.float32))
+    recorded = rows._rule(settings).record(state, fast.tokens)
+    for a, b in zip(jax.tree.leaves(fast.state), jax.tree.leaves(recorded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_row_sampler_refuses_what_it_cannot_serve(tok):
