@@ -398,8 +398,10 @@ class Engine:
             self._requests[request.id] = request
             outputs.append(self._finish(request, "cancelled"))
         self._choose_precision()
-        self._admit()
+        admitted = self._admit()
         if any(r is not None for r in self._running):
+            if admitted:  # the prefills run first: step_seconds times the decode call alone
+                jax.block_until_ready(self.state["position"])
             self._decode(outputs)
         for out in outputs:
             request = self._requests.pop(out.request_id) if out.finished else self._requests.get(out.request_id)
@@ -412,12 +414,14 @@ class Engine:
                         self.cancel(request)
         return outputs
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Prefill waiting requests into free slots; returns how many."""
+        admitted = 0
         while True:
             free = [i for i, r in enumerate(self._running) if r is None]
             with self._lock:
                 if not free or not self._waiting:
-                    return
+                    return admitted
                 request = self._waiting.popleft()
             self._requests[request.id] = request
             slot = free[0]
@@ -432,6 +436,7 @@ class Engine:
             request.slot = slot
             self._running[slot] = request
             self.counters["prompt_tokens"] += n
+            admitted += 1
 
     def _choose_precision(self) -> None:
         """The NestedFP mode of the next device call (``self.fp8``), from the policy: the load
