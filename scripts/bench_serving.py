@@ -17,7 +17,9 @@ default (``--sampler temperature``: T ``--temperature``, top-p ``--top-p``), req
 seed ``--seed + i``. For one rate every configuration replays the same requests at the same times.
 
 Sweep: weight recipe (``--recipes``: ``bf16`` or a :mod:`jaxlp.quantization` recipe name)
-x KV cache format (``--kv-caches``) x rate (``--rates``). The cache is either a fixed memory
+x KV cache format (``--kv-caches``) x NestedFP precision policy (``--precision``: ``none``,
+``fp16``, ``fp8``, ``auto`` or ``slo:MS``, each an engine; recipes without NestedFP layers skip
+the policies) x rate (``--rates``). The cache is either a fixed memory
 (``--cache-gib``: ``Engine(cache_budget_bytes=...)``, so a 2-bit cache holds more slots than
 BF16 in the same bytes; at most ``--max-slots``) or a fixed slot count (``--slots``). One engine
 per recipe x cache: warmed up once (``Engine.warmup`` over the workload's prompt buckets: the
@@ -51,6 +53,12 @@ H100 (Qwen3-8B shape, 8 layers, random weights), a rate sweep at 64 slots, 1K-to
     python scripts/bench_serving.py --layers 8 --recipes w4a16-nvfp4 --kv-caches bf16,kitty-pro --slots 64 \\
         --input-len 1024 --output-len 256 --len-jitter 0.25 --rates 1,2,4,8,inf --num-prompts 64 \\
         --out docs/bench_serving_h100_nvfp4.json
+
+NestedFP under an SLO (FP8 while the decode step misses 4 ms) against fixed FP16, per rate::
+
+    python scripts/bench_serving.py --layers 8 --recipes nestedfp --kv-caches bf16 --slots 64 \\
+        --precision fp16,slo:4 --input-len 1024 --output-len 256 --len-jitter 0.25 --rates 2,4,8,16,inf \\
+        --num-prompts 64 --out docs/bench_serving_h100_nestedfp.json
 
 and the saturated throughput at a fixed cache memory on a long-context shape (kitty-pro vs BF16
 in the same 8 GiB of cache: 28 BF16 slots of 9216 positions, 158 kitty-pro slots)::
@@ -86,7 +94,8 @@ from jaxlp import kvcache  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
 from jaxlp.generation import generate, prompt_bucket  # noqa: E402
 from jaxlp.models import from_hf_config  # noqa: E402
-from jaxlp.quantization import RECIPES, quantize_model, set_implementation  # noqa: E402
+from jaxlp.quantization import RECIPES, LatencyTarget, LoadThreshold, quantize_model, set_implementation  # noqa: E402
+from jaxlp.quantization.precision import has_nestedfp  # noqa: E402
 from jaxlp.quantization.activations import STATIC  # noqa: E402
 from jaxlp.quantization.recipes import get_recipe  # noqa: E402
 from jaxlp.sampling.base import Categorical, Greedy  # noqa: E402
@@ -214,6 +223,7 @@ def run_workload(engine: Engine, requests: list[dict], arrivals: np.ndarray, sam
         max_submit_lag_ms=lag * 1e3,
         generated_tokens_counted=engine.counters["generated_tokens"] - counters.get("generated_tokens", 0),
         compilations_after_warmup=engine.compilations - compiled,
+        fp8_decode_calls=engine.counters["fp8_decode_calls"] - counters.get("fp8_decode_calls", 0),
     )
 
 
@@ -262,10 +272,27 @@ def apply_recipe(model, recipe: str, implementation: str):
     return set_implementation(quantized, implementation)
 
 
-def make_engine(model, cache: str, args, max_len: int) -> Engine:
+def parse_precision(spec: str):
+    """An engine precision policy from ``--precision``'s items: ``none`` (no policy), ``fp16`` /
+    ``fp8`` (one mode throughout), ``auto`` (:class:`LoadThreshold`: FP8 while more requests run
+    or wait than half the slots) or ``slo:MS`` (:class:`LatencyTarget`: FP8 while the decode step
+    misses MS milliseconds)."""
+    if spec in ("none", "fp16", "fp8"):
+        return None if spec == "none" else spec
+    if spec == "auto":
+        return LoadThreshold()
+    if spec.startswith("slo:"):
+        try:
+            return LatencyTarget(target_ms=float(spec[4:]))
+        except ValueError as e:
+            raise SystemExit(f"--precision {spec!r}: {e}") from None
+    raise SystemExit(f"--precision {spec!r}: expected none, fp16, fp8, auto or slo:MS")
+
+
+def make_engine(model, cache: str, args, max_len: int, precision=None) -> Engine:
     budget = None if args.cache_gib is None else int(args.cache_gib * 2**30)
     slots = args.slots if args.slots is not None else args.max_slots
-    return Engine(model, kv_cache=cache, max_len=max_len, slots=slots, cache_budget_bytes=budget,
+    return Engine(model, kv_cache=cache, max_len=max_len, slots=slots, cache_budget_bytes=budget, precision=precision,
                   steps_per_call=args.steps_per_call, max_waiting=max(1024, args.num_prompts))
 
 
@@ -282,12 +309,12 @@ def plot(path, runs: list[dict], title: str) -> None:
               ("output_tokens_per_s", "output tokens/s"))
     series = collections.defaultdict(dict)
     for r in runs:
-        series[f"{r['recipe']} / {r['kv_cache']} (B={r['slots']})"][x_of(r["rate"])] = r
-    for ax, (key, label) in zip(axes, panels):
+        series[f"{run_label(r)} / {r['kv_cache']} (B={r['slots']})"][x_of(r["rate"])] = r
+    for ax, (key, ylabel) in zip(axes, panels):
         for name, by_x in series.items():
             ax.plot(xs, [by_x[x][key] if x in by_x and by_x[x].get(key) is not None else np.nan for x in xs],
                     marker="o", ms=4, label=name)
-        ax.set(xlabel="request rate (req/s)", ylabel=label)
+        ax.set(xlabel="request rate (req/s)", ylabel=ylabel)
         if len(xs) > 1 and min(xs) > 0:
             ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [("inf" if x == top and "inf" in {r["rate"] for r in runs} else f"{x:g}") for x in xs])
@@ -300,12 +327,18 @@ def plot(path, runs: list[dict], title: str) -> None:
     plt.close(fig)
 
 
+def run_label(r: dict) -> str:
+    """A run's weight recipe, with its NestedFP precision policy when it has one."""
+    precision = r.get("precision", "none")
+    return r["recipe"] if precision == "none" else f"{r['recipe']}@{precision}"
+
+
 def fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 
 
 def print_table(runs: list[dict], header: str) -> None:
-    base = {(r["recipe"], r["rate"]): r["output_tokens_per_s"] for r in runs
+    base = {(run_label(r), r["rate"]): r["output_tokens_per_s"] for r in runs
             if r["kv_cache"] == "bf16" and "output_tokens_per_s" in r}
     print(f"\n## {header}")
     cols = (f"{'recipe':12s} {'kv cache':10s} {'rate':>5s} {'slots':>5s} {'cache MiB':>9s} {'ttft p50':>9s} "
@@ -313,7 +346,7 @@ def print_table(runs: list[dict], header: str) -> None:
             f"{'req/s':>6s} {'dur s':>6s} {'compiles':>8s}")
     print(cols)
     for r in runs:
-        head = f"{r['recipe']:12s} {r['kv_cache']:10s} {str(r['rate']):>5s}"
+        head = f"{run_label(r):12s} {r['kv_cache']:10s} {str(r['rate']):>5s}"
         if "generate_step_ms" in r:
             versus = (f"; the engine's {r['engine_step_ms']:.2f} ms is x{r['engine_over_generate']:.3f} of it"
                       if "engine_step_ms" in r else "")
@@ -322,13 +355,14 @@ def print_table(runs: list[dict], header: str) -> None:
         if "output_tokens_per_s" not in r:
             print(f"{head} {r.get('error', r.get('skipped', ''))[:100]}")
             continue
-        ref = base.get((r["recipe"], r["rate"]))
+        ref = base.get((run_label(r), r["rate"]))
         x = f"{r['output_tokens_per_s'] / ref:.2f}" if ref else "-"
         print(f"{head} {r['slots']:5d} {r['cache_bytes'] / 2**20:9.2f} {fmt(r['ttft_p50_ms']):>9s} "
               f"{fmt(r['ttft_p99_ms']):>9s} {fmt(r['tpot_p50_ms'], '.2f'):>9s} {fmt(r['tpot_p99_ms'], '.2f'):>9s} "
               f"{fmt(r['step_mean_ms'], '.2f'):>8s} {r['output_tokens_per_s']:9.1f} {x:>6s} "
-              f"{r['requests_per_s']:6.2f} {r['duration_s']:6.2f} {r['compilations_after_warmup']:8d}")
-    print("(ms; x bf16: output tokens/s over the bf16 cache's at the same recipe and rate)")
+              f"{r['requests_per_s']:6.2f} {r['duration_s']:6.2f} {r['compilations_after_warmup']:8d}"
+              + (f"  fp8 {r['fp8_decode_calls']}/{r['decode_calls']} calls" if r.get("fp8_decode_calls") else ""))
+    print("(ms; x bf16: output tokens/s over the bf16 cache's at the same recipe, precision policy and rate)")
 
 
 # ---------------------------------------------------------------- main
@@ -365,6 +399,9 @@ def main(argv=None):
                     help="positions per slot (default: longest prompt + longest output)")
     ap.add_argument("--steps-per-call", type=int, default=None, help="decode steps per device call (default 4)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip runs that start after this many seconds")
+    ap.add_argument("--precision", default="none",
+                    help="comma-separated NestedFP precision policies, an engine each (recipes with NestedFP layers): "
+                         "none, fp16, fp8, auto (FP8 past half the slots' load), slo:MS (FP8 while the step misses MS)")
     ap.add_argument("--generate-baseline", action="store_true",
                     help="also time jaxlp.generate's decode step at each engine's slot count (the engine-overhead "
                          "goal: its decode step against generate's, same batch and formats)")
@@ -384,6 +421,9 @@ def main(argv=None):
     for r in recipes:
         if r != "bf16":
             get_recipe(r)  # ValueError naming the known recipes
+    precisions = args.precision.split(",")
+    for q in precisions:
+        parse_precision(q)
     caches = args.kv_caches.split(",")
     for c in caches:
         kvcache.get(c)
@@ -414,14 +454,18 @@ def main(argv=None):
         model_r = apply_recipe(model, recipe, args.implementation)
         if recipe != "bf16":
             print(f"# {recipe} applied in {time.time() - t0:.1f}s", flush=True)
-        for cache in caches:
-            base = dict(recipe=recipe, kv_cache=cache)
+        for cache, precision in [(c, q) for c in caches for q in precisions]:
+            base = dict(recipe=recipe, kv_cache=cache, precision=precision)
+            if precision != "none" and not has_nestedfp(model_r):
+                runs.extend(dict(base, rate=rate_label(rate), skipped=f"--precision {precision}: recipe {recipe} has "
+                                 "no NestedFP layers") for rate in rates)
+                continue
             if time.time() - start > args.budget_s:
                 runs.extend(dict(base, rate=rate_label(rate), skipped="time budget") for rate in rates)
                 continue
             engine = None
             try:
-                engine = make_engine(model_r, cache, args, max_len)
+                engine = make_engine(model_r, cache, args, max_len, parse_precision(precision))
                 t0 = time.time()
                 engine.warmup(buckets)
                 warm_s = time.time() - t0
@@ -448,7 +492,7 @@ def main(argv=None):
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}, flush=True)
                 result["elapsed_s"] = time.time() - start
                 harness.write_json(args.out, result)
-            if args.generate_baseline and not failed:
+            if args.generate_baseline and not failed and precision == "none":
                 short, long = max(1, out_range[0] // 8), out_range[0]  # within max_len for every prompt
                 ms = generate_step_ms(model_r, requests, engine.slots, cache, max_len, sampler, short, long)
                 steps = [r["step_mean_ms"] for r in runs[-len(rates):] if r.get("step_mean_ms")]

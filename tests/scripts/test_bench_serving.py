@@ -71,3 +71,21 @@ def test_generate_baseline_row(bs, tmp_path):
     assert row["generate_step_ms"] > 0 and row["engine_step_ms"] == run["step_mean_ms"]
     assert row["engine_over_generate"] == row["engine_step_ms"] / row["generate_step_ms"]
     assert json.loads(out.read_text())["runs"][-1]["rate"] == "generate"
+
+
+def test_precision_policies_are_engines_of_their_own(bs, tmp_path):
+    """``--precision``: an engine per NestedFP policy; an SLO no step meets runs FP8 from the
+    second decode call on, fixed FP16 never; a model without NestedFP layers skips the policy."""
+    result = bs.main(["--tiny", "--recipes", "bf16,nestedfp", "--kv-caches", "bf16", "--precision", "fp16,slo:0.001",
+                      "--rates", "inf", "--out", str(tmp_path / "p.json")])
+    runs = {(r["recipe"], r["precision"]): r for r in result["runs"]}
+    assert "no NestedFP layers" in runs[("bf16", "fp16")]["skipped"]
+    fixed, slo = runs[("nestedfp", "fp16")], runs[("nestedfp", "slo:0.001")]
+    assert fixed["fp8_decode_calls"] == 0 and fixed["completed"] == 6
+    assert slo["fp8_decode_calls"] == slo["decode_calls"] - 1 > 0 and slo["completed"] == 6
+    assert slo["compilations_after_warmup"] == 0
+    assert bs.run_label(slo) == "nestedfp@slo:0.001" and bs.run_label(dict(recipe="bf16")) == "bf16"
+    with pytest.raises(SystemExit, match="slo:MS"):
+        bs.parse_precision("fast")
+    with pytest.raises(SystemExit, match="target_ms must be > 0"):
+        bs.parse_precision("slo:0")
