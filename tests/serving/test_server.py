@@ -7,15 +7,13 @@ sampler and seed.
 
 import concurrent.futures
 import json
-import random
-import socket
-import threading
 import time
 from importlib.resources import files
 
 import httpx
 import jax.numpy as jnp
 import pytest
+from conftest import load_script
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -27,6 +25,8 @@ from jaxlp.serving import Engine, EngineLoop  # noqa: E402
 from jaxlp.serving.chat import ChatTemplate  # noqa: E402
 from jaxlp.serving.server import create_app  # noqa: E402
 
+load_test = load_script("load_test_server")
+
 REASONER = files("jaxlp") / "assets" / "reasoner"
 MAX_LEN = 96
 QUESTIONS = ["Q: 12+34\n", "Q: 7*8+5\n", "Q: 99-3*4\n", "Q: 5\n", "Q: 123+456+789\n", "Q: 2*3*4\n"]
@@ -37,24 +37,11 @@ def served():
     """(base url, model, tokenizer, engine loop): the server runs for the module."""
     model = jaxlp.from_pretrained(REASONER, dtype=jnp.float32)
     tokenizer = load_tokenizer(REASONER)
-    engine = Engine(model, max_len=MAX_LEN, slots=3, tokenizer=tokenizer, steps_per_call=2, max_waiting=64)
-    engine.warmup([16, 32])
-    loop = EngineLoop(engine).start()
-    app = create_app(loop, tokenizer, model_id="reasoner", chat_template=ChatTemplate.from_model_dir(REASONER))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", model, tokenizer, loop
-    server.should_exit = True
-    thread.join(10)
-    loop.stop()
+    url, loop, stop = load_test.start_server(model, tokenizer, model_id="reasoner",
+                                             chat_template=ChatTemplate.from_model_dir(REASONER), max_len=MAX_LEN,
+                                             slots=3, steps_per_call=2, max_waiting=64)
+    yield url, model, tokenizer, loop
+    stop()
 
 
 @pytest.fixture(scope="module")
@@ -277,37 +264,12 @@ def test_full_queue_answers_503(served):
 
 
 def test_load_with_cancellations_and_bad_requests(served):
-    """64 concurrent clients, 160 requests: well-formed ones (some cancelled mid-stream) mixed
-    with malformed ones; every well-formed one answered, nothing leaked, still healthy."""
+    """scripts/load_test_server.py's run at 64 concurrent clients, 160 requests: well-formed ones
+    (completions and chat, streamed or not, some streams closed early) mixed with malformed ones;
+    every well-formed one answered, every malformed one a 400, nothing held after, still healthy."""
     url, _, _, loop = served
-    rng = random.Random(0)
-    kinds = [rng.choice(["ok", "ok", "ok", "stream", "cancel", "bad"]) for _ in range(160)]
-
-    def one(i, kind):
-        body = {"prompt": rng.choice(QUESTIONS), "max_tokens": rng.randint(1, 8), "temperature": rng.choice([0, 1]),
-                "seed": i}
-        with httpx.Client(base_url=url, timeout=120) as http:
-            if kind == "bad":
-                r = http.post("/v1/completions", json={**body, "top_p": -1})
-                return r.status_code == 400
-            if kind == "ok":
-                r = http.post("/v1/completions", json=body)
-                if r.status_code != 200:
-                    return False
-                n, reason = r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]
-                return n == body["max_tokens"] if reason == "length" else (reason == "stop" and n <= body["max_tokens"])
-            with http.stream("POST", "/v1/completions", json={**body, "stream": True, "max_tokens": 40}) as r:
-                lines = r.iter_lines()
-                if kind == "cancel":
-                    next(lines)
-                    return r.status_code == 200
-                events = [line for line in lines if line.startswith("data: ")]
-                return r.status_code == 200 and events[-1] == "data: [DONE]"
-
-    with concurrent.futures.ThreadPoolExecutor(64) as pool:
-        results = list(pool.map(lambda a: one(*a), enumerate(kinds)))
-    assert all(results), [k for k, ok in zip(kinds, results) if not ok]
-    _wait_idle(loop)
-    assert loop.engine.stats()["cache_bytes_in_use"] == 0
+    summary = load_test.run(url, "reasoner", 160, 64, seed=0, progress=False)
+    assert summary["failed"] == [], summary["failed"][:5]
+    assert set(summary["kinds"]) == set(load_test.KINDS) and summary["finished_by_reason"]["cancelled"] > 0
+    assert load_test.passed(summary), summary
     assert loop.errors == 0
-    assert httpx.get(url + "/health").json() == {"status": "ok"}
