@@ -137,10 +137,45 @@ class Request:
         return (self.finished_at - self.first_token) / (n - 1)
 
 
+class StaticKey:
+    """A static jit argument hashed once (:func:`static_key`). A model's ``nnx.GraphDef`` hashes
+    by walking the whole graph (about 1 ms for 8 layers on a 2-core host), and jit hashes its
+    static arguments at every call: the engine's programs take their graph definitions wrapped."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StaticKey) and (self.value is other.value or self.value == other.value)
+
+
+_STATIC_KEYS: dict[StaticKey, StaticKey] = {}
+
+
+def static_key(value) -> StaticKey | None:
+    """``value`` (None stays None) as the one :class:`StaticKey` of every equal value, so that
+    engines over equal graphs share compiled programs and a lookup compares by identity."""
+    if value is None:
+        return None
+    key = StaticKey(value)
+    return _STATIC_KEYS.setdefault(key, key)
+
+
+def _value(key: StaticKey | None):
+    return None if key is None else key.value
+
+
 def _prefill_program(graphdef, params, state, tokens, length, slot, row, use_fp8, *, cache_format, max_len, sampler,
                      batched, graphdef_fp8=None):
     """One request's prompt into ``slot`` (see module doc). ``row``: its settings, ``max_new``
-    and ``stop_ids`` with a leading axis of 1."""
+    and ``stop_ids`` with a leading axis of 1; ``graphdef`` and ``graphdef_fp8``: :func:`static_key` wrappers."""
+    graphdef, graphdef_fp8 = _value(graphdef), _value(graphdef_fp8)
     seq = tokens.shape[1]
     positions = jnp.arange(seq, dtype=jnp.int32)[None]
     positions = jnp.where(positions < length[:, None], positions, max_len)  # padding: outside the cache
@@ -173,7 +208,8 @@ def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, 
     ``greedy``: every running row is greedy (:meth:`RowSampler.sample`'s argmax-only path).
     With a precision choice (``graphdef_fp8``), the one ``use_fp8`` of the call picks between two
     whole loops (one conditional per call, not per step: a per-step one cost 5-38% of an 8-layer
-    step on the H100, docs/perf.md session 19)."""
+    step on the H100, docs/perf.md session 19). ``graphdef``, ``graphdef_fp8``: :func:`static_key` wrappers."""
+    graphdef, graphdef_fp8 = _value(graphdef), _value(graphdef_fp8)
     state = dict(state, active=state["active"] & alive)
 
     def loop(model_graphdef):
@@ -273,6 +309,7 @@ class Engine:
                 self.graphdef_fp8 = None
             elif isinstance(precision, precision_lib.LoadThreshold) and precision.max_tokens is None:
                 self.precision = dataclasses.replace(precision, max_tokens=self.slots)
+        self._graphdef_key, self._graphdef_fp8_key = static_key(self.graphdef), static_key(self.graphdef_fp8)
         self._batched = self.cache_format.batched_leaves(config, self.max_len)
         self.state = self._init_state()
         self.cache_bytes = kvcache.cache_bytes(self.cache_format, config, self.slots, self.max_len)
@@ -429,10 +466,10 @@ class Engine:
             bucket = min(prompt_bucket(n), self.max_len)
             tokens = np.zeros((1, bucket), np.int32)
             tokens[0, :n] = request.prompt_ids
-            self.state = _prefill_jit(self.graphdef, self.params, self.state, jnp.asarray(tokens),
+            self.state = _prefill_jit(self._graphdef_key, self.params, self.state, jnp.asarray(tokens),
                                       jnp.asarray([n], jnp.int32), jnp.int32(slot), request._row,
                                       jnp.bool_(self.fp8), cache_format=self.cache_format, max_len=self.max_len,
-                                      sampler=self.sampler, batched=self._batched, graphdef_fp8=self.graphdef_fp8)
+                                      sampler=self.sampler, batched=self._batched, graphdef_fp8=self._graphdef_fp8_key)
             request.slot = slot
             self._running[slot] = request
             self.counters["prompt_tokens"] += n
@@ -454,9 +491,9 @@ class Engine:
         alive = jnp.asarray([r is not None for r in self._running])
         start = time.perf_counter()
         greedy = all(r is None or r._greedy for r in self._running)
-        self.state, tokens, reasons = _decode_jit(self.graphdef, self.params, self.state, alive, jnp.bool_(self.fp8),
-                                                  steps=self.steps_per_call, sampler=self.sampler,
-                                                  graphdef_fp8=self.graphdef_fp8, greedy=greedy)
+        self.state, tokens, reasons = _decode_jit(self._graphdef_key, self.params, self.state, alive,
+                                                  jnp.bool_(self.fp8), steps=self.steps_per_call, sampler=self.sampler,
+                                                  graphdef_fp8=self._graphdef_fp8_key, greedy=greedy)
         tokens, reasons = np.asarray(tokens), np.asarray(reasons)
         now = time.perf_counter()
         self.step_seconds.append((now - start) / self.steps_per_call)

@@ -663,3 +663,27 @@ def test_nestedfp_precision_policies(model, tok):
     assert eng.counters["fp8_decode_calls"] == eng.counters["decode_calls"] - 1 >= 1
     with pytest.raises(ValueError, match="NestedFP layers"):
         engine(model, tok, precision="fp8")
+
+
+def test_static_key_hashes_once_and_interns_equal_values(model, tok):
+    """The engine's programs take their graph definitions as static keys: hashed once (jit hashes
+    static arguments at every call), one key object per equal value (shared programs)."""
+    from jaxlp.serving.engine import static_key
+
+    class Counted:
+        hashes = 0
+
+        def __hash__(self):
+            Counted.hashes += 1
+            return 7
+
+        def __eq__(self, other):
+            return isinstance(other, Counted)
+
+    a = static_key(Counted())
+    assert static_key(Counted()) is a and static_key(None) is None
+    before = Counted.hashes
+    for _ in range(5):
+        assert {a: 1}[a] == 1 and hash(a) == 7
+    assert Counted.hashes == before
+    assert engine(model, tok)._graphdef_key is engine(model, tok)._graphdef_key
