@@ -128,7 +128,8 @@ def one_request(url: str, model_id: str, req: dict) -> dict:
                     r = http.post("/v1/completions", content=bad, headers={"content-type": "application/json"})
                 else:
                     r = http.post("/v1/completions", json=dict(bad, model=model_id))
-            error = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
+            is_json = r.headers.get("content-type", "").startswith("application/json")
+            error = r.json().get("error", {}) if is_json else {}
             ok = r.status_code == 400 and error.get("type") == "invalid_request_error" and bool(error.get("message"))
             detail = f"{what}: status {r.status_code}, {error.get('message', r.text[:80])!r}"
     except Exception as e:  # noqa: BLE001  (a failed request is a result, not the end of the run)

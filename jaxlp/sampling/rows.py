@@ -134,9 +134,8 @@ class RowSampler:
         nucleus, noise); the ReSET rule is not stepped (no row uses it) and the entropy is NaN."""
         if greedy:
             tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            nan = jnp.full(tokens.shape, jnp.nan, jnp.float32)
-            return SampleOutput(tokens, jnp.zeros(tokens.shape, jnp.float32), self._rule(settings).record(state, tokens),
-                                nan)
+            zeros = jnp.zeros(tokens.shape, jnp.float32)
+            return SampleOutput(tokens, zeros, self._rule(settings).record(state, tokens), zeros + jnp.nan)
         entropy, row_max = entropy_and_max(logits, self.implementation)
         rule_temperature, state, _ = self._rule(settings).step(state, entropy)
         temperature = jnp.where(settings.entropy_rule, rule_temperature, settings.temperature)

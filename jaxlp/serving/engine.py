@@ -8,16 +8,17 @@ program, both taking the device state as a donated argument:
 * **prefill** (one per prompt bucket, the next power of two >= 16): one request's prompt on
   a fresh one-row cache (flash prefill attention), the row written into its slot, the last
   position's logits kept for the first token, the slot's sampler settings and state set.
-* **decode** (one): ``steps_per_call`` steps of every slot (``lax.scan``): sample each running
+* **decode** (two): ``steps_per_call`` steps of every slot (``lax.scan``): sample each running
   row's token from its logits with its own settings, seed and step
   (:class:`jaxlp.sampling.rows.RowSampler`), stop it on a stop token, its token budget or a
   non-finite logit, feed the token back at the row's next position. Idle slots compute on
-  position 0 of their own row and emit nothing.
+  position 0 of their own row and emit nothing. One program serves calls whose running rows
+  are all greedy (the argmax alone), the other any mix of samplers.
 
 Between decode calls the host (:meth:`Engine.step`) retires finished and cancelled requests
 (their slots are free at once), admits waiting ones (a prefill each), detokenizes, checks stop
-strings and calls each request's listener with what it produced. So after warm-up (one decode
-program, one prefill per bucket) nothing recompiles, whatever the mix of requests.
+strings and calls each request's listener with what it produced. So after warm-up (the two
+decode programs, one prefill per bucket) nothing recompiles, whatever the mix of requests.
 
 Same tokens: a request gets exactly the token ids ``jaxlp.generate`` gives it alone with the
 same sampler and seed (its prefill has the same shapes; each decode row is independent; the
