@@ -317,7 +317,7 @@ def test_write_rows_replaces_exactly_one_row(name):
 
 
 def test_no_recompilation_and_no_leak_after_warmup(model, tok):
-    """After warm-up (one decode program, one prefill per bucket), 1,000 requests of mixed
+    """After warm-up (two decode programs, one prefill per bucket), 1,000 requests of mixed
     prompt lengths (both buckets), samplers, seeds, token budgets, stop ids and stop strings,
     with random cancellations (waiting and running), compile nothing; at the end every request
     has finished exactly once and no slot or cache byte is held."""
