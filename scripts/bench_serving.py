@@ -30,8 +30,8 @@ throughput, Kitty's headline (tokens/s at a fixed cache memory), is ``--rates in
 Per run: TTFT (scheduled arrival -> first token) and TPOT (time per output token after the first)
 mean / p50 / p99 over requests; ITL p50 / p99 (gap between consecutive token deliveries of a
 request divided by the tokens delivered: tokens arrive ``--steps-per-call`` at a time, and a
-prefill admitted in between shows here); the mean decode step time (``Engine.step_seconds``,
-per step); output tokens/s, total (prompt + output) tokens/s and requests/s over the duration
+prefill admitted in between shows here); the mean decode step time of the calls no prefill
+preceded (``Engine.step_seconds``: the decode program alone); output tokens/s, total (prompt + output) tokens/s and requests/s over the duration
 (start -> last request finished); slots, cache bytes, mean / max running requests, and the
 programs compiled after warm-up (must be 0: the engine never recompiles once warm).
 With ``--generate-baseline`` each engine also gets a row (rate ``generate``): ``jaxlp.generate``'s
@@ -168,7 +168,8 @@ def run_workload(engine: Engine, requests: list[dict], arrivals: np.ndarray, sam
     """Replay ``requests`` at ``arrivals`` (seconds after the start) on a warm, idle engine."""
     if engine.has_work():
         raise RuntimeError("the engine must be idle before a run")
-    engine.step_seconds = collections.deque()  # every step of this run (the engine keeps the last 256)
+    engine.step_seconds = collections.deque()  # every clean step of this run (the engine keeps the last 256)
+    engine.call_seconds.clear()  # an SLO policy starts each run unmeasured
     counters = dict(engine.counters)
     compiled = engine.compilations
     deliveries: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
@@ -218,7 +219,8 @@ def run_workload(engine: Engine, requests: list[dict], arrivals: np.ndarray, sam
         ttft_mean_ms=ttft["mean"], ttft_p50_ms=ttft["p50"], ttft_p99_ms=ttft["p99"],
         tpot_mean_ms=tpot["mean"], tpot_p50_ms=tpot["p50"], tpot_p99_ms=tpot["p99"],
         itl_mean_ms=itl_s["mean"], itl_p50_ms=itl_s["p50"], itl_p99_ms=itl_s["p99"],
-        step_mean_ms=float(np.mean(steps) * 1e3) if steps else None, decode_calls=len(steps),
+        step_mean_ms=float(np.mean(steps) * 1e3) if steps else None,
+        decode_calls=engine.counters["decode_calls"] - counters.get("decode_calls", 0),
         running_mean=float(np.mean(running)) if running else 0.0, running_max=max(running, default=0),
         max_submit_lag_ms=lag * 1e3,
         generated_tokens_counted=engine.counters["generated_tokens"] - counters.get("generated_tokens", 0),

@@ -321,7 +321,11 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}  # admitted and not yet reported finished
         self.counters = collections.Counter()  # prompt_tokens, generated_tokens, requests_<reason>, decode_calls
-        self.step_seconds: collections.deque[float] = collections.deque(maxlen=256)  # per decode step
+        # Seconds per decode step: of every call (from its dispatch to its tokens on the host, so the
+        # prefills dispatched just before it count too: what a running request waits), and of the
+        # calls no prefill preceded (the decode program alone).
+        self.call_seconds: collections.deque[float] = collections.deque(maxlen=256)
+        self.step_seconds: collections.deque[float] = collections.deque(maxlen=256)
 
     # ------------------------------------------------------------------ state
 
@@ -438,9 +442,7 @@ class Engine:
         self._choose_precision()
         admitted = self._admit()
         if any(r is not None for r in self._running):
-            if admitted:  # the prefills run first: step_seconds times the decode call alone
-                jax.block_until_ready(self.state["position"])
-            self._decode(outputs)
+            self._decode(outputs, after_prefill=admitted > 0)
         for out in outputs:
             request = self._requests.pop(out.request_id) if out.finished else self._requests.get(out.request_id)
             if request is not None and request.listener is not None:
@@ -483,12 +485,12 @@ class Engine:
             with self._lock:
                 load = sum(r is not None for r in self._running) + len(self._waiting)
             self.fp8 = load > self.precision.fraction * self.precision.max_tokens
-        elif isinstance(self.precision, precision_lib.LatencyTarget) and self.step_seconds:
-            self.fp8 = self.precision.update(self.step_seconds[-1] * 1e3)
+        elif isinstance(self.precision, precision_lib.LatencyTarget) and self.call_seconds:
+            self.fp8 = self.precision.update(self.call_seconds[-1] * 1e3)
         else:
             self.fp8 = self.precision == "fp8"
 
-    def _decode(self, outputs: list[Output]) -> None:
+    def _decode(self, outputs: list[Output], after_prefill: bool = False) -> None:
         alive = jnp.asarray([r is not None for r in self._running])
         start = time.perf_counter()
         greedy = all(r is None or r._greedy for r in self._running)
@@ -497,7 +499,9 @@ class Engine:
                                                   graphdef_fp8=self._graphdef_fp8_key, greedy=greedy)
         tokens, reasons = np.asarray(tokens), np.asarray(reasons)
         now = time.perf_counter()
-        self.step_seconds.append((now - start) / self.steps_per_call)
+        self.call_seconds.append((now - start) / self.steps_per_call)
+        if not after_prefill:
+            self.step_seconds.append(self.call_seconds[-1])
         self.counters["decode_calls"] += 1
         self.counters["fp8_decode_calls"] += self.fp8
         for slot, request in enumerate(self._running):

@@ -687,3 +687,20 @@ def test_static_key_hashes_once_and_interns_equal_values(model, tok):
         assert {a: 1}[a] == 1 and hash(a) == 7
     assert Counted.hashes == before
     assert engine(model, tok)._graphdef_key is engine(model, tok)._graphdef_key
+
+
+def test_step_seconds_leave_out_the_calls_after_a_prefill(model, tok):
+    """call_seconds: every decode call (the SLO policy's input); step_seconds: only the calls no
+    prefill was dispatched before (the decode program alone)."""
+    eng = engine(model, tok)
+    first = eng.submit([BOS_ID, 5, 6, 7], SamplingParams(max_tokens=12, stop_token_ids=()))
+    eng.step()  # admits and decodes
+    assert len(eng.call_seconds) == 1 and len(eng.step_seconds) == 0
+    eng.step()
+    assert len(eng.call_seconds) == 2 and len(eng.step_seconds) == 1
+    eng.submit([BOS_ID, 8, 9], SamplingParams(max_tokens=12, stop_token_ids=()))
+    eng.step()  # the second request's prefill, then a call
+    assert len(eng.call_seconds) == 3 and len(eng.step_seconds) == 1
+    eng.run([first])
+    assert eng.counters["decode_calls"] == len(eng.call_seconds) > len(eng.step_seconds) > 1
+    assert all(t > 0 for t in eng.call_seconds)
