@@ -68,7 +68,9 @@ def test_generate_baseline_row(bs, tmp_path):
     assert len(rows) == 1
     row, run = rows[0], [r for r in result["runs"] if r["rate"] == "inf"][0]
     assert row["slots"] == run["slots"] == 3 and row["generate_steps"] == [1, 8]
-    assert row["generate_step_ms"] > 0 and row["engine_step_ms"] == run["step_mean_ms"]
+    # The tiny model's steps drown in the CPU's timing noise (the difference may even be negative):
+    # the plumbing is what is checked here, the GPU runs give the numbers.
+    assert math.isfinite(row["generate_step_ms"]) and row["engine_step_ms"] == run["step_mean_ms"]
     assert row["engine_over_generate"] == row["engine_step_ms"] / row["generate_step_ms"]
     assert json.loads(out.read_text())["runs"][-1]["rate"] == "generate"
 
