@@ -31,13 +31,15 @@ Per run: TTFT (scheduled arrival -> first token) and TPOT (time per output token
 mean / p50 / p99 over requests; ITL p50 / p99 (gap between consecutive token deliveries of a
 request divided by the tokens delivered: tokens arrive ``--steps-per-call`` at a time, and a
 prefill admitted in between shows here); the mean decode step time of the calls no prefill
-preceded (``Engine.step_seconds``: the decode program alone); output tokens/s, total (prompt + output) tokens/s and requests/s over the duration
-(start -> last request finished); slots, cache bytes, mean / max running requests, and the
-programs compiled after warm-up (must be 0: the engine never recompiles once warm).
+preceded (``Engine.step_seconds``: the decode program alone); output tokens/s, total (prompt +
+output) tokens/s and requests/s over the duration (start -> last request finished); slots,
+cache bytes, mean / max running requests, and the programs compiled after warm-up (must be 0:
+the engine never recompiles once warm).
 With ``--generate-baseline`` each engine also gets a row (rate ``generate``): ``jaxlp.generate``'s
 decode step on as many of the workload's prompts as the engine has slots, same model, cache and
 sampler, beside the engine's step of its last rate (``engine_over_generate``: the engine's
-overhead, host round trips between its decode calls included).
+overhead per decode call, its dispatch and the tokens' trip to the host; the host's work between
+calls is not in either).
 
 Results: JSON under ``--out`` (rewritten after every run, so a run cut short keeps what it
 measured), a plot (``--plot``, default ``--out`` with ``.png``: TTFT p50, TPOT p50 and output
