@@ -402,9 +402,9 @@ ffi::Error Int4Impl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   for (auto x : {ksd, vsd})
     if (x[0] != batch || x[1] != tokens || x[2] != kvh) return bad("scales do not match the codes");
   if (od[0] != batch || od[1] != kvh || od[3] != g || od[4] != d) return bad("output shape does not match q");
-  if (out->element_count() != batch * kvh * g * d || m_all->element_count() != batch * kvh * g ||
-      den->element_count() != batch * kvh * g)
-    return bad("merged outputs must be out [B, KVH, G, D], m and l [B, KVH, G]");
+  if (const char* e = jaxlp::merged_outputs_error(out->element_count(), m_all->element_count(), den->element_count(),
+                                                  batch * kvh, g, d))
+    return bad(e);
   if (bd.size() != 2 || bd[0] != batch || bd[1] != 4) return bad("bounds must be int32 [B, 4]");
   auto cd = q_channel_scale.dimensions();
   if (cd.size() != 2 || cd[0] != kvh || cd[1] != d) return bad("query channel scales must be float32 [KVH, D]");

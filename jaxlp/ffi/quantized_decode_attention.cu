@@ -1590,9 +1590,9 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   if (v_group < 8 * vbits || v_group % (8 * vbits) || d % v_group || (v_group & (v_group - 1)))
     return bad("value scale group must be a multiple of 8 vbits channels (16 at 2 bits, 32 at 4) dividing head_dim");
   if (od[0] != batch || od[1] != kvh || od[3] != g || od[4] != d) return bad("output shape does not match q");
-  if (out->element_count() != batch * kvh * g * d || m_all->element_count() != batch * kvh * g ||
-      den->element_count() != batch * kvh * g)
-    return bad("merged outputs must be out [B, KVH, G, D], m and l [B, KVH, G]");
+  if (const char* e = jaxlp::merged_outputs_error(out->element_count(), m_all->element_count(), den->element_count(),
+                                                  batch * kvh, g, d))
+    return bad(e);
   auto bd = bounds.dimensions();
   if (bd.size() != 2 || bd[0] != batch || bd[1] != 8) return bad("bounds must be int32 [B, 8]");
   auto rkd = k_ring.dimensions(), rvd = v_ring.dimensions(), skd = sink_k.dimensions(), svd = sink_v.dimensions();

@@ -75,6 +75,14 @@ __global__ void __launch_bounds__(kMergeWarps * 32) split_merge_kernel(
   }
 }
 
+// Null if the merged outputs a handler was given hold out [rows, g, d] and m_all, den [rows, g]
+// (their element counts), else the error message.
+inline const char* merged_outputs_error(long out_count, long m_count, long den_count, long rows, long g, long d) {
+  if (out_count != rows * g * d || m_count != rows * g || den_count != rows * g)
+    return "merged outputs must be out [B, KVH, G, D], m and l [B, KVH, G]";
+  return nullptr;
+}
+
 // The merge of `rows` rows' partials o [rows, splits, g, d], m, l [rows, splits, g] into out
 // [rows, g, d], m_all, den [rows, g]. The caller checks the bounds: d a multiple of 4 up to
 // kMergeMaxD, g < 65536.
