@@ -55,13 +55,10 @@ def start_server(model, tokenizer, *, model_id: str = "reasoner", chat_template=
     ``engine_kwargs`` go to :class:`jaxlp.serving.Engine` (warmed up on 16- and 32-token prompts)."""
     import uvicorn
 
-    from jaxlp.serving import Engine, EngineLoop
-    from jaxlp.serving.server import create_app
+    from jaxlp.serving.server import warm_app
 
-    engine = Engine(model, tokenizer=tokenizer, **engine_kwargs)
-    engine.warmup([16, 32])
-    loop = EngineLoop(engine).start()
-    app = create_app(loop, tokenizer, model_id=model_id, chat_template=chat_template)
+    app, loop = warm_app(model, tokenizer, model_id=model_id, chat_template=chat_template, warmup_lengths=(16, 32),
+                         **engine_kwargs)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -71,6 +68,7 @@ def start_server(model, tokenizer, *, model_id: str = "reasoner", chat_template=
     deadline = time.time() + 60
     while not server.started:
         if time.time() > deadline or not thread.is_alive():
+            loop.stop()
             raise RuntimeError("the server did not start")
         time.sleep(0.02)
 

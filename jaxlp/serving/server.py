@@ -411,19 +411,32 @@ class Metrics:
         return generate_latest(self.registry).decode()
 
 
+def warm_app(model, tokenizer, *, model_id: str, chat_template: ChatTemplate | None = None, warmup_lengths=(16,),
+             **engine_kwargs):
+    """``(app, loop)``: an engine over ``model`` (``engine_kwargs`` go to :class:`Engine`), warmed
+    up on ``warmup_lengths``, its loop started, and the FastAPI app serving it (stop the loop
+    when done)."""
+    from jaxlp.serving.engine import Engine
+
+    engine = Engine(model, tokenizer=tokenizer, **engine_kwargs)
+    engine.warmup(warmup_lengths)
+    loop = EngineLoop(engine).start()
+    try:
+        return create_app(loop, tokenizer, model_id=model_id, chat_template=chat_template), loop
+    except BaseException:
+        loop.stop()
+        raise
+
+
 def serve(model, tokenizer, *, model_id: str, kv_cache: str = "bf16", host: str = "127.0.0.1", port: int = 8000,
           chat_template: ChatTemplate | None = None, warmup_lengths=(16,), log_level: str = "warning",
           **engine_kwargs) -> None:
     """Build an engine over ``model``, warm it up, and serve it with uvicorn until interrupted."""
     import uvicorn
 
-    from jaxlp.serving.engine import Engine
-
-    engine = Engine(model, kv_cache=kv_cache, tokenizer=tokenizer, **engine_kwargs)
-    engine.warmup(warmup_lengths)
-    loop = EngineLoop(engine).start()
+    app, loop = warm_app(model, tokenizer, model_id=model_id, chat_template=chat_template,
+                         warmup_lengths=warmup_lengths, kv_cache=kv_cache, **engine_kwargs)
     try:
-        app = create_app(loop, tokenizer, model_id=model_id, chat_template=chat_template)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         loop.stop()
