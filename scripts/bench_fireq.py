@@ -65,7 +65,7 @@ def layer_view(w):
 
 def auto(layer, x):
     """What ``QuantizedLinear``'s ``"auto"`` runs: the first kernel of ``linear.KERNELS`` that takes it."""
-    return next(k for k in linear.KERNELS.values() if k.why_not(layer, x) is None).matmul(layer, x)
+    return next(k for k in linear.KERNELS.values() if k.auto_takes(layer, x)).matmul(layer, x)
 
 
 def product(name: str):

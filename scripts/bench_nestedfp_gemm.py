@@ -15,6 +15,9 @@ side in one run, by ``--mode``:
 ``--configs``: the Pallas kernel's tilings (``default``: the kernel's default of M, or
 ``MatmulConfig`` names), ``xla``: the same layer through XLA's own dots
 (:mod:`jaxlp.quantization.native_dot`: merge-then-dot in FP16 mode, the FP8 dot then a scale pass),
+``cutlass`` / ``cutlass:<name>[:<promote_k>]`` (``fp8`` and ``w8a8`` modes): the layer product
+through CUTLASS's kernels (:mod:`jaxlp.ffi.cutlass_gemm`; default of M or a ``CONFIGS`` name, K per
+promoted sum),
 and for 1..8 tokens ``gemv`` / ``gemvU<unroll>S<splits>`` (``S0``: the default splits): the CUDA
 GEMV of :mod:`jaxlp.ffi.nestedfp` through the layer product (:mod:`jaxlp.quantization.nestedfp_dispatch`).
 Per GEMM: us of device time, the ratio ``baseline / best`` (> 1: faster than the baseline) and
@@ -51,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_nvfp4 as bn  # noqa: E402
 
+from jaxlp.ffi import cutlass_gemm  # noqa: E402
 from jaxlp.ffi import nestedfp as cuda_nestedfp  # noqa: E402
 from jaxlp.formats import fp8, nestedfp  # noqa: E402
 from jaxlp.pallas import fp8_matmul as fm  # noqa: E402
@@ -82,6 +86,13 @@ def parse_config(name: str, mode: str = "fp16"):
     :attr:`fp8_matmul.MatmulConfig.name` (``N64M128K128S5nm8p``, ``p``: step sums promoted)."""
     if name in ("default", "xla"):
         return None
+    if cutlass := re.fullmatch(r"cutlass(?::([a-z0-9]+))?(?::(\d+))?", name):
+        if mode == "fp16":
+            raise ValueError("the CUTLASS configs take --mode fp8 or w8a8")
+        config, promote_k = cutlass.groups()
+        if config and config not in cutlass_gemm.CONFIGS:
+            raise ValueError(f"unknown CUTLASS config {config!r}; known: {sorted(cutlass_gemm.CONFIGS)}")
+        return dict(config=config, promote_k=int(promote_k or cutlass_gemm.PROMOTE_K))
     if gemv := re.fullmatch(r"gemv(?:U([124])S(\d+))?", name):
         if mode == "w8a8":
             raise ValueError("the NestedFP GEMV configs take --mode fp16 or fp8")
@@ -112,6 +123,8 @@ def product(mode: str, name: str, cfg):
         return lambda x, w: native_dot.matmul(layer_view(w, mode), x)
     if name.startswith("gemv"):
         return lambda x, w: nestedfp_dispatch.matmul(layer_view(w, mode), x, **cfg)
+    if name.startswith("cutlass"):
+        return lambda x, w: fp8_gemm.matmul_cutlass(layer_view(w, mode), x, **cfg)
     if mode == "fp16":
         return lambda x, w: nm.nestedfp_matmul(x, w, config=cfg)
     return lambda x, w: fp8_gemm.matmul(layer_view(w, mode), x, config=cfg)  # quantizer + FP8 GEMM
@@ -137,7 +150,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default="paper", help="'paper' (the 14 shapes) or NxK,NxK")
     ap.add_argument("--ms", default="32:2048:32", help="token counts: start:stop:step or a comma list")
     ap.add_argument("--configs", default="default",
-                    help="comma-separated: 'default', 'xla', 'gemv[U<unroll>S<splits>]' and/or MatmulConfig names")
+                    help="comma-separated: 'default', 'xla', 'cutlass[:name]', 'gemv[U<unroll>S<splits>]' and/or "
+                         "MatmulConfig names")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
     ap.add_argument("--out", default=None, help="JSON file")

@@ -26,6 +26,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 if [ "${1:-}" = "--dev" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
+  # CUTLASS's C++ headers, which the CUTLASS kernels are built from (the build's tests read them);
+  # --no-deps: its Python tools' dependencies (cuda-python, ...) are not needed for the headers.
+  .venv/bin/python -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
 else
   .venv/bin/python -m pip install -q -e .
 fi

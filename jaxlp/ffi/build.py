@@ -47,7 +47,12 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "nestedfp_gemv": ("nestedfp_gemv.cu",),  # NestedFP products for 1..8 tokens (jaxlp.ffi.nestedfp)
     "fireq": ("fireq.cu",),  # FireQ INT4 x FP8 products for 1..16 tokens, INT4 -> FP8 decode (jaxlp.ffi.fireq)
     "fp8_activations": ("fp8_activations.cu",),  # per-token FP8 activation quantizers (jaxlp.ffi.fp8_activations)
+    "cutlass_gemm": ("cutlass_fp8_gemm.cu",),  # CUTLASS 3 WGMMA GEMMs with scale epilogues (jaxlp.ffi.cutlass_gemm)
 }
+# Libraries built on CUTLASS's headers (:func:`cutlass_dir`), for sm_90a only: the WGMMA and TMA
+# instructions of its SM90 kernels exist on that target alone (no PTX for later GPUs).
+CUTLASS_LIBRARIES = frozenset({"cutlass_gemm"})
+CUTLASS_FLAGS = ("--expt-relaxed-constexpr", "-DNDEBUG")
 NVCC_FLAGS = (
     "-O3",
     "-std=c++17",
@@ -57,6 +62,10 @@ NVCC_FLAGS = (
     "940,2473",  # warnings inside the XLA FFI headers
 )
 LINK_FLAGS = ("--shared",)
+
+
+class CutlassNotFound(RuntimeError):
+    """CUTLASS's headers, which :data:`CUTLASS_LIBRARIES` are built on, were not found."""
 
 
 class CudaCompilerNotFound(RuntimeError):
@@ -98,6 +107,28 @@ def find_nvcc() -> str:
     )
 
 
+def cutlass_dir() -> Path:
+    """CUTLASS's source tree (``include/`` and ``tools/util/include/``): ``$JAXLP_CUTLASS_DIR``, else
+    the one the ``nvidia-cutlass`` package installs (``cutlass_library/source``, found without
+    importing it); :class:`CutlassNotFound` when neither holds ``include/cutlass/version.h``."""
+    import importlib.util
+
+    tried = []
+    if os.environ.get("JAXLP_CUTLASS_DIR"):
+        tried.append(Path(os.environ["JAXLP_CUTLASS_DIR"]).expanduser())
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.submodule_search_locations:
+        tried.append(Path(next(iter(spec.submodule_search_locations))) / "source")
+    for path in tried:
+        if (path / "include" / "cutlass" / "version.h").is_file():
+            return path
+    raise CutlassNotFound(
+        "jaxlp's CUTLASS kernels are built on first use from CUTLASS's headers, which were not found "
+        f"(tried: {', '.join(map(str, tried)) or 'nothing'}): pip install nvidia-cutlass (the 'cuda' extra), "
+        "or point JAXLP_CUTLASS_DIR at a CUTLASS checkout."
+    )
+
+
 def cuda_arch() -> str:
     arch = os.environ.get("JAXLP_CUDA_ARCH", "90")
     if not arch.isdigit():
@@ -121,16 +152,21 @@ def headers() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.cuh"))
 
 
-def compile_command(nvcc: str, source: Path, output: Path) -> list[str]:
-    """nvcc compiling one source into the object ``output``."""
+def compile_command(nvcc: str, source: Path, output: Path, library: str | None = None) -> list[str]:
+    """nvcc compiling one source (of ``library``) into the object ``output``."""
     import jax
 
-    arch = cuda_arch()
+    if library in CUTLASS_LIBRARIES:
+        cutlass = cutlass_dir()
+        target = ["-gencode=arch=compute_90a,code=sm_90a", *CUTLASS_FLAGS,
+                  f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}"]
+    else:
+        arch = cuda_arch()
+        target = [f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-gencode=arch=compute_{arch},code=compute_{arch}"]
     return [
         nvcc,
         *NVCC_FLAGS,
-        f"-gencode=arch=compute_{arch},code=sm_{arch}",
-        f"-gencode=arch=compute_{arch},code=compute_{arch}",
+        *target,
         f"-I{jax.ffi.include_dir()}",
         f"-I{SOURCE_DIR}",
         "-c",
@@ -162,9 +198,13 @@ def library_path(name: str, nvcc: str | None = None) -> Path:
     for path in [*sources(name), *headers()]:  # names and text, in a fixed order
         data = path.read_bytes()
         h.update(f"{path.name}\0{len(data)}\0".encode() + data)
-    # The command lines without machine-specific paths, the jaxlib version (the FFI headers), nvcc's.
-    arch_flags = [c for c in compile_command("nvcc", Path("src"), Path("obj")) if c.startswith("-gencode")]
+    # The command lines without machine-specific paths, the jaxlib version (the FFI headers), nvcc's,
+    # CUTLASS's version where the library is built on it.
+    arch_flags = [c for c in compile_command("nvcc", Path("src"), Path("obj"), name)
+                  if c.startswith("-gencode") or c in CUTLASS_FLAGS]
     h.update(" ".join([*NVCC_FLAGS, *arch_flags, *LINK_FLAGS]).encode())
+    if name in CUTLASS_LIBRARIES:
+        h.update((cutlass_dir() / "include" / "cutlass" / "version.h").read_bytes())
     h.update(jax.ffi.__name__.encode() + jax.lib.__version__.encode())
     h.update(_nvcc_version(nvcc).encode())
     return cache_dir() / f"lib{name}-{h.hexdigest()[:20]}.so"
@@ -190,7 +230,7 @@ def build(name: str, *, verbose: bool = False) -> Path:
     try:
         srcs = sources(name)
         objects = [work / f"{src.stem}.o" for src in srcs]
-        commands = [compile_command(nvcc, src, obj) for src, obj in zip(srcs, objects)]
+        commands = [compile_command(nvcc, src, obj, name) for src, obj in zip(srcs, objects)]
 
         def run(cmd: list[str]) -> subprocess.CompletedProcess:
             if verbose:

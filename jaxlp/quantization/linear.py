@@ -11,10 +11,11 @@ picks CUDA, Pallas or XLA per shape; ``"nestedfp_cuda"``:
 cores, the FP16 weight rebuilt in registers; ``"xla_native"``: :mod:`jaxlp.quantization.native_dot`,
 XLA's FP8 and FP16 dots on the stored bytes for FP8, NestedFP and FireQ INT4 weights;
 ``"nestedfp_pallas"``: :mod:`jaxlp.quantization.nestedfp_gemm`, NestedFP's FP16 mode past 8
-tokens through a Pallas WGMMA GEMM that rebuilds the FP16 weight inside the GEMM; ``"fp8_pallas"``:
-:mod:`jaxlp.quantization.fp8_gemm`, NestedFP's FP8 mode and W8A8-FP8 through a Pallas FP8 GEMM with
-the scales in its epilogue, ``"fp8_pallas_fast"`` the same without promoting its FP8 sums, explicit
-only; ``"fireq_cuda"`` / ``"fireq_pallas"``: :mod:`jaxlp.quantization.fireq_kernels`, FireQ W4A8
+tokens through a Pallas WGMMA GEMM that rebuilds the FP16 weight inside the GEMM; ``"fp8_cutlass"``
+and ``"fp8_pallas"``: :mod:`jaxlp.quantization.fp8_gemm`, NestedFP's FP8 mode and W8A8-FP8 through
+FP8 GEMMs with the scales in their epilogues (CUTLASS's kernels through FFI past 64 tokens, a Pallas
+kernel up to 64), ``"fp8_cutlass_fast"`` / ``"fp8_pallas_fast"`` the same without promoting their
+FP8 sums, explicit only; ``"fireq_cuda"`` / ``"fireq_pallas"``: :mod:`jaxlp.quantization.fireq_kernels`, FireQ W4A8
 through a CUDA GEMV for 1..16 tokens (32 on narrow layers) and Pallas FP8 WGMMA GEMMs, the INT4
 weight decoded to FP8 in registers or by a CUDA pass); ``"auto"``
 takes the first that supports the layer and the input, else ``"xla"``.
@@ -62,10 +63,15 @@ LOCAL_ACTIVATIONS = {None: 1, "nvfp4": 16, "mxfp4": 32, "dialect_fp4": 32}
 class Kernel(NamedTuple):
     """A GPU implementation of the product: ``why_not(layer, x)`` (None if it computes ``layer``
     on ``x``, else the reason) and ``matmul(layer, x)`` (the product before bias). ``"auto"``
-    tries them on a GPU only (off a GPU the reference is the path)."""
+    tries them on a GPU only (off a GPU the reference is the path), and passes over one whose
+    ``auto_declines(layer, x)`` gives a reason (where a later kernel measured faster)."""
 
     why_not: Callable
     matmul: Callable
+    auto_declines: Callable | None = None
+
+    def auto_takes(self, layer, x) -> bool:
+        return self.why_not(layer, x) is None and (self.auto_declines is None or self.auto_declines(layer, x) is None)
 
 
 def _nvfp4_why_not(layer, x):
@@ -79,12 +85,16 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({
     nvfp4_dispatch.IMPLEMENTATION: Kernel(_nvfp4_why_not, nvfp4_dispatch.nvfp4_matmul),
     nestedfp_dispatch.IMPLEMENTATION: Kernel(nestedfp_dispatch.why_not, nestedfp_dispatch.matmul),
     nestedfp_gemm.IMPLEMENTATION: Kernel(nestedfp_gemm.why_not, nestedfp_gemm.matmul),  # FP16 mode past 8 tokens
-    fp8_gemm.IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul),  # NestedFP8 past 8 tokens, W8A8
+    # NestedFP8 past 64 tokens, W8A8 (CUTLASS), then past 8 tokens and up to 64 (Pallas)
+    fp8_gemm.CUTLASS_IMPLEMENTATION: Kernel(fp8_gemm.why_not_cutlass, fp8_gemm.matmul_cutlass,
+                                            fp8_gemm.auto_declines_cutlass),
+    fp8_gemm.IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul),
     # FireQ W4A8: the GEMV for 1..16 tokens (32 on narrow layers), the GEMMs past them
     fireq_kernels.GEMV_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemv, fireq_kernels.matmul_gemv),
     fireq_kernels.GEMM_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemm, fireq_kernels.matmul_gemm),
     native_dot.IMPLEMENTATION: Kernel(native_dot.why_not, native_dot.matmul),
     fp8_gemm.FAST_IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul_fast),  # explicit: FP8 sums unpromoted
+    fp8_gemm.CUTLASS_FAST_IMPLEMENTATION: Kernel(fp8_gemm.why_not_cutlass, fp8_gemm.matmul_cutlass_fast),
 })
 
 
@@ -218,16 +228,16 @@ class QuantizedLinear(nnx.Module):
         impl = self.implementation
         if impl == "auto":
             on_gpu = jax.default_backend() == "gpu"
-            impl = next((n for n, k in KERNELS.items() if on_gpu and k.why_not(self, x) is None), "xla")
+            impl = next((n for n, k in KERNELS.items() if on_gpu and k.auto_takes(self, x)), "xla")
         if impl == "xla":
             y = self._product(type(self).reference, x)
         else:
-            why_not, matmul = KERNELS[impl]
-            reason = why_not(self, x)
+            kernel = KERNELS[impl]
+            reason = kernel.why_not(self, x)
             if reason is not None:
                 raise ValueError(f"implementation {impl!r} does not compute this layer on input {x.shape} "
                                  f"{x.dtype}: {reason}")
-            y = self._product(matmul, x)
+            y = self._product(kernel.matmul, x)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y

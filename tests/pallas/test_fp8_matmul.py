@@ -4,33 +4,15 @@ CUDA GPU: no Pallas GPU interpreter path for it)."""
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
+
+from fp8_operands import float64_product, operands
 
 from jaxlp.pallas import fp8_matmul as fm
 from jaxlp.pallas.wgmma_tiles import SMEM_LIMIT
 
 ON_GPU = jax.devices()[0].platform == "gpu"
-E4M3 = ml_dtypes.float8_e4m3fn
-
-
-def operands(rng, m, n, k):
-    """E4M3 operands over the format's range: random, +-448 (saturation), subnormals, a zero row."""
-    x = (rng.standard_normal((m, k)) * 40).clip(-448, 448).astype(E4M3)
-    w = (rng.standard_normal((n, k)) * 40).clip(-448, 448).astype(E4M3)
-    w[0, :] = 448
-    w[1, : k // 2] = -448
-    w[2, :] = np.float32(2.0**-8)  # an E4M3 subnormal
-    if m > 1:
-        x[-1] = 0  # an all-zero token
-    ts = rng.uniform(0.5, 2.0, m).astype(np.float32) * 2.0**-10
-    cs = rng.uniform(0.5, 2.0, n).astype(np.float32) * 2.0**-8
-    return x, w, ts, cs
-
-
-def float64_product(x, w, ts, cs):
-    return (x.astype(np.float64) @ w.astype(np.float64).T) * ts[:, None].astype(np.float64) * cs[None, :]
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])

@@ -1,0 +1,132 @@
+"""FP8 x FP8 GEMM with per-token and per-channel scales through CUTLASS 3's SM90 kernels (sm_90a).
+
+    y = fp8_matmul(x8, w8, token_scale, channel_scale, out_dtype=jnp.bfloat16, config="pp64p")
+
+computes ``y[M, N] = (x8[M, K] @ w8[N, K].T) * token_scale[:, None] * channel_scale[None, :]`` with
+E4M3 operands, float32 sums, both scales applied to the float32 sums in that order and one rounding
+to BF16 or FP16: :func:`jaxlp.pallas.fp8_matmul.reference`'s math, the contract of the Pallas
+kernel it competes with. ``cutlass_fp8_gemm.cu`` holds the kernels: CUTLASS's warp-specialized TMA
+mainloops (WGMMA on both operands from shared memory, a persistent tile scheduler) and the scales
+as an epilogue visitor tree.
+
+:data:`CONFIGS` names the compiled kernels (their index is the custom call's ``config``):
+``pp`` (pingpong): each of two consumer warpgroups owns whole output tiles, and while one runs its
+epilogue the other runs WGMMAs; ``co`` (cooperative): both split each tile; then the tile (tokens,
+``x`` channels where not 128), ``c<M><N>`` a cluster other than the default, ``sk`` stream-K (the
+K loops of tiles split across CTAs). ``...p`` (promoted): the FP8 sums of each ``promote_k`` of K
+are added into float32 registers (the tensor cores' own FP8 accumulation keeps fewer bits than
+float32); ``...f`` (fast): the tensor cores accumulate the whole K.
+
+Shapes: K a multiple of 16 and N of 8 (TMA's 16-byte rows), any M >= 1. The library needs
+CUTLASS's headers (the ``nvidia-cutlass`` package or ``$JAXLP_CUTLASS_DIR``,
+:func:`jaxlp.ffi.build.cutlass_dir`) and ``nvcc``, and is built on first use.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxlp.ffi import build
+
+TARGET = "jaxlp_cutlass_fp8_gemm"
+LIBRARY = build.Library("cutlass_gemm", {TARGET: "JaxlpCutlassFp8Gemm"})
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+K_ALIGN = 16  # FP8 elements per 16-byte TMA row
+N_ALIGN = 8  # 16-bit outputs per 16-byte TMA row
+
+
+class Config(NamedTuple):
+    """One compiled kernel of ``cutlass_fp8_gemm.cu`` (its ``dispatch`` table, in this order): the
+    schedule, the CTA tile (tokens x channels, 128 K per step; pingpong: each consumer
+    warpgroup's), the cluster (tokens x channels), the tile scheduler (``persistent`` or
+    ``streamk``) and whether the step sums are promoted."""
+
+    schedule: str
+    tile: tuple[int, int]
+    cluster: tuple[int, int]
+    scheduler: str
+    promote: bool
+
+
+CONFIGS: dict[str, Config] = {
+    "pp64p": Config("pingpong", (64, 128), (1, 1), "persistent", True),
+    "co128p": Config("cooperative", (128, 128), (1, 2), "persistent", True),
+    "co128c21p": Config("cooperative", (128, 128), (2, 1), "persistent", True),
+    "co128skp": Config("cooperative", (128, 128), (1, 1), "streamk", True),
+    "pp128c21f": Config("pingpong", (128, 128), (2, 1), "persistent", False),
+    "pp64f": Config("pingpong", (64, 128), (1, 1), "persistent", False),
+    "co128x256f": Config("cooperative", (128, 256), (1, 2), "persistent", False),
+    "co256x128c21f": Config("cooperative", (256, 128), (2, 1), "persistent", False),
+    "co128skf": Config("cooperative", (128, 128), (1, 1), "streamk", False),
+}
+# K per promoted step sum by default: 256 (CUTLASS's own default is 128) measured 8-11% faster at
+# M = 1024..2048 and 2.8e-4 relative error at K = 4096..14336 (128: 2.4e-4, 512: 3.8e-4; the
+# unpromoted sums 1.3e-3 / 2.8e-3); H200, docs/perf.md session 27.
+PROMOTE_K = 256
+
+
+def available() -> bool:
+    """True when JAX runs on a GPU and the library builds and loads (never raises)."""
+    return LIBRARY.available()
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` returned False (``None`` before it was asked or when it is True)."""
+    return LIBRARY.unavailable_reason()
+
+
+def default_config(m: int, n: int | None = None, k: int | None = None, *, promote: bool = True,
+                   num_sms: int = 132) -> str:
+    """The config for ``m`` tokens (``n`` channels, ``k`` inputs): the fastest of the H100 / H200
+    sweeps in docs/perf.md (session 27). Promoted: up to 256 tokens, where 128 x 128 tiles would not
+    give half the SMs one, stream-K on long K (4096 x 14336 at M = 128: 34.1 us against 44.5) else
+    64-token pingpong tiles (4096 x 4096: 14.7 against 18.0); else cooperative 128 x 128 tiles.
+    Fast: 64-token pingpong tiles up to 256 tokens, then 128-token ones in clusters of 2."""
+    if not promote:
+        return "pp64f" if m <= 256 else "pp128c21f"
+    tiles = -(-m // 128) * -(-(n or 1 << 20) // 128)
+    if m <= 64 or (m <= 256 and tiles < num_sms // 2):
+        return "co128skp" if (k or 0) >= 8192 else "pp64p"
+    return "co128p"
+
+
+def why_not(m: int, n: int, k: int) -> str | None:
+    """``None`` if the kernels take an ``[m, k] x [n, k]`` product, else why not."""
+    if k % K_ALIGN or n % N_ALIGN:
+        return f"needs K a multiple of {K_ALIGN} and N of {N_ALIGN} (TMA's 16-byte rows), got N={n}, K={k}"
+    if m < 1 or max(m, n, k) >= 1 << 31:
+        return f"needs 1 <= M and M, N, K < 2**31, got M={m}, N={n}, K={k}"
+    return None
+
+
+def fp8_matmul(x8: jax.Array, w8: jax.Array, token_scale: jax.Array, channel_scale: jax.Array, *,
+               out_dtype=jnp.bfloat16, config: str | None = None, promote_k: int = PROMOTE_K) -> jax.Array:
+    """``(x8 @ w8.T) * token_scale[:, None] * channel_scale[None, :]`` rounded once to ``out_dtype``
+    (module doc); ``config``: a :data:`CONFIGS` name (default :func:`default_config` of M, N, K);
+    ``promote_k``: K per promoted step sum (a multiple of 128 up to 4096; promoted configs only)."""
+    e4m3 = jnp.dtype(jnp.float8_e4m3fn)
+    if x8.ndim != 2 or w8.ndim != 2 or x8.shape[1] != w8.shape[1]:
+        raise ValueError(f"cutlass fp8_matmul: x8 must be [M, K] and w8 [N, K], got {x8.shape} and {w8.shape}")
+    if x8.dtype != e4m3 or w8.dtype != e4m3:
+        raise ValueError(f"cutlass fp8_matmul: x8 and w8 must be float8_e4m3fn, got {x8.dtype} and {w8.dtype}")
+    (m, k), n = x8.shape, w8.shape[0]
+    if token_scale.shape != (m,) or channel_scale.shape != (n,):
+        raise ValueError(f"cutlass fp8_matmul: token_scale must be [{m}] and channel_scale [{n}], got "
+                         f"{token_scale.shape} and {channel_scale.shape}")
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
+        raise ValueError(f"cutlass fp8_matmul: out_dtype must be bfloat16 or float16, got {jnp.dtype(out_dtype)}")
+    if reason := why_not(m, n, k):
+        raise ValueError(f"cutlass fp8_matmul: {reason}")
+    config = config or default_config(m, n, k)
+    if config not in CONFIGS:
+        raise ValueError(f"cutlass fp8_matmul: unknown config {config!r}; the configs are {sorted(CONFIGS)}")
+    if promote_k % 128 or not 128 <= promote_k <= 4096:
+        raise ValueError(f"cutlass fp8_matmul: promote_k must be a multiple of 128 in [128, 4096], got {promote_k}")
+    if build.on_gpu():
+        LIBRARY.load()
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
+    return call(x8, w8, token_scale.astype(jnp.float32), channel_scale.astype(jnp.float32),
+                config=list(CONFIGS).index(config), promote_k=promote_k)
