@@ -15,9 +15,9 @@ side in one run, by ``--mode``:
 ``--configs``: the Pallas kernel's tilings (``default``: the kernel's default of M, or
 ``MatmulConfig`` names), ``xla``: the same layer through XLA's own dots
 (:mod:`jaxlp.quantization.native_dot`: merge-then-dot in FP16 mode, the FP8 dot then a scale pass),
-``cutlass`` / ``cutlass:<name>[:<promote_k>]`` (``fp8`` and ``w8a8`` modes): the layer product
-through CUTLASS's kernels (:mod:`jaxlp.ffi.cutlass_gemm`; default of M or a ``CONFIGS`` name, K per
-promoted sum),
+``cutlass`` / ``cutlass:<name>[:<promote_k>]``: CUTLASS's kernels (:mod:`jaxlp.ffi.cutlass_gemm`;
+the default of M or a ``NESTEDFP_CONFIGS`` name in ``fp16`` mode, a ``CONFIGS`` name and K per
+promoted sum through the layer product in ``fp8`` and ``w8a8`` modes),
 and for 1..8 tokens ``gemv`` / ``gemvU<unroll>S<splits>`` (``S0``: the default splits): the CUDA
 GEMV of :mod:`jaxlp.ffi.nestedfp` through the layer product (:mod:`jaxlp.quantization.nestedfp_dispatch`).
 Per GEMM: us of device time, the ratio ``baseline / best`` (> 1: faster than the baseline) and
@@ -87,11 +87,14 @@ def parse_config(name: str, mode: str = "fp16"):
     if name in ("default", "xla"):
         return None
     if cutlass := re.fullmatch(r"cutlass(?::([a-z0-9]+))?(?::(\d+))?", name):
-        if mode == "fp16":
-            raise ValueError("the CUTLASS configs take --mode fp8 or w8a8")
         config, promote_k = cutlass.groups()
-        if config and config not in cutlass_gemm.CONFIGS:
-            raise ValueError(f"unknown CUTLASS config {config!r}; known: {sorted(cutlass_gemm.CONFIGS)}")
+        known = cutlass_gemm.NESTEDFP_CONFIGS if mode == "fp16" else cutlass_gemm.CONFIGS
+        if config and config not in known:
+            raise ValueError(f"unknown CUTLASS config {config!r} for --mode {mode}; known: {sorted(known)}")
+        if mode == "fp16":
+            if promote_k:
+                raise ValueError("the NestedFP16 CUTLASS kernels take no promote_k")
+            return dict(config=config)
         return dict(config=config, promote_k=int(promote_k or cutlass_gemm.PROMOTE_K))
     if gemv := re.fullmatch(r"gemv(?:U([124])S(\d+))?", name):
         if mode == "w8a8":
@@ -123,6 +126,8 @@ def product(mode: str, name: str, cfg):
         return lambda x, w: native_dot.matmul(layer_view(w, mode), x)
     if name.startswith("gemv"):
         return lambda x, w: nestedfp_dispatch.matmul(layer_view(w, mode), x, **cfg)
+    if name.startswith("cutlass") and mode == "fp16":
+        return lambda x, w: cutlass_gemm.nestedfp16_matmul(x, w, **cfg)
     if name.startswith("cutlass"):
         return lambda x, w: fp8_gemm.matmul_cutlass(layer_view(w, mode), x, **cfg)
     if mode == "fp16":

@@ -1,6 +1,8 @@
-"""FP8 x FP8 GEMM with per-token and per-channel scales through CUTLASS 3's SM90 kernels (sm_90a).
+"""GEMMs on CUTLASS 3's SM90 kernels (sm_90a): FP8 x FP8 with per-token and per-channel scales, and
+NestedFP16 with the FP16 weight rebuilt from its byte planes inside the GEMM.
 
     y = fp8_matmul(x8, w8, token_scale, channel_scale, out_dtype=jnp.bfloat16, config="pp64p")
+    y = nestedfp16_matmul(x, w)   # x [M, K] float16, w a NestedFPArray [N, K]: x @ merge(w).T
 
 computes ``y[M, N] = (x8[M, K] @ w8[N, K].T) * token_scale[:, None] * channel_scale[None, :]`` with
 E4M3 operands, float32 sums, both scales applied to the float32 sums in that order and one rounding
@@ -17,6 +19,14 @@ K loops of tiles split across CTAs). ``...p`` (promoted): the FP8 sums of each `
 are added into float32 registers (the tensor cores' own FP8 accumulation keeps fewer bits than
 float32); ``...f`` (fast): the tensor cores accumulate the whole K.
 
+:func:`nestedfp16_matmul` (``cutlass_nestedfp_gemm.cu``): the NestedFP paper's kernel on CUTLASS's
+mixed-input mainloop: TMA brings three tiles per stage (upper bytes, lower bytes, activations), the
+consumer warpgroups rebuild each k-block's FP16 weights in registers while the previous one's WGMMA
+runs and feed them as WGMMA's register operand (weights on its M, tokens on its N); FP16 out, FP32
+sums. :data:`NESTEDFP_CONFIGS` names its kernels (``co``/``pp``, tile features x tokens, ``c<N><M>``
+a cluster, ``sk`` stream-K, ``s``: the weights rebuilt into an FP16 tile in shared memory and both
+WGMMA operands read from there).
+
 Shapes: K a multiple of 16 and N of 8 (TMA's 16-byte rows), any M >= 1. The library needs
 CUTLASS's headers (the ``nvidia-cutlass`` package or ``$JAXLP_CUTLASS_DIR``,
 :func:`jaxlp.ffi.build.cutlass_dir`) and ``nvcc``, and is built on first use.
@@ -32,7 +42,8 @@ import jax.numpy as jnp
 from jaxlp.ffi import build
 
 TARGET = "jaxlp_cutlass_fp8_gemm"
-LIBRARY = build.Library("cutlass_gemm", {TARGET: "JaxlpCutlassFp8Gemm"})
+NESTEDFP_TARGET = "jaxlp_cutlass_nestedfp16_gemm"
+LIBRARY = build.Library("cutlass_gemm", {TARGET: "JaxlpCutlassFp8Gemm", NESTEDFP_TARGET: "JaxlpCutlassNestedFp16Gemm"})
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 K_ALIGN = 16  # FP8 elements per 16-byte TMA row
 N_ALIGN = 8  # 16-bit outputs per 16-byte TMA row
@@ -62,6 +73,34 @@ CONFIGS: dict[str, Config] = {
     "co256x128c21f": Config("cooperative", (256, 128), (2, 1), "persistent", False),
     "co128skf": Config("cooperative", (128, 128), (1, 1), "streamk", False),
 }
+
+
+class NestedFPConfig(NamedTuple):
+    """One compiled kernel of ``cutlass_nestedfp_gemm.cu`` (its ``dispatch`` table, in this order):
+    the schedule, the CTA tile (weight rows x tokens, 64 K per step; pingpong: each consumer
+    warpgroup's), the cluster (weight rows x tokens), shared-memory stages, the tile scheduler and
+    where the weights are rebuilt: ``registers`` (WGMMA's register operand, per k-block) or
+    ``shared`` (an FP16 tile in shared memory per k tile, both WGMMA operands from there)."""
+
+    schedule: str
+    tile: tuple[int, int]
+    cluster: tuple[int, int]
+    stages: int
+    scheduler: str
+    merge: str
+
+
+# The kernels kept (docs/perf.md session 27 has the others measured: 128 x 256 tiles from registers,
+# and 128 x 128 / 64 x 256 / clustered tiles merged into shared memory, all slower).
+NESTEDFP_CONFIGS: dict[str, NestedFPConfig] = {
+    "co128": NestedFPConfig("cooperative", (128, 128), (1, 1), 5, "persistent", "registers"),
+    "pp64": NestedFPConfig("pingpong", (64, 128), (1, 1), 6, "persistent", "registers"),
+    "co128x64": NestedFPConfig("cooperative", (128, 64), (1, 1), 7, "persistent", "registers"),
+    "co128sk": NestedFPConfig("cooperative", (128, 128), (1, 1), 5, "streamk", "registers"),
+    "co128x256s": NestedFPConfig("cooperative", (128, 256), (1, 1), 3, "persistent", "shared"),
+}
+
+
 # K per promoted step sum by default: 256 (CUTLASS's own default is 128) measured 8-11% faster at
 # M = 1024..2048 and 2.8e-4 relative error at K = 4096..14336 (128: 2.4e-4, 512: 3.8e-4; the
 # unpromoted sums 1.3e-3 / 2.8e-3); H200, docs/perf.md session 27.
@@ -130,3 +169,42 @@ def fp8_matmul(x8: jax.Array, w8: jax.Array, token_scale: jax.Array, channel_sca
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
     return call(x8, w8, token_scale.astype(jnp.float32), channel_scale.astype(jnp.float32),
                 config=list(CONFIGS).index(config), promote_k=promote_k)
+
+
+def nestedfp_default_config(m: int, n: int | None = None, k: int | None = None, *, num_sms: int = 132) -> str:
+    """The NestedFP16 kernel for ``m`` tokens (``n`` weight rows, ``k`` inputs): the fastest of the
+    H200 sweeps in docs/perf.md (session 27). Stream-K on long K (4096 x 14336 at M = 32..512: 1.5-2.7x
+    the persistent tiles), 64-token tiles up to 64 tokens, 64 x 128 pingpong tiles up to 256 tokens
+    where 128 x 128 tiles would not give half the SMs one, else stream-K 128 x 128 tiles."""
+    if (k or 0) >= 8192:
+        return "co128sk"
+    if m <= 64:
+        return "co128x64"
+    if m <= 256 and -(-(n or 1 << 20) // 128) * -(-m // 128) < num_sms // 2:
+        return "pp64"
+    return "co128sk"
+
+
+def nestedfp16_matmul(x: jax.Array, w, *, config: str | None = None) -> jax.Array:
+    """``x [M, K] @ merge(w).T`` (FP16 in and out, FP32 sums) for a NestedFPArray ``w [N, K]``
+    (module doc); ``config``: a :data:`NESTEDFP_CONFIGS` name (default
+    :func:`nestedfp_default_config` of M, N, K)."""
+    from jaxlp.formats.nestedfp import NestedFPArray
+
+    if not isinstance(w, NestedFPArray) or len(w.shape) != 2:
+        raise ValueError(f"cutlass nestedfp16_matmul: w must be a 2-D NestedFPArray, got {type(w).__name__}")
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"cutlass nestedfp16_matmul: x must be [M, K] with w's K, got {x.shape} and {w.shape}")
+    if x.dtype != jnp.float16:
+        raise ValueError(f"cutlass nestedfp16_matmul: x must be float16 (NestedFP's FP16 mode), got {x.dtype}")
+    (m, k), n = x.shape, w.shape[0]
+    if reason := why_not(m, n, k):
+        raise ValueError(f"cutlass nestedfp16_matmul: {reason}")
+    config = config or nestedfp_default_config(m, n, k)
+    if config not in NESTEDFP_CONFIGS:
+        raise ValueError(f"cutlass nestedfp16_matmul: unknown config {config!r}; the configs are "
+                         f"{sorted(NESTEDFP_CONFIGS)}")
+    if build.on_gpu():
+        LIBRARY.load()
+    call = jax.ffi.ffi_call(NESTEDFP_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float16))
+    return call(x, w.upper, w.lower, config=list(NESTEDFP_CONFIGS).index(config))

@@ -12,9 +12,7 @@
 // (g, g + 8) and of token g per 64-wide K window; since a sum does not care about the order of
 // its terms, the MMA's k slots are mapped to those loaded K (the same map for both operands):
 // no shuffle, no shared memory. FP16 mode rebuilds each 4 FP16 weights from their 4 upper and 4
-// lower bytes with one 32-bit merge and two byte permutes (jaxlp.formats.nestedfp):
-//   t = (((U - ((L & 0x80808080) >> 7)) >> 1) & 0x3F3F3F3F) | (U & 0x80808080),
-//   (w0, w1) = prmt(L, t, 0x5140), (w2, w3) = prmt(L, t, 0x7362).
+// lower bytes with one 32-bit merge and two byte permutes (nestedfp_merge.cuh).
 // FP8 mode reads the upper bytes only (half the bytes): m16n8k32 E4M3 MMAs.
 // A CTA of 8 warps owns 16 output rows and its split's share of K; its warps take K windows in
 // turn (1, 2 or 4 windows' loads in flight per warp: `unroll`, fewer registers and more CTAs per SM
@@ -31,6 +29,7 @@
 #include "gemv_epilogue.cuh"
 #include "launch.cuh"
 #include "mma_sync.cuh"
+#include "nestedfp_merge.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -54,13 +53,6 @@ struct Params {
   float multiplier;
   int m, n, k, splits;
 };
-
-// Four FP16 weights (two half2 words) from four upper and four lower bytes (file head).
-__device__ __forceinline__ void merge4(uint32_t u, uint32_t l, uint32_t& w01, uint32_t& w23) {
-  const uint32_t t = (((u - ((l & 0x80808080u) >> 7)) >> 1) & 0x3F3F3F3Fu) | (u & 0x80808080u);
-  w01 = __byte_perm(l, t, 0x5140);
-  w23 = __byte_perm(l, t, 0x7362);
-}
 
 // One thread's share of a 64-wide K window: 16 K of rows g and g + 8 (upper bytes, and lower
 // bytes in FP16 mode) and of token g (FP16 or E4M3), loaded; then its MMAs into c.
@@ -97,8 +89,8 @@ struct Window {
 #pragma unroll
       for (int s = 0; s < 4; ++s) {  // word s: K 4s .. 4s + 3 of the thread's 16
         uint32_t a0, a2, a1, a3;
-        merge4(uu0[s], ll0[s], a0, a2);
-        merge4(uu1[s], ll1[s], a1, a3);
+        jaxlp::nestedfp_merge4(uu0[s], ll0[s], a0, a2);
+        jaxlp::nestedfp_merge4(uu1[s], ll1[s], a1, a3);
         mma_f16(c, a0, a1, a2, a3, xx[2 * s], xx[2 * s + 1]);
       }
     }

@@ -10,8 +10,9 @@ picks CUDA, Pallas or XLA per shape; ``"nestedfp_cuda"``:
 :mod:`jaxlp.quantization.nestedfp_dispatch`, NestedFP in either mode for 1..8 tokens on tensor
 cores, the FP16 weight rebuilt in registers; ``"xla_native"``: :mod:`jaxlp.quantization.native_dot`,
 XLA's FP8 and FP16 dots on the stored bytes for FP8, NestedFP and FireQ INT4 weights;
-``"nestedfp_pallas"``: :mod:`jaxlp.quantization.nestedfp_gemm`, NestedFP's FP16 mode past 8
-tokens through a Pallas WGMMA GEMM that rebuilds the FP16 weight inside the GEMM; ``"fp8_cutlass"``
+``"nestedfp_cutlass"`` / ``"nestedfp_pallas"``: :mod:`jaxlp.quantization.nestedfp_gemm`, NestedFP's
+FP16 mode past 8 tokens through WGMMA GEMMs that rebuild the FP16 weight inside the GEMM (CUTLASS's
+mixed-input mainloop through FFI, a Pallas kernel); ``"fp8_cutlass"``
 and ``"fp8_pallas"``: :mod:`jaxlp.quantization.fp8_gemm`, NestedFP's FP8 mode and W8A8-FP8 through
 FP8 GEMMs with the scales in their epilogues (CUTLASS's kernels through FFI past 64 tokens, a Pallas
 kernel up to 64), ``"fp8_cutlass_fast"`` / ``"fp8_pallas_fast"`` the same without promoting their
@@ -84,7 +85,10 @@ def _nvfp4_why_not(layer, x):
 KERNELS: Mapping[str, Kernel] = MappingProxyType({
     nvfp4_dispatch.IMPLEMENTATION: Kernel(_nvfp4_why_not, nvfp4_dispatch.nvfp4_matmul),
     nestedfp_dispatch.IMPLEMENTATION: Kernel(nestedfp_dispatch.why_not, nestedfp_dispatch.matmul),
-    nestedfp_gemm.IMPLEMENTATION: Kernel(nestedfp_gemm.why_not, nestedfp_gemm.matmul),  # FP16 mode past 8 tokens
+    # NestedFP's FP16 mode past 8 tokens: CUTLASS up to 512, then Pallas (and shapes off CUTLASS's rows)
+    nestedfp_gemm.CUTLASS_IMPLEMENTATION: Kernel(nestedfp_gemm.why_not_cutlass, nestedfp_gemm.matmul_cutlass,
+                                                 nestedfp_gemm.auto_declines_cutlass),
+    nestedfp_gemm.IMPLEMENTATION: Kernel(nestedfp_gemm.why_not, nestedfp_gemm.matmul),
     # NestedFP8 past 64 tokens, W8A8 (CUTLASS), then past 8 tokens and up to 64 (Pallas)
     fp8_gemm.CUTLASS_IMPLEMENTATION: Kernel(fp8_gemm.why_not_cutlass, fp8_gemm.matmul_cutlass,
                                             fp8_gemm.auto_declines_cutlass),

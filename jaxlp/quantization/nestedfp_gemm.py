@@ -1,11 +1,13 @@
-"""NestedFP FP16-mode ``QuantizedLinear`` products through the Pallas Mosaic GPU GEMM
-(``implementation="nestedfp_pallas"``; :mod:`jaxlp.pallas.nestedfp_matmul`): WGMMA with the FP16
-weight rebuilt from its two byte planes inside the GEMM, any number of tokens.
+"""NestedFP FP16-mode ``QuantizedLinear`` products through GEMMs that rebuild the FP16 weight from its
+two byte planes inside the GEMM: the Pallas Mosaic GPU kernel (``implementation="nestedfp_pallas"``;
+:mod:`jaxlp.pallas.nestedfp_matmul`) and CUTLASS's mixed-input mainloop through FFI
+(``"nestedfp_cutlass"``; :func:`jaxlp.ffi.cutlass_gemm.nestedfp16_matmul`, K a multiple of 16 and N
+of 8), any number of tokens.
 
-``"auto"`` takes it on a GPU for the FP16 mode past 8 tokens (``"nestedfp_cuda"`` takes 1..8),
-before XLA's merge-then-dot (:mod:`jaxlp.quantization.native_dot`): faster than that at every
-measured shape and M (H100, docs/perf.md "session 18"), though still behind XLA's FP16 dot on
-plain FP16 weights.
+``"auto"`` takes them on a GPU for the FP16 mode past 8 tokens (``"nestedfp_cuda"`` takes 1..8):
+CUTLASS up to :data:`CUTLASS_MAX_TOKENS` tokens, Pallas past them, both before XLA's merge-then-dot
+(:mod:`jaxlp.quantization.native_dot`), though still behind XLA's FP16 dot on plain FP16 weights
+(0.6-0.9x; docs/perf.md sessions 18 and 27).
 """
 
 from __future__ import annotations
@@ -15,10 +17,17 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxlp.ffi import cutlass_gemm
 from jaxlp.pallas import nestedfp_matmul as kernel
 from jaxlp.quantization import nestedfp_dispatch
 
 IMPLEMENTATION = "nestedfp_pallas"
+CUTLASS_IMPLEMENTATION = "nestedfp_cutlass"
+# "auto" takes CUTLASS up to this many tokens, the Pallas kernel past it (H200, docs/perf.md session
+# 27: at 128 tokens CUTLASS 24.9 / 80.1 / 49.4 / 22.9 us against Pallas's 40.5 / 114.6 / 130.7 /
+# 39.6 on 6144 x 4096 / 28672 x 4096 / 4096 x 14336 / 4096 x 4096; at 1024: 99.3 / 456.9 / 223.3 /
+# 66.5 against 111.1 / 404.0 / 194.2 / 56.8).
+CUTLASS_MAX_TOKENS = 512
 
 
 def why_not(layer, x: jax.Array) -> str | None:
@@ -34,12 +43,40 @@ def why_not(layer, x: jax.Array) -> str | None:
     return None
 
 
+def why_not_cutlass(layer, x: jax.Array) -> str | None:
+    """:func:`why_not` for ``"nestedfp_cutlass"``: also the CUTLASS kernel's shape rules and library."""
+    if reason := why_not(layer, x):
+        return reason
+    if reason := cutlass_gemm.why_not(math.prod(x.shape[:-1]), layer.weight.get_value().shape[0], x.shape[-1]):
+        return reason
+    if not cutlass_gemm.available():
+        return f"the CUTLASS library is not available: {cutlass_gemm.unavailable_reason()}"
+    return None
+
+
+def auto_declines_cutlass(layer, x: jax.Array) -> str | None:
+    """Why ``"auto"`` passes over ``"nestedfp_cutlass"`` for ``x`` although it computes the layer:
+    past :data:`CUTLASS_MAX_TOKENS` tokens the Pallas kernel measured faster."""
+    m = math.prod(x.shape[:-1])
+    return f"{m} tokens: the Pallas kernel is faster past {CUTLASS_MAX_TOKENS}" if m > CUTLASS_MAX_TOKENS else None
+
+
 def matmul(layer, x: jax.Array) -> jax.Array:
     """The layer's product before bias (``QuantizedLinear.reference``'s math), in x's dtype, for a
     layer :func:`why_not` accepts."""
+    return _matmul(layer, x, kernel.nestedfp_matmul)
+
+
+def matmul_cutlass(layer, x: jax.Array, *, config: str | None = None) -> jax.Array:
+    """:func:`matmul` through CUTLASS for a layer :func:`why_not_cutlass` accepts; ``config``: a
+    :data:`jaxlp.ffi.cutlass_gemm.NESTEDFP_CONFIGS` name (default: its default of M, N, K)."""
+    return _matmul(layer, x, lambda x2, w: cutlass_gemm.nestedfp16_matmul(x2, w, config=config))
+
+
+def _matmul(layer, x, gemm):
     w = layer.weight.get_value()
     lead, k = x.shape[:-1], x.shape[-1]
-    y = kernel.nestedfp_matmul(x.reshape(-1, k), w)
+    y = gemm(x.reshape(-1, k), w)
     if layer.out_scale != 1.0:
         y = (y.astype(jnp.float32) * layer.out_scale).astype(x.dtype)
     return y.reshape(*lead, w.shape[0])

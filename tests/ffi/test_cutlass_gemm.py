@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fp8_operands import float64_product, operands
+from nestedfp_operands import weights
 
 from jaxlp.ffi import build, cutlass_gemm
+from jaxlp.formats import nestedfp
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 
@@ -30,6 +32,42 @@ def test_configs_match_the_kernels_dispatch():
     for m in (1, 64, 128, 129, 4096):
         for promote in (True, False):
             assert cutlass_gemm.CONFIGS[cutlass_gemm.default_config(m, 4096, promote=promote)].promote == promote
+
+
+def test_nestedfp_configs_match_the_kernels_dispatch():
+    text = (build.SOURCE_DIR / "cutlass_nestedfp_gemm.cu").read_text()
+    cases = re.findall(r"JAXLP_CASE\((\d+), (\w+), \w+, (\d+), (\d+), (\d+), (\d+), (\d+), (\w+)Scheduler, "
+                       r"(true|false)\)", text)
+    assert len(cases) == len(cutlass_gemm.NESTEDFP_CONFIGS)
+    for (index, schedule, tn, tm, cn, cm, stages, scheduler, shared), (name, cfg) in zip(
+            cases, cutlass_gemm.NESTEDFP_CONFIGS.items()):
+        assert int(index) == list(cutlass_gemm.NESTEDFP_CONFIGS).index(name)
+        got = (schedule.lower(), (int(tn), int(tm)), (int(cn), int(cm)), int(stages), scheduler.lower(),
+               "shared" if shared == "true" else "registers")
+        assert got == tuple(cfg), name
+        assert name.endswith("s") == (cfg.merge == "shared"), name
+        assert name.startswith({"pingpong": "pp", "cooperative": "co"}[cfg.schedule] + str(cfg.tile[0]))
+        assert ("sk" in name) == (cfg.scheduler == "streamk"), name
+    for m in (1, 64, 65, 1024, 1025, 4096):
+        assert cutlass_gemm.nestedfp_default_config(m, 4096, 4096) in cutlass_gemm.NESTEDFP_CONFIGS
+
+
+def test_nestedfp_operands_are_checked():
+    w = nestedfp.quantize(jnp.zeros((64, 128)))
+    with pytest.raises(ValueError, match="float16"):
+        cutlass_gemm.nestedfp16_matmul(jnp.zeros((8, 128), jnp.bfloat16), w)
+    with pytest.raises(ValueError, match=r"x must be \[M, K\]"):
+        cutlass_gemm.nestedfp16_matmul(jnp.zeros((8, 64), jnp.float16), w)
+    with pytest.raises(ValueError, match="NestedFPArray"):
+        cutlass_gemm.nestedfp16_matmul(jnp.zeros((8, 128), jnp.float16), jnp.zeros((64, 128), jnp.float16))
+    with pytest.raises(ValueError, match="N of 8"):
+        cutlass_gemm.nestedfp16_matmul(jnp.zeros((8, 128), jnp.float16), nestedfp.quantize(jnp.zeros((60, 128))))
+    with pytest.raises(ValueError, match="unknown config"):
+        cutlass_gemm.nestedfp16_matmul(jnp.zeros((8, 128), jnp.float16), w, config="co64")
+    f = jax.jit(lambda x, w: cutlass_gemm.nestedfp16_matmul(x, w, config="pp64"))
+    text = f.trace(jnp.zeros((3, 128), jnp.float16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{cutlass_gemm.NESTEDFP_TARGET}" in text and "tensor<3x64xf16>" in text
+    assert f"config = {list(cutlass_gemm.NESTEDFP_CONFIGS).index('pp64')} : i64" in text
 
 
 def test_operands_are_checked():
@@ -119,3 +157,25 @@ def test_gpu_longer_promoted_sums_stay_within_the_bound(promote_k, m, n, k):
                                            out_dtype=jnp.float16, config="co128p", promote_k=promote_k), np.float64)
     want = float64_product(x, w, ts, cs)
     assert np.linalg.norm(y - want) / np.linalg.norm(want) <= float(jnp.finfo(jnp.float16).eps)
+
+
+@pytest.mark.parametrize("config", list(cutlass_gemm.NESTEDFP_CONFIGS))
+@pytest.mark.parametrize("m, n, k", [(1, 256, 512), (33, 1000, 1040), (129, 648, 4096), (300, 4096, 4096),
+                                     (2048, 4096, 4096)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_nestedfp16_matches_float64_of_the_merged_weights(config, m, n, k):
+    """Every NestedFP16 kernel, M, N and K off its tiles (K = 1040: part of a 64-K step), NestedFP's
+    range (+-1.75, FP16 subnormals, zero rows), a zero token: FP16 rounding of the FP32 sums."""
+    rng = np.random.default_rng(m + n + k)
+    w16 = weights(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    if m > 1:
+        x[-1] = 0
+    y = np.asarray(cutlass_gemm.nestedfp16_matmul(jnp.asarray(x), nestedfp.quantize(jnp.asarray(w16)), config=config),
+                   np.float64)
+    want = x.astype(np.float64) @ w16.astype(np.float64).T
+    assert y.shape == (m, n) and np.isfinite(y).all()
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) <= 1e-3
+    if m > 1:
+        np.testing.assert_array_equal(y[-1], 0.0)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from nestedfp_operands import weights
 
 from jaxlp.formats import nestedfp
 from jaxlp.pallas import nestedfp_matmul as nm
@@ -71,16 +72,6 @@ def test_config_and_operands_are_checked():
     with pytest.raises(ValueError, match="NestedFPArray"):
         nm.nestedfp_matmul(jnp.zeros((8, 128), jnp.float16), jnp.zeros((64, 128), jnp.float16))
     assert nm.MatmulConfig(tile_n=64, tile_m=16, tile_k=128).padded_shape(20, 200, 300) == (32, 256, 384)
-
-
-def weights(rng, n, k):
-    """FP16 weights over NestedFP's range: random, +-1.75, subnormals, zero rows."""
-    w = rng.uniform(-1.75, 1.75, (n, k)).astype(np.float16)
-    w[0, :] = 1.75
-    w[1, :] = -1.75
-    w[2, : k // 2] = np.float16(2.0**-20)  # FP16 subnormals
-    w[3, :] = 0
-    return w
 
 
 @pytest.mark.parametrize("m, n, k, config", [

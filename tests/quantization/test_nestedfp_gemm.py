@@ -1,6 +1,7 @@
-"""NestedFP's FP16 mode through the Pallas GEMM (``implementation="nestedfp_pallas"``): what it
-takes and refuses on the CPU; on a GPU the layer's product against float64 of the merged weights
-(the kernel itself: tests/pallas/test_nestedfp_matmul.py)."""
+"""NestedFP's FP16 mode through the Pallas and CUTLASS GEMMs (``implementation="nestedfp_pallas"``,
+``"nestedfp_cutlass"``): what they take and refuse on the CPU; on a GPU the layer's product against
+float64 of the merged weights (the kernels themselves: tests/pallas/test_nestedfp_matmul.py,
+tests/ffi/test_cutlass_gemm.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -29,29 +30,39 @@ def test_why_not_names_what_it_does_not_compute():
     assert "format" in nestedfp_gemm.why_not(w8, x)
     if not ON_GPU:
         assert "needs a GPU" in nestedfp_gemm.why_not(layer(w), x)
+        assert "needs a GPU" in nestedfp_gemm.why_not_cutlass(layer(w), x)
         with pytest.raises(ValueError, match="needs a GPU"):
             layer(w)(x)
+    else:
+        assert "N of 8" in nestedfp_gemm.why_not_cutlass(layer(w[:60]), x)
 
 
-def test_auto_tries_it_after_the_small_m_kernel_and_before_xla_merge_then_dot():
+def test_auto_tries_them_after_the_small_m_kernel_and_before_xla_merge_then_dot():
     from jaxlp.quantization.linear import KERNELS
 
     names = list(KERNELS)
-    assert names.index("nestedfp_cuda") < names.index("nestedfp_pallas") < names.index("xla_native")
+    assert names.index("nestedfp_cuda") < names.index("nestedfp_cutlass") < names.index("nestedfp_pallas")
+    assert names.index("nestedfp_pallas") < names.index("xla_native")
+    decline = KERNELS["nestedfp_cutlass"].auto_declines
+    lay = layer(np.zeros((64, 128)))
+    assert "Pallas kernel is faster" in decline(lay, jnp.ones((2, 257, 128), jnp.float16))  # 514 tokens
+    assert decline(lay, jnp.ones((512, 128), jnp.float16)) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("lead", [(1,), (2, 40), (300,)])
-def test_gpu_layer_matches_float64(lead):
+@pytest.mark.parametrize("impl", ["nestedfp_pallas", "nestedfp_cutlass"])
+def test_gpu_layer_matches_float64(lead, impl):
     rng = np.random.default_rng(len(lead))
     w = rng.uniform(-1.75, 1.75, (320, 512)).astype(np.float16)
-    lay = layer(w, out_scale=0.5)
+    lay = layer(w, out_scale=0.5, implementation=impl)
     x = rng.standard_normal(lead + (512,)).astype(np.float16)
     y = np.asarray(lay(jnp.asarray(x)), np.float64)
     want = 0.5 * (x.astype(np.float64) @ w.astype(np.float64).T)
     assert y.shape == lead + (320,)
     assert np.linalg.norm(y - want) / np.linalg.norm(want) <= 1e-3
-    if np.prod(lead) > 8:  # "auto" takes this kernel past the small-M one
+    # "auto": CUTLASS past the small-M kernel up to 512 tokens
+    if np.prod(lead) > 8 and impl == "nestedfp_cutlass":
         np.testing.assert_array_equal(np.asarray(layer(w, out_scale=0.5, implementation="auto")(jnp.asarray(x))),
                                       np.asarray(lay(jnp.asarray(x))))

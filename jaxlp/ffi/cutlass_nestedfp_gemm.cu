@@ -1,0 +1,587 @@
+// NestedFP16 GEMM on Hopper tensor cores through CUTLASS 3, the FP16 weight rebuilt from its two
+// byte planes inside the GEMM (XLA FFI custom call, sm_90a); Python side: jaxlp/ffi/cutlass_gemm.py.
+//
+//   y[m, n] = fp16(sum_k x[m, k] * merge(upper, lower)[n, k])      (float32 sums)
+//
+// x [M, K] float16, upper and lower [N, K] uint8 (jaxlp.formats.nestedfp's byte planes), y [M, N]
+// float16. The NestedFP paper's kernel design, on CUTLASS's SM90 mixed-input mainloop (the
+// register-sourced "RS" WGMMA): operands swapped so the weights are WGMMA's A operand (output
+// features on its M, tokens on its N, y^T = W x^T, written column-major, i.e. y row-major), a
+// producer warp's TMA loads three tiles per stage (upper bytes, lower bytes, activations), the
+// consumer warpgroups copy each k-block's upper and lower bytes from shared memory to registers,
+// rebuild the FP16 weights there (nestedfp_merge.cuh: one 32-bit merge and two byte permutes per
+// four weights) while the previous k-block's WGMMA runs, and feed them to WGMMA as the register
+// operand with the activations from shared memory.
+//
+// `NestedFp16Mainloop` is CUTLASS's mixed-input collective (uint8 A, FP16 B, direct conversion) with
+// a second A-shaped tensor, the lower plane: its own shared-memory ring, TMA descriptor and loads,
+// and the merge in place of the conversion. Everything else (pipeline, schedules, epilogue) is
+// CUTLASS's.
+//
+// Shape rules (TMA's 16-byte rows): K a multiple of 16 (the byte planes' rows), N a multiple of 8
+// (the output's rows); M any >= 1 (tails of N, M and K inside a tile are zero-filled).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+// XLA's FFI headers first: CUTLASS turns -Wmissing-field-initializers into an error for what follows.
+#include "xla/ffi/api/ffi.h"
+//
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "nestedfp_merge.cuh"
+
+namespace ffi = xla::ffi;
+
+namespace jaxlp_cutlass_nestedfp {
+
+using namespace cute;
+
+// CUTLASS's mixed-input mainloop (`Base`) with the lower byte plane beside A's upper one (file head).
+// kMergeToSmem: each consumer warpgroup rebuilds its rows of the weight tile into a shared-memory FP16
+// tile (two per warpgroup, in WGMMA's 128-byte swizzled K-major layout) and WGMMA reads both operands
+// from shared memory, the next k tile rebuilt while the current one's WGMMAs run; else the weights
+// are WGMMA's register operand, rebuilt per k-block (the mixed-input mainloop's design).
+template <class Base, bool kMergeToSmem>
+struct NestedFp16Mainloop : Base {
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+  using typename Base::GmemTiledCopyA;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::StrideA;
+  using typename Base::StrideB;
+  using typename Base::TileShape;
+  using typename Base::TmaElementA;
+  using KernelSchedule = typename Base::DispatchPolicy::Schedule;
+  static constexpr bool kPingpong = cute::is_base_of_v<cutlass::gemm::KernelTmaWarpSpecializedPingpong, KernelSchedule>;
+  // kMergeToSmem: the same MMA with both operands from shared memory (the same accumulator layout)
+  using TiledMma = cute::conditional_t<
+      kMergeToSmem,
+      decltype(make_tiled_mma(GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, TileShape, GMMA::Major::K,
+                                                   GMMA::Major::K>(),
+                              Layout<Shape<Int<kPingpong ? 1 : 2>, _1, _1>>{})),
+      typename Base::TiledMma>;
+  // The rebuilt FP16 tiles: two per consumer warpgroup (pingpong: each warpgroup owns its tiles)
+  static constexpr int kMergedTiles = kPingpong ? 4 : 2;
+  using SmemLayoutMerged = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{},
+                                                  make_shape(size<0>(TileShape{}), size<2>(TileShape{}),
+                                                             Int<kMergedTiles>{})));
+  static_assert(cute::is_same_v<typename Base::RealSwappedElementA, uint8_t> && !Base::SwapAB,
+                "A must be the uint8 upper plane, not swapped");
+  static_assert(Base::KernelConversionMode == cutlass::detail::ConversionMode::DirectConvert);
+
+  struct SharedStorage {
+    struct TensorStorage {
+      CUTE_ALIGNAS(Base::SmemAlignmentA) cute::ArrayEngine<uint8_t, cute::cosize_v<SmemLayoutA>> smem_A;  // upper
+      CUTE_ALIGNAS(Base::SmemAlignmentA) cute::ArrayEngine<uint8_t, cute::cosize_v<SmemLayoutA>> smem_L;  // lower
+      CUTE_ALIGNAS(Base::SmemAlignmentB)
+      cute::ArrayEngine<typename TiledMma::ValTypeB, cute::cosize_v<SmemLayoutB>> smem_B;
+      CUTE_ALIGNAS(1024)
+      cute::ArrayEngine<cutlass::half_t, kMergeToSmem ? cute::cosize_v<SmemLayoutMerged> : 8> smem_merged;
+    } tensors;
+    using PipelineStorage = typename MainloopPipeline::SharedStorage;
+    PipelineStorage pipeline;
+  };
+  using TensorStorage = typename SharedStorage::TensorStorage;
+  using PipelineStorage = typename SharedStorage::PipelineStorage;
+
+  struct Arguments {
+    uint8_t const* ptr_A = nullptr;  // upper plane [N_features, K]
+    StrideA dA{};
+    cutlass::half_t const* ptr_B = nullptr;  // activations
+    StrideB dB{};
+    uint8_t const* ptr_L = nullptr;  // lower plane, A's shape and strides
+  };
+
+  struct Params : Base::Params {
+    typename Base::Params::TMA_A tma_load_l;
+  };
+
+  static typename Base::Arguments base_arguments(Arguments const& args) {
+    typename Base::Arguments base{};
+    base.ptr_A = args.ptr_A;
+    base.dA = args.dA;
+    base.ptr_B = args.ptr_B;
+    base.dB = args.dB;
+    return base;
+  }
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params params;
+    static_cast<typename Base::Params&>(params) =
+        Base::to_underlying_arguments(problem_shape, base_arguments(args), workspace);
+    auto [M, N, K, L] = append<4>(problem_shape, 1);
+    Tensor tensor_l = make_tensor(cutlass::gemm::collective::detail::get_logical_ptr(args.ptr_L),
+                                  cutlass::gemm::collective::detail::get_gmem_layout(make_shape(M, K, L), args.dA));
+    params.tma_load_l = make_tma_copy_A_sm90<TmaElementA>(GmemTiledCopyA{}, tensor_l, SmemLayoutA{}(_, _, Int<0>{}),
+                                                          TileShape{}, ClusterShape{});
+    params.tma_transaction_bytes += Base::TmaTransactionBytesMK;  // the lower tile, A's size
+    return params;
+  }
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
+    return args.ptr_L != nullptr && Base::can_implement(problem_shape, base_arguments(args));
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    Base::prefetch_tma_descriptors(params);
+    cute::prefetch_tma_descriptor(params.tma_load_l.get_tma_descriptor());
+  }
+
+  // (gA_mkl, gB_nkl, gL_mkl): the base's tiled views and the lower plane's, A's tiling.
+  template <class ProblemShape_MNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& params) const {
+    auto [M, N, K, L] = problem_shape_MNKL;
+    auto base = Base::load_init(problem_shape_MNKL, params);
+    Tensor mL_mkl = params.tma_load_l.get_tma_tensor(
+        shape(cutlass::gemm::collective::detail::get_gmem_layout(make_shape(M, K, L), params.dA)));
+    Tensor gL_mkl = local_tile(mL_mkl, TileShape{}, make_coord(_, _, _), Step<_1, Underscore, _1>{});
+    return cute::make_tuple(get<0>(base), get<1>(base), gL_mkl);
+  }
+
+  // Producer: the base's TMA loop with the lower tile issued beside the upper one (same stage,
+  // same barrier, same multicast).
+  template <class... Ts, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                           cute::tuple<Ts...> const& load_inputs, BlockCoord const& blk_coord,
+                           KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
+                           uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+    Tensor sA = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(shared_tensors.smem_A.begin()), SmemLayoutA{}));
+    Tensor sL = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(shared_tensors.smem_L.begin()), SmemLayoutA{}));
+    Tensor sB = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(shared_tensors.smem_B.begin()), SmemLayoutB{}));
+
+    constexpr uint32_t cluster_shape_x = get<0>(ClusterShape());
+    uint2 cluster_local_block_id = {block_rank_in_cluster % cluster_shape_x, block_rank_in_cluster / cluster_shape_x};
+    auto block_tma_a = params.tma_load_a.get_slice(cluster_local_block_id.y);
+    auto block_tma_l = params.tma_load_l.get_slice(cluster_local_block_id.y);
+    auto block_tma_b = params.tma_load_b.get_slice(cluster_local_block_id.x);
+
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    Tensor tAgA = block_tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
+    Tensor tAsA = block_tma_a.partition_D(sA);
+    Tensor tLgL = block_tma_l.partition_S(get<2>(load_inputs)(_, _, m_coord, _, l_coord));
+    Tensor tLsL = block_tma_l.partition_D(sL);
+    Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
+    Tensor tBsB = block_tma_b.partition_D(sB);
+
+    uint16_t mcast_mask_a = 0, mcast_mask_b = 0;
+    auto block_layout = Layout<ClusterShape>{};  // (m, n) -> block id
+    if constexpr (cute::is_same_v<GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
+      for (int n = 0; n < size<1>(block_layout); ++n)
+        mcast_mask_a |= (uint16_t(1) << block_layout(cluster_local_block_id.x, n, Int<0>{}));
+    }
+    if constexpr (cute::is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+      for (int m = 0; m < size<0>(block_layout); ++m)
+        mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_local_block_id.y, Int<0>{}));
+    }
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      int stage = smem_pipe_write.index();
+      if (cute::elect_one_sync()) {
+        copy(params.tma_load_a.with(*tma_barrier, mcast_mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
+        copy(params.tma_load_l.with(*tma_barrier, mcast_mask_a), tLgL(_, _, _, *k_tile_iter), tLsL(_, _, _, stage));
+        copy(params.tma_load_b.with(*tma_barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
+      }
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& params) {
+    if constexpr (kMergeToSmem)
+      mma_shared(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
+    else
+      mma_registers(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
+  }
+
+  // Consumer, kMergeToSmem (see the struct's comment). Per k tile t: issue its WGMMAs (merged tile
+  // t % 2, activations of stage t), then wait for stage t + 1, wait until only tile t's WGMMAs are in
+  // flight (tile t - 1's are done: its stage is released and its merged tile reusable), rebuild
+  // stage t + 1's weights into merged tile (t + 1) % 2, fence them for the async proxy, sync the
+  // warpgroup. The last stage is released by mma_tail, as in the base.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma_shared(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                                 int k_tile_count, int thread_idx, TensorStorage& shared_tensors) {
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.begin()), SmemLayoutA{});  // (BLK_N,BLK_K,PIPE)
+    Tensor sL = make_tensor(make_smem_ptr(shared_tensors.smem_L.begin()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.begin()), SmemLayoutB{});
+    Tensor sW = make_tensor(make_smem_ptr(shared_tensors.smem_merged.begin()), SmemLayoutMerged{});
+
+    constexpr int MmaWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+    Layout warp_group_thread_layout = make_layout(Int<MmaWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
+    int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    int wg_thread = thread_idx % cutlass::NumThreadsPerWarpGroup;
+
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
+    Tensor tCrW = thread_mma.make_fragment_A(thread_mma.partition_A(sW));  // (MMA,MMA_M,MMA_K,TILES)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
+
+    // This warpgroup's 64 rows of the weight tile (pingpong: the whole tile) and merged tiles.
+    constexpr int kK = size<2>(TileShape{});
+    constexpr int kWords = 64 * kK / 4;  // 4 weights per word
+    static_assert(kWords % cutlass::NumThreadsPerWarpGroup == 0);
+    const int row0 = kPingpong ? 0 : 64 * warp_group_idx;
+    const int tile0 = kPingpong ? 2 * warp_group_idx : 0;
+    const uint32_t barrier_id = static_cast<uint32_t>(warp_group_idx);
+    auto merge_tile = [&](int stage, int tile) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kWords / cutlass::NumThreadsPerWarpGroup; ++i) {
+        int word = i * cutlass::NumThreadsPerWarpGroup + wg_thread;
+        int row = row0 + word / (kK / 4), k = 4 * (word % (kK / 4));
+        // 4 consecutive K stay together in both swizzles (16-byte units)
+        uint32_t u = *reinterpret_cast<const uint32_t*>(&sA(row, k, stage));
+        uint32_t l = *reinterpret_cast<const uint32_t*>(&sL(row, k, stage));
+        uint2 w;
+        jaxlp::nestedfp_merge4(u, l, w.x, w.y);
+        *reinterpret_cast<uint2*>(&sW(row, k, tile)) = w;
+      }
+      cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, visible to WGMMA
+      cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier_id);
+    };
+
+    PipelineState smem_pipe_release = smem_pipe_read;
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(accum);
+    {
+      auto token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, token);
+      merge_tile(smem_pipe_read.index(), tile0);
+    }
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int t = 0; t < k_tile_count; ++t) {
+      int read_stage = smem_pipe_read.index();
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < size<2>(tCrW); ++k_block) {
+        cute::gemm(tiled_mma, tCrW(_, _, k_block, tile0 + (t & 1)), tCrB(_, _, k_block, read_stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(accum);
+      ++smem_pipe_read;
+      if (t + 1 < k_tile_count) {
+        auto token = pipeline.consumer_try_wait(smem_pipe_read);
+        pipeline.consumer_wait(smem_pipe_read, token);
+        warpgroup_wait<1>();
+        if (t > 0) {
+          pipeline.consumer_release(smem_pipe_release);
+          ++smem_pipe_release;
+        }
+        merge_tile(smem_pipe_read.index(), tile0 + ((t + 1) & 1));
+      }
+    }
+    if (k_tile_count > 1) {  // the next-to-last stage; mma_tail releases the last
+      warpgroup_wait<1>();
+      pipeline.consumer_release(smem_pipe_release);
+    }
+    warpgroup_fence_operand(accum);
+  }
+
+  // Consumer, registers: the base's RS mainloop (k-block b + 2's bytes copied to registers and
+  // k-block b + 1 rebuilt while k-block b's WGMMA runs), with both planes copied and merged.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma_registers(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                                    int k_tile_count, int thread_idx, TensorStorage& shared_tensors) {
+    int warp_group_thread_idx = thread_idx % 128;
+    Tensor sA = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(shared_tensors.smem_A.begin()), SmemLayoutA{}));
+    Tensor sL = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(shared_tensors.smem_L.begin()), SmemLayoutA{}));
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.begin()), SmemLayoutB{});
+
+    constexpr int MmaWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+    Layout warp_group_thread_layout = make_layout(Int<MmaWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
+    int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+
+    TiledMma tiled_mma;
+    auto mma_thread_slice = tiled_mma.get_thread_slice(thread_idx);
+    Tensor tCsA = mma_thread_slice.partition_A(sA);
+    Tensor tCsL = mma_thread_slice.partition_A(sL);
+    auto mma_warpgroup_slice = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
+    Tensor tCrA_mma = mma_thread_slice.partition_fragment_A(sA(_, _, Int<0>{}));  // FP16 weights (MMA,MMA_M,MMA_K)
+    Tensor tCrA_load = make_fragment_like<uint8_t>(tCrA_mma);                     // upper bytes
+    Tensor tCrL_load = make_fragment_like<uint8_t>(tCrA_mma);                     // lower bytes
+    Tensor tCsB = mma_warpgroup_slice.partition_B(sB);
+    Tensor tCrB = mma_warpgroup_slice.make_fragment_B(tCsB);
+
+    auto smem_tiled_copy_A = make_tiled_copy_A(typename Base::SwappedSmemCopyAtomA{}, tiled_mma);
+    auto smem_thr_copy_A = smem_tiled_copy_A.get_thread_slice(warp_group_thread_idx);
+    Tensor tCrA_copy_view = smem_thr_copy_A.retile_D(tCrA_load);
+    Tensor tCrL_copy_view = smem_thr_copy_A.retile_D(tCrL_load);
+
+    auto copy_kblock = [&](int k_block, int stage) {
+      copy(smem_tiled_copy_A, tCsA(_, _, k_block, stage), tCrA_copy_view(_, _, k_block));
+      copy(smem_tiled_copy_A, tCsL(_, _, k_block, stage), tCrL_copy_view(_, _, k_block));
+    };
+    auto merge_kblock = [&](int k_block) {
+      Tensor u = tCrA_load(_, _, k_block);
+      Tensor l = tCrL_load(_, _, k_block);
+      Tensor w = tCrA_mma(_, _, k_block);
+      static_assert(decltype(size(u(_, 0)))::value % 4 == 0, "the fragment's first mode must hold whole words");
+      Tensor u4 = group_modes<1, -1>(zipped_divide(u, Int<4>{}));
+      Tensor l4 = group_modes<1, -1>(zipped_divide(l, Int<4>{}));
+      Tensor w4 = group_modes<1, -1>(zipped_divide(w, Int<4>{}));
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<1>(w4); ++i) {
+        auto&& ww = recast<uint32_t>(coalesce(w4(_, i)));
+        jaxlp::nestedfp_merge4(recast<uint32_t>(coalesce(u4(_, i)))(0), recast<uint32_t>(coalesce(l4(_, i)))(0),
+                               ww(0), ww(1));
+      }
+    };
+
+    PipelineState smem_pipe_release = smem_pipe_read;
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(accum);
+
+    constexpr int K_BLOCK_MAX = size<2>(tCrA_load);
+    constexpr int K_WAIT_MAX = cute::min(K_BLOCK_MAX - 1, 7);
+    static_assert(K_BLOCK_MAX >= 4, "Consider increasing TileShapeK");
+
+    cutlass::ConsumerToken barrier_token = {cutlass::BarrierStatus::WaitAgain};
+    {  // first k tile
+      barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, barrier_token);
+      int read_stage = smem_pipe_read.index();
+      ++smem_pipe_read;
+      barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+      copy_kblock(0, read_stage);
+      copy_kblock(1, read_stage);
+      merge_kblock(0);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
+        warpgroup_arrive();
+        cute::gemm(tiled_mma, tCrA_mma(_, _, k_block), tCrB(_, _, k_block, read_stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        warpgroup_commit_batch();
+        if (k_block < K_BLOCK_MAX - 2) copy_kblock(k_block + 2, read_stage);
+        if (k_block < K_BLOCK_MAX - 1) merge_kblock(k_block + 1);
+      }
+      --k_tile_count;
+      if (k_tile_count > 0) {
+        pipeline.consumer_wait(smem_pipe_read, barrier_token);
+        copy_kblock(0, smem_pipe_read.index());
+        copy_kblock(1, smem_pipe_read.index());
+        warpgroup_wait<K_WAIT_MAX>();
+        merge_kblock(0);
+      }
+    }
+    if (k_tile_count == 0) return;
+
+    warpgroup_fence_operand(accum);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 1; --k_tile_count) {
+      int read_stage = smem_pipe_read.index();
+      ++smem_pipe_read;
+      warpgroup_fence_operand(accum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
+        warpgroup_arrive();
+        cute::gemm(tiled_mma, tCrA_mma(_, _, k_block), tCrB(_, _, k_block, read_stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        warpgroup_commit_batch();
+        warpgroup_wait<K_WAIT_MAX>();
+        if (k_block == K_BLOCK_MAX - 1) {
+          pipeline.consumer_release(smem_pipe_release);
+          ++smem_pipe_release;
+        }
+        if (k_block == 0) barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+        if (k_block == K_BLOCK_MAX - 1) {
+          pipeline.consumer_wait(smem_pipe_read, barrier_token);
+          copy_kblock(0, smem_pipe_read.index());
+          copy_kblock(1, smem_pipe_read.index());
+          merge_kblock(0);
+        } else {
+          if (k_block < K_BLOCK_MAX - 2) copy_kblock(k_block + 2, read_stage);
+          merge_kblock(k_block + 1);
+        }
+      }
+      warpgroup_fence_operand(accum);
+    }
+
+    warpgroup_fence_operand(accum);
+    {  // last k tile
+      int read_stage = smem_pipe_read.index();
+      warpgroup_fence_operand(accum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
+        warpgroup_arrive();
+        cute::gemm(tiled_mma, tCrA_mma(_, _, k_block), tCrB(_, _, k_block, read_stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        warpgroup_commit_batch();
+        warpgroup_wait<K_WAIT_MAX>();
+        if (k_block == K_BLOCK_MAX - 1) {
+          pipeline.consumer_release(smem_pipe_release);
+          ++smem_pipe_release;
+        }
+        if (k_block < K_BLOCK_MAX - 2) copy_kblock(k_block + 2, read_stage);
+        if (k_block < K_BLOCK_MAX - 1) merge_kblock(k_block + 1);
+      }
+    }
+    warpgroup_fence_operand(accum);
+  }
+};
+
+// The GEMM: tile features x tokens x 64 K per CTA (pingpong: per consumer warpgroup), `Stages`
+// shared-memory stages of three tiles each, the weights merged into registers or shared memory.
+template <class KernelSchedule, class EpilogueSchedule, int kTileN, int kTileM, int kClusterN, int kClusterM, int kStages,
+          class Scheduler, bool kMergeToSmem>
+struct NestedFp16Gemm {
+  using TileShape = Shape<Int<kTileN>, Int<kTileM>, _64>;
+  using ClusterShape = Shape<Int<kClusterN>, Int<kClusterM>, _1>;
+  using LayoutA = cutlass::layout::RowMajor;     // upper / lower [N_features, K]
+  using LayoutB = cutlass::layout::ColumnMajor;  // x [M_tokens, K]: B = x^T, K-major
+  using LayoutD = cutlass::layout::ColumnMajor;  // y^T [N_features, M_tokens] column-major = y [M, N] row-major
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 8, cutlass::half_t, LayoutD, 8,
+      EpilogueSchedule>::CollectiveOp;
+  // The builder's mixed-input mainloop for these tiles, re-instantiated with kStages stages (the
+  // builder sizes its ring without the lower plane).
+  using Built = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, uint8_t, LayoutA, 16, cutlass::half_t, LayoutB, 8, float,
+      TileShape, ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<0>, KernelSchedule>::CollectiveOp;
+  using BaseMainloop = cutlass::gemm::collective::CollectiveMma<
+      cutlass::gemm::MainloopSm90TmaGmmaRmemAWarpSpecializedMixedInput<kStages, ClusterShape, KernelSchedule>,
+      TileShape, cute::tuple<uint8_t>, typename Built::StrideA, cutlass::half_t, typename Built::StrideB,
+      typename Built::TiledMma, typename Built::GmemTiledCopyA, typename Built::SmemLayoutAtomA,
+      typename Built::SmemCopyAtomA, cute::identity, typename Built::GmemTiledCopyB, typename Built::SmemLayoutAtomB,
+      typename Built::SmemCopyAtomB, cute::identity>;
+  using Mainloop = NestedFp16Mainloop<BaseMainloop, kMergeToSmem>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, CollectiveEpilogue, Scheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static_assert(sizeof(typename Kernel::SharedStorage) <= 227 * 1024, "too many stages for shared memory");
+
+  static ffi::Error run(cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* x, const void* upper,
+                        const void* lower, void* y, int m, int n, int k, int sm_count) {
+    using StrideA = typename Kernel::StrideA;
+    using StrideB = typename Kernel::StrideB;
+    using StrideD = typename Kernel::StrideD;
+    typename Gemm::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = {n, m, k, 1};  // GEMM M = features, N = tokens
+    args.mainloop.ptr_A = static_cast<const uint8_t*>(upper);
+    args.mainloop.dA = cutlass::make_cute_packed_stride(StrideA{}, make_shape(n, k, 1));
+    args.mainloop.ptr_B = static_cast<const cutlass::half_t*>(x);
+    args.mainloop.dB = cutlass::make_cute_packed_stride(StrideB{}, make_shape(m, k, 1));
+    args.mainloop.ptr_L = static_cast<const uint8_t*>(lower);
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = cutlass::make_cute_packed_stride(StrideD{}, make_shape(n, m, 1));
+    args.epilogue.ptr_D = static_cast<cutlass::half_t*>(y);
+    args.epilogue.dD = cutlass::make_cute_packed_stride(StrideD{}, make_shape(n, m, 1));
+    args.hw_info.sm_count = sm_count;
+
+    Gemm gemm;
+    cutlass::Status status = gemm.can_implement(args);
+    if (status != cutlass::Status::kSuccess)
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        std::string("jaxlp cutlass nestedfp gemm: CUTLASS cannot run this shape: ") +
+                            cutlassGetStatusString(status));
+    size_t workspace_bytes = Gemm::get_workspace_size(args);
+    void* workspace = nullptr;
+    if (workspace_bytes > 0) {  // stream-K's partial tiles
+      auto buffer = scratch.Allocate(workspace_bytes);
+      if (!buffer.has_value())
+        return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jaxlp cutlass nestedfp gemm: no workspace");
+      workspace = buffer.value();
+    }
+    status = gemm.initialize(args, workspace, stream);
+    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+    if (status != cutlass::Status::kSuccess)
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        std::string("jaxlp cutlass nestedfp gemm: ") + cutlassGetStatusString(status) + ": " +
+                            cudaGetErrorString(cudaGetLastError()));
+    return ffi::Error::Success();
+  }
+};
+
+using cutlass::gemm::PersistentScheduler;
+using cutlass::gemm::StreamKScheduler;
+using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+using CooperativeEpilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+using Pingpong = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+using PingpongEpilogue = cutlass::epilogue::TmaWarpSpecialized;
+
+// The compiled kernels (index = the `config` attribute; jaxlp/ffi/cutlass_gemm.py's
+// NESTEDFP_CONFIGS names them in this order): schedule, tile features x tokens (x 64 K), cluster
+// features x tokens, stages, tile scheduler, merged into shared memory (else registers).
+ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* x, const void* upper,
+                    const void* lower, void* y, int m, int n, int k, int sms) {
+#define JAXLP_CASE(INDEX, ...) \
+  case INDEX:                  \
+    return NestedFp16Gemm<__VA_ARGS__>::run(stream, scratch, x, upper, lower, y, m, n, k, sms);
+  switch (config) {
+    JAXLP_CASE(0, Cooperative, CooperativeEpilogue, 128, 128, 1, 1, 5, PersistentScheduler, false)
+    JAXLP_CASE(1, Pingpong, PingpongEpilogue, 64, 128, 1, 1, 6, PersistentScheduler, false)
+    JAXLP_CASE(2, Cooperative, CooperativeEpilogue, 128, 64, 1, 1, 7, PersistentScheduler, false)
+    JAXLP_CASE(3, Cooperative, CooperativeEpilogue, 128, 128, 1, 1, 5, StreamKScheduler, false)
+    JAXLP_CASE(4, Cooperative, CooperativeEpilogue, 128, 256, 1, 1, 3, PersistentScheduler, true)
+    default:
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        "jaxlp cutlass nestedfp gemm: unknown config " + std::to_string(config));
+  }
+#undef JAXLP_CASE
+}
+
+int sm_count() {
+  static int count = [] {
+    int device = 0, value = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
+    return value;
+  }();
+  return count;
+}
+
+ffi::Error Impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F16> x, ffi::Buffer<ffi::U8> upper,
+                ffi::Buffer<ffi::U8> lower, ffi::Result<ffi::Buffer<ffi::F16>> y, int64_t config) {
+  auto xd = x.dimensions(), ud = upper.dimensions(), ld = lower.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || ud.size() != 2 || ld.size() != 2 || xd[1] != ud[1] || ud[0] != ld[0] || ud[1] != ld[1])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jaxlp cutlass nestedfp gemm: x must be [M, K], upper and lower [N, K]");
+  int64_t m = xd[0], k = xd[1], n = ud[0];
+  if (yd.size() != 2 || yd[0] != m || yd[1] != n)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp cutlass nestedfp gemm: y must be [M, N]");
+  if (k % 16 || n % 8 || k <= 0 || n <= 0 || m >= (1ll << 31) || n >= (1ll << 31) || k >= (1ll << 31))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jaxlp cutlass nestedfp gemm: needs K a multiple of 16 and N of 8, got M=" + std::to_string(m) +
+                          " N=" + std::to_string(n) + " K=" + std::to_string(k));
+  if (m == 0) return ffi::Error::Success();
+  return dispatch(static_cast<int>(config), stream, scratch, x.untyped_data(), upper.untyped_data(),
+                  lower.untyped_data(), y->untyped_data(), m, n, k, sm_count());
+}
+
+}  // namespace jaxlp_cutlass_nestedfp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpCutlassNestedFp16Gemm, jaxlp_cutlass_nestedfp::Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // upper [N, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // lower [N, K]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // y [M, N]
+                                  .Attr<int64_t>("config"),
+                              {ffi::Traits::kCmdBufferCompatible});
