@@ -1,4 +1,4 @@
-"""The Pallas NestedFP16 and FP8 GEMMs against XLA's dots on the NestedFP paper's GEMM sweep.
+"""The NestedFP16 and FP8 GEMMs (Pallas, CUTLASS, CUDA) against XLA's dots on the NestedFP paper's GEMM sweep.
 
 The paper's 14 (N, K) linear shapes of Llama 3.1 8B, Mistral Nemo, Phi-4 and Mistral Small (qkv,
 o, gate_up, down; two of Mistral Small's repeat Nemo's) x M = 32..2048 step 32 (``--ms``), side by
@@ -15,7 +15,8 @@ side in one run, by ``--mode``:
 ``--configs``: the Pallas kernel's tilings (``default``: the kernel's default of M, or
 ``MatmulConfig`` names), ``xla``: the same layer through XLA's own dots
 (:mod:`jaxlp.quantization.native_dot`: merge-then-dot in FP16 mode, the FP8 dot then a scale pass),
-``cutlass`` / ``cutlass:<name>[:<promote_k>]``: CUTLASS's kernels (:mod:`jaxlp.ffi.cutlass_gemm`;
+``cutlass-fp16[:<tiles>]`` (``fp16`` mode): CUTLASS's own FP16 GEMM on the FP16 weights, a second
+baseline (not one of "ours"); ``cutlass`` / ``cutlass:<name>[:<promote_k>]``: CUTLASS's kernels (:mod:`jaxlp.ffi.cutlass_gemm`;
 the default of M or a ``NESTEDFP_CONFIGS`` name in ``fp16`` mode, a ``CONFIGS`` name and K per
 promoted sum through the layer product in ``fp8`` and ``w8a8`` modes),
 and for 1..8 tokens ``gemv`` / ``gemvU<unroll>S<splits>`` (``S0``: the default splits): the CUDA
@@ -86,6 +87,10 @@ def parse_config(name: str, mode: str = "fp16"):
     :attr:`fp8_matmul.MatmulConfig.name` (``N64M128K128S5nm8p``, ``p``: step sums promoted)."""
     if name in ("default", "xla"):
         return None
+    if fp16 := re.fullmatch(r"cutlass-fp16(?::(\w+))?", name):
+        if mode != "fp16":
+            raise ValueError("cutlass-fp16 (CUTLASS's FP16 GEMM on the FP16 weights) takes --mode fp16")
+        return dict(config=fp16.group(1) or cutlass_gemm.FP16_CONFIGS[0])
     if cutlass := re.fullmatch(r"cutlass(?::([a-z0-9]+))?(?::(\d+))?", name):
         config, promote_k = cutlass.groups()
         known = cutlass_gemm.NESTEDFP_CONFIGS if mode == "fp16" else cutlass_gemm.CONFIGS
@@ -202,6 +207,9 @@ def main(argv=None):
                 for name, cfg in configs:
                     if name.startswith("gemv") and m > cuda_nestedfp.MAX_TOKENS:
                         continue
+                    if name.startswith("cutlass-fp16"):  # a second baseline, on the FP16 weights
+                        jobs.add(name, lambda x, w, c=cfg: cutlass_gemm.fp16_matmul(x, w, **c), w16, m, k, base_dtype)
+                        continue
                     jobs.add(name, product(mode, name, cfg), ours, m, k, base_dtype)
                 times = {kk: bn._pick(t) for kk, t in jobs.run().items()}
                 rate = result["fp16_tflops"] * (1 if mode == "fp16" else 2)
@@ -211,7 +219,8 @@ def main(argv=None):
                 row = dict(model=model, layer=layer, n=n, k=k, m=m, floor_us=floor * 1e6,
                            base_us=bn._us(times.get("base")),
                            ours_us={name: bn._us(times.get(name)) for name, _ in configs})
-                timed = [(v, c) for c, v in row["ours_us"].items() if v is not None and c != "xla"]
+                timed = [(v, c) for c, v in row["ours_us"].items()
+                         if v is not None and c != "xla" and not c.startswith("cutlass-fp16")]
                 row["best_us"], row["best_config"] = min(timed) if timed else (None, None)
                 row["ratio"] = row["base_us"] / row["best_us"] if row["best_us"] and row["base_us"] else None
                 result["rows"].append(row)
@@ -224,8 +233,8 @@ def main(argv=None):
         plot(result, args.plot)
 
 
-NAMES = {"fp16": ("XLA FP16 dot", "Pallas NestedFP16"), "fp8": ("XLA FP16 dot", "Pallas NestedFP8"),
-         "w8a8": ("XLA BF16 dot", "Pallas W8A8-FP8")}
+NAMES = {"fp16": ("XLA FP16 dot", "NestedFP16 (best config)"), "fp8": ("XLA FP16 dot", "NestedFP8 (best config)"),
+         "w8a8": ("XLA BF16 dot", "W8A8-FP8 (best config)")}
 
 
 def summary(result):

@@ -43,7 +43,10 @@ from jaxlp.ffi import build
 
 TARGET = "jaxlp_cutlass_fp8_gemm"
 NESTEDFP_TARGET = "jaxlp_cutlass_nestedfp16_gemm"
-LIBRARY = build.Library("cutlass_gemm", {TARGET: "JaxlpCutlassFp8Gemm", NESTEDFP_TARGET: "JaxlpCutlassNestedFp16Gemm"})
+FP16_TARGET = "jaxlp_cutlass_fp16_gemm"
+LIBRARY = build.Library("cutlass_gemm", {TARGET: "JaxlpCutlassFp8Gemm", NESTEDFP_TARGET: "JaxlpCutlassNestedFp16Gemm",
+                                         FP16_TARGET: "JaxlpCutlassFp16Gemm"})
+FP16_CONFIGS = ("co128x256", "co128")  # the plain FP16 baseline's tiles (weight rows x tokens)
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 K_ALIGN = 16  # FP8 elements per 16-byte TMA row
 N_ALIGN = 8  # 16-bit outputs per 16-byte TMA row
@@ -208,3 +211,20 @@ def nestedfp16_matmul(x: jax.Array, w, *, config: str | None = None) -> jax.Arra
         LIBRARY.load()
     call = jax.ffi.ffi_call(NESTEDFP_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float16))
     return call(x, w.upper, w.lower, config=list(NESTEDFP_CONFIGS).index(config))
+
+
+def fp16_matmul(x: jax.Array, w: jax.Array, *, config: str = "co128x256") -> jax.Array:
+    """``x [M, K] @ w[N, K].T`` on plain FP16 weights through CUTLASS's own SS mainloop, with the
+    NestedFP kernels' operand order and epilogue (FP16 out, FP32 sums): the benchmarks' baseline
+    for what the byte planes and their merge cost. K and N multiples of 8."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or x.dtype != jnp.float16 or w.dtype != jnp.float16:
+        raise ValueError(f"cutlass fp16_matmul: x [M, K] and w [N, K] float16, got {x.shape} {x.dtype} and "
+                         f"{w.shape} {w.dtype}")
+    if x.shape[1] % 8 or w.shape[0] % 8:
+        raise ValueError(f"cutlass fp16_matmul: needs K and N multiples of 8, got {w.shape}")
+    if config not in FP16_CONFIGS:
+        raise ValueError(f"cutlass fp16_matmul: unknown config {config!r}; the configs are {FP16_CONFIGS}")
+    if build.on_gpu():
+        LIBRARY.load()
+    call = jax.ffi.ffi_call(FP16_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float16))
+    return call(x, w, config=FP16_CONFIGS.index(config))

@@ -18,6 +18,9 @@
 // and the merge in place of the conversion. Everything else (pipeline, schedules, epilogue) is
 // CUTLASS's.
 //
+// `JaxlpCutlassFp16Gemm`: the same GEMM on plain FP16 weights through CUTLASS's own mainloop (both
+// operands from shared memory), the benchmarks' baseline for what the byte planes cost.
+//
 // Shape rules (TMA's 16-byte rows): K a multiple of 16 (the byte planes' rows), N a multiple of 8
 // (the output's rows); M any >= 1 (tails of N, M and K inside a tile are zero-filled).
 #include <cuda_runtime.h>
@@ -517,6 +520,53 @@ struct NestedFp16Gemm {
   }
 };
 
+// Plain FP16 GEMM y = x @ w^T on CUTLASS's own SS mainloop with the NestedFP kernels' operand order
+// and epilogue: the baseline that isolates what the byte planes and their merge cost.
+template <int kTileN, int kTileM>
+struct Fp16Gemm {
+  using TileShape = Shape<Int<kTileN>, Int<kTileM>, _64>;
+  using ClusterShape = Shape<_1, _1, _1>;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::ColumnMajor;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 8, cutlass::half_t, LayoutD, 8,
+      cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::half_t, LayoutA, 8, cutlass::half_t, LayoutB, 8,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static ffi::Error run(cudaStream_t stream, const void* x, const void* w, void* y, int m, int n, int k, int sms) {
+    typename Gemm::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = {n, m, k, 1};
+    args.mainloop.ptr_A = static_cast<const cutlass::half_t*>(w);
+    args.mainloop.dA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(n, k, 1));
+    args.mainloop.ptr_B = static_cast<const cutlass::half_t*>(x);
+    args.mainloop.dB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(m, k, 1));
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.epilogue.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(n, m, 1));
+    args.epilogue.ptr_D = static_cast<cutlass::half_t*>(y);
+    args.epilogue.dD = args.epilogue.dC;
+    args.hw_info.sm_count = sms;
+    Gemm gemm;
+    cutlass::Status status = gemm.can_implement(args);
+    if (status == cutlass::Status::kSuccess) status = gemm.initialize(args, nullptr, stream);
+    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+    if (status != cutlass::Status::kSuccess)
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        std::string("jaxlp cutlass fp16 gemm: ") + cutlassGetStatusString(status));
+    return ffi::Error::Success();
+  }
+};
+
 using cutlass::gemm::PersistentScheduler;
 using cutlass::gemm::StreamKScheduler;
 using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
@@ -573,7 +623,30 @@ ffi::Error Impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<
                   lower.untyped_data(), y->untyped_data(), m, n, k, sm_count());
 }
 
+ffi::Error Fp16Impl(cudaStream_t stream, ffi::Buffer<ffi::F16> x, ffi::Buffer<ffi::F16> w,
+                    ffi::Result<ffi::Buffer<ffi::F16>> y, int64_t config) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || xd[1] % 8 || wd[0] % 8)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "jaxlp cutlass fp16 gemm: x [M, K] and w [N, K] with K and N multiples of 8");
+  int m = static_cast<int>(xd[0]), k = static_cast<int>(xd[1]), n = static_cast<int>(wd[0]);
+  if (m == 0) return ffi::Error::Success();
+  const void *xp = x.untyped_data(), *wp = w.untyped_data();
+  if (config == 0) return Fp16Gemm<128, 256>::run(stream, xp, wp, y->untyped_data(), m, n, k, sm_count());
+  if (config == 1) return Fp16Gemm<128, 128>::run(stream, xp, wp, y->untyped_data(), m, n, k, sm_count());
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp cutlass fp16 gemm: unknown config");
+}
+
 }  // namespace jaxlp_cutlass_nestedfp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpCutlassFp16Gemm, jaxlp_cutlass_nestedfp::Fp16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // w [N, K]
+                                  .Ret<ffi::Buffer<ffi::F16>>()  // y [M, N]
+                                  .Attr<int64_t>("config"),      // 0: 128 x 256 tiles, 1: 128 x 128
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpCutlassNestedFp16Gemm, jaxlp_cutlass_nestedfp::Impl,
                               ffi::Ffi::Bind()

@@ -70,6 +70,19 @@ def test_nestedfp_operands_are_checked():
     assert f"config = {list(cutlass_gemm.NESTEDFP_CONFIGS).index('pp64')} : i64" in text
 
 
+def test_fp16_baseline_checks_and_lowers():
+    x, w = jnp.zeros((3, 128), jnp.float16), jnp.zeros((64, 128), jnp.float16)
+    with pytest.raises(ValueError, match="float16"):
+        cutlass_gemm.fp16_matmul(x.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        cutlass_gemm.fp16_matmul(x, w[:60])
+    with pytest.raises(ValueError, match="unknown config"):
+        cutlass_gemm.fp16_matmul(x, w, config="pp64")
+    text = jax.jit(lambda x, w: cutlass_gemm.fp16_matmul(x, w, config="co128")).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{cutlass_gemm.FP16_TARGET}" in text and "config = 1 : i64" in text
+
+
 def test_operands_are_checked():
     x8, w8 = jnp.zeros((8, 128), jnp.float8_e4m3fn), jnp.zeros((64, 128), jnp.float8_e4m3fn)
     ts, cs = jnp.ones(8), jnp.ones(64)
@@ -179,3 +192,15 @@ def test_gpu_nestedfp16_matches_float64_of_the_merged_weights(config, m, n, k):
     assert np.linalg.norm(y - want) / np.linalg.norm(want) <= 1e-3
     if m > 1:
         np.testing.assert_array_equal(y[-1], 0.0)
+
+
+@pytest.mark.parametrize("config", cutlass_gemm.FP16_CONFIGS)
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_fp16_baseline_matches_float64(config):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((300, 1040)).astype(np.float16)
+    w = rng.uniform(-1, 1, (648, 1040)).astype(np.float16)
+    y = np.asarray(cutlass_gemm.fp16_matmul(jnp.asarray(x), jnp.asarray(w), config=config), np.float64)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) <= 1e-3

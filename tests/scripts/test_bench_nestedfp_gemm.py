@@ -28,6 +28,17 @@ def test_configs_ms_and_shapes_parse():
         bench.parse_config("gemv", "w8a8")
     with pytest.raises(ValueError, match="MatmulConfig name"):
         bench.parse_config("gemvU3S1")
+    # CUTLASS: NestedFP16 kernels in fp16 mode, FP8 kernels (and K per promoted sum) in the others
+    assert bench.parse_config("cutlass:co128sk") == dict(config="co128sk")
+    assert bench.parse_config("cutlass", "w8a8") == dict(config=None, promote_k=256)
+    assert bench.parse_config("cutlass:co128p:512", "fp8") == dict(config="co128p", promote_k=512)
+    assert bench.parse_config("cutlass-fp16") == dict(config="co128x256")
+    with pytest.raises(ValueError, match="unknown CUTLASS config 'co128p' for --mode fp16"):
+        bench.parse_config("cutlass:co128p")
+    with pytest.raises(ValueError, match="no promote_k"):
+        bench.parse_config("cutlass:co128:256")
+    with pytest.raises(ValueError, match="takes --mode fp16"):
+        bench.parse_config("cutlass-fp16", "fp8")
 
 
 @pytest.mark.parametrize("mode", ["fp16", "fp8", "w8a8"])
@@ -50,6 +61,6 @@ def test_summary_and_plot(tmp_path, capsys):
     result = dict(mode="fp8", device="cpu", date="today", rows=rows)
     bench.summary(result)
     text = capsys.readouterr().out
-    assert "Pallas NestedFP8" in text and "+100.0%" in text and "0.50-2.00x" in text
+    assert "NestedFP8 (best config)" in text and "+100.0%" in text and "0.50-2.00x" in text
     bench.plot(result, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 0
