@@ -39,6 +39,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "cutlass_run.cuh"
 
 namespace ffi = xla::ffi;
 
@@ -126,27 +127,7 @@ struct Fp8Gemm {
     args.epilogue.thread = {{{}, {token_scale}, {}}, {channel_scale}, {}};
     args.hw_info.sm_count = sm_count;
 
-    Gemm gemm;
-    cutlass::Status status = gemm.can_implement(args);
-    if (status != cutlass::Status::kSuccess)
-      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                        std::string("jaxlp cutlass fp8 gemm: CUTLASS cannot run this shape: ") +
-                            cutlassGetStatusString(status));
-    size_t workspace_bytes = Gemm::get_workspace_size(args);
-    void* workspace = nullptr;
-    if (workspace_bytes > 0) {  // stream-K's partial tiles
-      auto buffer = scratch.Allocate(workspace_bytes);
-      if (!buffer.has_value())
-        return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jaxlp cutlass fp8 gemm: no workspace");
-      workspace = buffer.value();
-    }
-    status = gemm.initialize(args, workspace, stream);
-    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
-    if (status != cutlass::Status::kSuccess)
-      return ffi::Error(ffi::ErrorCode::kInternal,
-                        std::string("jaxlp cutlass fp8 gemm: ") + cutlassGetStatusString(status) + ": " +
-                            cudaGetErrorString(cudaGetLastError()));
-    return ffi::Error::Success();
+    return jaxlp::run_cutlass<Gemm>("jaxlp cutlass fp8 gemm", args, &scratch, stream);
   }
 };
 
@@ -176,15 +157,6 @@ ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scra
 #undef JAXLP_CASE
 }
 
-int sm_count() {
-  static int count = [] {
-    int device = 0, value = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
-    return value;
-  }();
-  return count;
-}
 
 ffi::Error Impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x8, ffi::AnyBuffer w8,
                 ffi::Buffer<ffi::F32> token_scale,
@@ -214,12 +186,12 @@ ffi::Error Impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuff
   const void* wp = w8.untyped_data();
   const float* ts = token_scale.typed_data();
   const float* cs = channel_scale.typed_data();
-  int c = static_cast<int>(config), pk = static_cast<int>(promote_k);
+  int c = static_cast<int>(config), pk = static_cast<int>(promote_k), sms = jaxlp::cutlass_sm_count();
   switch (y->element_type()) {
     case ffi::DataType::BF16:
-      return dispatch<cutlass::bfloat16_t>(c, stream, scratch, xp, wp, ts, cs, y->untyped_data(), m, n, k, pk, sm_count());
+      return dispatch<cutlass::bfloat16_t>(c, stream, scratch, xp, wp, ts, cs, y->untyped_data(), m, n, k, pk, sms);
     case ffi::DataType::F16:
-      return dispatch<cutlass::half_t>(c, stream, scratch, xp, wp, ts, cs, y->untyped_data(), m, n, k, pk, sm_count());
+      return dispatch<cutlass::half_t>(c, stream, scratch, xp, wp, ts, cs, y->untyped_data(), m, n, k, pk, sms);
     default:
       return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp cutlass fp8 gemm: y must be bfloat16 or float16");
   }

@@ -144,6 +144,15 @@ def why_not(m: int, n: int, k: int) -> str | None:
     return None
 
 
+def why_not_here(m: int, n: int, k: int) -> str | None:
+    """:func:`why_not`, then whether the library builds and loads here (a GPU, nvcc, CUTLASS)."""
+    if reason := why_not(m, n, k):
+        return reason
+    if not available():
+        return f"the CUTLASS library is not available: {unavailable_reason()}"
+    return None
+
+
 def fp8_matmul(x8: jax.Array, w8: jax.Array, token_scale: jax.Array, channel_scale: jax.Array, *,
                out_dtype=jnp.bfloat16, config: str | None = None, promote_k: int = PROMOTE_K) -> jax.Array:
     """``(x8 @ w8.T) * token_scale[:, None] * channel_scale[None, :]`` rounded once to ``out_dtype``
@@ -176,8 +185,8 @@ def fp8_matmul(x8: jax.Array, w8: jax.Array, token_scale: jax.Array, channel_sca
 
 def nestedfp_default_config(m: int, n: int | None = None, k: int | None = None, *, num_sms: int = 132) -> str:
     """The NestedFP16 kernel for ``m`` tokens (``n`` weight rows, ``k`` inputs): the fastest of the
-    H200 sweeps in docs/perf.md (session 27). Stream-K on long K (4096 x 14336 at M = 32..512: 1.5-2.7x
-    the persistent tiles), 64-token tiles up to 64 tokens, 64 x 128 pingpong tiles up to 256 tokens
+    H200 sweeps in docs/perf.md (session 27). Stream-K on long K (4096 x 14336 at M = 32..512: 1.0-1.6x
+    the best persistent tiles), 64-token tiles up to 64 tokens, 64 x 128 pingpong tiles up to 256 tokens
     where 128 x 128 tiles would not give half the SMs one, else stream-K 128 x 128 tiles."""
     if (k or 0) >= 8192:
         return "co128sk"

@@ -38,6 +38,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "cutlass_run.cuh"
 #include "nestedfp_merge.cuh"
 
 namespace ffi = xla::ffi;
@@ -446,8 +447,8 @@ struct NestedFp16Mainloop : Base {
 
 // The GEMM: tile features x tokens x 64 K per CTA (pingpong: per consumer warpgroup), `Stages`
 // shared-memory stages of three tiles each, the weights merged into registers or shared memory.
-template <class KernelSchedule, class EpilogueSchedule, int kTileN, int kTileM, int kClusterN, int kClusterM, int kStages,
-          class Scheduler, bool kMergeToSmem>
+template <class KernelSchedule, class EpilogueSchedule, int kTileN, int kTileM, int kClusterN, int kClusterM,
+          int kStages, class Scheduler, bool kMergeToSmem>
 struct NestedFp16Gemm {
   using TileShape = Shape<Int<kTileN>, Int<kTileM>, _64>;
   using ClusterShape = Shape<Int<kClusterN>, Int<kClusterM>, _1>;
@@ -471,7 +472,8 @@ struct NestedFp16Gemm {
       typename Built::SmemCopyAtomA, cute::identity, typename Built::GmemTiledCopyB, typename Built::SmemLayoutAtomB,
       typename Built::SmemCopyAtomB, cute::identity>;
   using Mainloop = NestedFp16Mainloop<BaseMainloop, kMergeToSmem>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, CollectiveEpilogue, Scheduler>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, CollectiveEpilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(sizeof(typename Kernel::SharedStorage) <= 227 * 1024, "too many stages for shared memory");
 
@@ -496,27 +498,7 @@ struct NestedFp16Gemm {
     args.epilogue.dD = cutlass::make_cute_packed_stride(StrideD{}, make_shape(n, m, 1));
     args.hw_info.sm_count = sm_count;
 
-    Gemm gemm;
-    cutlass::Status status = gemm.can_implement(args);
-    if (status != cutlass::Status::kSuccess)
-      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                        std::string("jaxlp cutlass nestedfp gemm: CUTLASS cannot run this shape: ") +
-                            cutlassGetStatusString(status));
-    size_t workspace_bytes = Gemm::get_workspace_size(args);
-    void* workspace = nullptr;
-    if (workspace_bytes > 0) {  // stream-K's partial tiles
-      auto buffer = scratch.Allocate(workspace_bytes);
-      if (!buffer.has_value())
-        return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jaxlp cutlass nestedfp gemm: no workspace");
-      workspace = buffer.value();
-    }
-    status = gemm.initialize(args, workspace, stream);
-    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
-    if (status != cutlass::Status::kSuccess)
-      return ffi::Error(ffi::ErrorCode::kInternal,
-                        std::string("jaxlp cutlass nestedfp gemm: ") + cutlassGetStatusString(status) + ": " +
-                            cudaGetErrorString(cudaGetLastError()));
-    return ffi::Error::Success();
+    return jaxlp::run_cutlass<Gemm>("jaxlp cutlass nestedfp gemm", args, &scratch, stream);
   }
 };
 
@@ -556,14 +538,7 @@ struct Fp16Gemm {
     args.epilogue.ptr_D = static_cast<cutlass::half_t*>(y);
     args.epilogue.dD = args.epilogue.dC;
     args.hw_info.sm_count = sms;
-    Gemm gemm;
-    cutlass::Status status = gemm.can_implement(args);
-    if (status == cutlass::Status::kSuccess) status = gemm.initialize(args, nullptr, stream);
-    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
-    if (status != cutlass::Status::kSuccess)
-      return ffi::Error(ffi::ErrorCode::kInternal,
-                        std::string("jaxlp cutlass fp16 gemm: ") + cutlassGetStatusString(status));
-    return ffi::Error::Success();
+    return jaxlp::run_cutlass<Gemm>("jaxlp cutlass fp16 gemm", args, nullptr, stream);
   }
 };
 
@@ -595,15 +570,6 @@ ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scra
 #undef JAXLP_CASE
 }
 
-int sm_count() {
-  static int count = [] {
-    int device = 0, value = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
-    return value;
-  }();
-  return count;
-}
 
 ffi::Error Impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F16> x, ffi::Buffer<ffi::U8> upper,
                 ffi::Buffer<ffi::U8> lower, ffi::Result<ffi::Buffer<ffi::F16>> y, int64_t config) {
@@ -620,7 +586,7 @@ ffi::Error Impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<
                           " N=" + std::to_string(n) + " K=" + std::to_string(k));
   if (m == 0) return ffi::Error::Success();
   return dispatch(static_cast<int>(config), stream, scratch, x.untyped_data(), upper.untyped_data(),
-                  lower.untyped_data(), y->untyped_data(), m, n, k, sm_count());
+                  lower.untyped_data(), y->untyped_data(), m, n, k, jaxlp::cutlass_sm_count());
 }
 
 ffi::Error Fp16Impl(cudaStream_t stream, ffi::Buffer<ffi::F16> x, ffi::Buffer<ffi::F16> w,
@@ -632,8 +598,9 @@ ffi::Error Fp16Impl(cudaStream_t stream, ffi::Buffer<ffi::F16> x, ffi::Buffer<ff
   int m = static_cast<int>(xd[0]), k = static_cast<int>(xd[1]), n = static_cast<int>(wd[0]);
   if (m == 0) return ffi::Error::Success();
   const void *xp = x.untyped_data(), *wp = w.untyped_data();
-  if (config == 0) return Fp16Gemm<128, 256>::run(stream, xp, wp, y->untyped_data(), m, n, k, sm_count());
-  if (config == 1) return Fp16Gemm<128, 128>::run(stream, xp, wp, y->untyped_data(), m, n, k, sm_count());
+  int sms = jaxlp::cutlass_sm_count();
+  if (config == 0) return Fp16Gemm<128, 256>::run(stream, xp, wp, y->untyped_data(), m, n, k, sms);
+  if (config == 1) return Fp16Gemm<128, 128>::run(stream, xp, wp, y->untyped_data(), m, n, k, sms);
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxlp cutlass fp16 gemm: unknown config");
 }
 

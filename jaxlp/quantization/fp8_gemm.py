@@ -75,13 +75,8 @@ def why_not(layer, x: jax.Array) -> str | None:
 def why_not_cutlass(layer, x: jax.Array) -> str | None:
     """:func:`why_not` for the CUTLASS kernels (``"fp8_cutlass"``): also their shape rules and the
     library (built on first use)."""
-    if reason := why_not(layer, x):
-        return reason
-    if reason := cutlass_gemm.why_not(math.prod(x.shape[:-1]), layer.weight.get_value().shape[0], x.shape[-1]):
-        return reason
-    if not cutlass_gemm.available():
-        return f"the CUTLASS library is not available: {cutlass_gemm.unavailable_reason()}"
-    return None
+    return why_not(layer, x) or cutlass_gemm.why_not_here(
+        math.prod(x.shape[:-1]), layer.weight.get_value().shape[0], x.shape[-1])
 
 
 def matmul(layer, x: jax.Array, *, config: kernel.MatmulConfig | None = None) -> jax.Array:

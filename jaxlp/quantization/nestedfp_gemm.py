@@ -45,13 +45,8 @@ def why_not(layer, x: jax.Array) -> str | None:
 
 def why_not_cutlass(layer, x: jax.Array) -> str | None:
     """:func:`why_not` for ``"nestedfp_cutlass"``: also the CUTLASS kernel's shape rules and library."""
-    if reason := why_not(layer, x):
-        return reason
-    if reason := cutlass_gemm.why_not(math.prod(x.shape[:-1]), layer.weight.get_value().shape[0], x.shape[-1]):
-        return reason
-    if not cutlass_gemm.available():
-        return f"the CUTLASS library is not available: {cutlass_gemm.unavailable_reason()}"
-    return None
+    return why_not(layer, x) or cutlass_gemm.why_not_here(
+        math.prod(x.shape[:-1]), layer.weight.get_value().shape[0], x.shape[-1])
 
 
 def auto_declines_cutlass(layer, x: jax.Array) -> str | None:

@@ -43,7 +43,8 @@ def test_cache_dir_and_hash(monkeypatch, tmp_path):
 def test_source_lists():
     """Every CUDA source belongs to exactly one library, every quoted include of a source or header
     is a shared header of the directory (so part of each library's hash; CUTLASS's own headers in
-    the sources of CUTLASS libraries, whose hash covers CUTLASS's version), and each FFI handler the
+    the sources of CUTLASS libraries and in the `cutlass_*.cuh` headers they include, whose hash
+    covers CUTLASS's version), and each FFI handler the
     Python side registers is defined in exactly one of its library's sources."""
     listed = [s for srcs in build.LIBRARIES.values() for s in srcs]
     assert sorted(listed) == sorted(p.name for p in build.SOURCE_DIR.glob("*.cu"))  # no duplicates, no orphans
@@ -52,7 +53,8 @@ def test_source_lists():
     cutlass_sources = {s for name in build.CUTLASS_LIBRARIES for s in build.LIBRARIES[name]}
     for path in [*build.SOURCE_DIR.glob("*.cu"), *build.headers()]:
         for include in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.M):
-            from_cutlass = path.name in cutlass_sources and include.split("/")[0] in ("cute", "cutlass")
+            cutlass_file = path.name in cutlass_sources or path.name.startswith("cutlass_")
+            from_cutlass = cutlass_file and include.split("/")[0] in ("cute", "cutlass")
             assert include in headers or include == "xla/ffi/api/ffi.h" or from_cutlass, (path.name, include)
     library = ffi_nvfp4._library
     assert library.name == ffi_nvfp4.LIBRARY and set(library.targets.values()) == {
