@@ -25,7 +25,8 @@ consumer warpgroups rebuild each k-block's FP16 weights in registers while the p
 runs and feed them as WGMMA's register operand (weights on its M, tokens on its N); FP16 out, FP32
 sums. :data:`NESTEDFP_CONFIGS` names its kernels (``co``/``pp``, tile features x tokens, ``c<N><M>``
 a cluster, ``sk`` stream-K, ``s``: the weights rebuilt into an FP16 tile in shared memory and both
-WGMMA operands read from there).
+WGMMA operands read from there; 50% slower than CUTLASS's plain FP16 GEMM on the same tiles,
+:func:`fp16_matmul`, so the defaults merge into registers; docs/perf.md session 27).
 
 Shapes: K a multiple of 16 and N of 8 (TMA's 16-byte rows), any M >= 1. The library needs
 CUTLASS's headers (the ``nvidia-cutlass`` package or ``$JAXLP_CUTLASS_DIR``,
