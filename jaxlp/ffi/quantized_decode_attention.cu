@@ -93,6 +93,7 @@ struct Params {
   int kbits, vbits;            // bits per key / value code: 2, or 4 (KIVI only; the staged path only)
   int rk, rv, off, tail;        // ring slots, sink tokens, 1: the sink + new-token block after the stream
   int gsplits;                 // the last gsplits splits run the staged path, the others the packed one
+  int min_per;                 // packed path: the fewest blocks of a packed CTA (splits past a row's blocks exit)
   float softcap;               // <= 0: none
 };
 
@@ -1482,7 +1483,7 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
         packed::kivi_qfrag(q4, reinterpret_cast<uint4*>(kitty_smem), tid);
         __syncthreads();
       }
-      const int per = (fend - first + ns - 1) / ns;
+      const int per = max((fend - first + ns - 1) / ns, p.min_per);
       const int blk0 = first + split * per, blk1 = min(blk0 + per, fend);
       packed::packed_path<kKivi>(p, b, kh, rb, blk0, blk1, smem, q4, inv, frag, red_m, red_l);
     } else {
@@ -1568,7 +1569,7 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                      ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> m_all,
                      ffi::Result<ffi::Buffer<ffi::F32>> den, int64_t nb, int64_t kg,
                      int64_t vt, int64_t v_group, int64_t kbits, int64_t vbits, int64_t tail, int64_t gsplits,
-                     float softcap) {
+                     int64_t min_per, float softcap) {
   auto qd = q.dimensions();
   auto od = o->dimensions();
   auto kd = k_low.dimensions();
@@ -1650,6 +1651,8 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   p.softcap = softcap;
   p.gsplits = static_cast<int>(gsplits);
   if (gsplits < 0 || gsplits > p.splits) return bad("gsplits must be in [0, splits]");
+  if (min_per < 1 || min_per > INT_MAX) return bad("min_per must be >= 1");
+  p.min_per = static_cast<int>(min_per);
   if (batch > 65535 || p.splits > 65535) return bad("at most 65535 rows and 65535 splits (the grid's y and z)");
   if (gsplits < p.splits && !packed_reads(p, d))
     return bad("the packed path takes head_dim 128, at most 8 query heads per KV head, Kitty pages with 16 or 32 "
@@ -1708,5 +1711,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Attr<int64_t>("vbits")
                                   .Attr<int64_t>("tail")
                                   .Attr<int64_t>("gsplits")
+                                  .Attr<int64_t>("min_per")
                                   .Attr<float>("softcap"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -70,6 +70,7 @@ HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # query heads per KV head (the mma's 16 rows)
 CTAS_PER_SM = 3  # what the staged path's shared memory allows at head_dim 128
 PACKED_CTAS_PER_SM = 2  # the packed path: two resident per SM (its registers and shared memory), one wave
+MIN_BLOCKS = 8  # packed path, a grid past one wave: the fewest blocks per packed CTA (two per warp)
 GENERAL_SPLITS = 4  # whole-cache calls: the staged splits that take the ring and tail blocks (one block each)
 
 
@@ -164,13 +165,33 @@ def packed_splits(batch: int, kv_heads: int, blocks: int, num_sms: int = 132) ->
     return max(1, -(-blocks // per))
 
 
+def default_staged_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
+    """Staged CTAs per (row, KV head) of a whole-cache call on the packed path: :data:`GENERAL_SPLITS`
+    (a block each: the ring's one or two blocks, the tail block) while the packed CTAs leave room
+    for them, one (the blocks in turn) once ``batch x kv_heads`` fills over half the GPU's resident
+    packed CTAs (:func:`packed_splits` gives one), where thousands of one-block CTAs would queue in waves
+    behind them."""
+    return 1 if 2 * batch * kv_heads > PACKED_CTAS_PER_SM * num_sms else GENERAL_SPLITS
+
+
+def default_min_blocks(batch: int, kv_heads: int, splits: int, num_sms: int = 132) -> int:
+    """The fewest blocks a packed CTA takes of its row (the kernel's ``min_per``; a row's packed
+    splits past its blocks exit at once). 1 while the grid's ``batch x kv_heads x splits`` CTAs are
+    resident together (:data:`PACKED_CTAS_PER_SM` per SM): every split runs beside the others.
+    Past that, :data:`MIN_BLOCKS` (two blocks per warp): the packed splits are sized by the
+    allocated length, and a shorter row's surplus ones then exit and leave their slots to the
+    staged CTAs queued behind them."""
+    return 1 if batch * kv_heads * splits <= PACKED_CTAS_PER_SM * num_sms else MIN_BLOCKS
+
+
 def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float, softcap: float | None = None,
-                 splits: int | None = None, packed: bool | None = None):
+                 splits: int | None = None, packed: bool | None = None, min_blocks: int | None = None):
     """Attention of ``q [B, H, D]`` over the quantized stream indices ``[lo, hi)`` of each row:
     ``(out [B, H, D] float32 normalized, m [B, H], l [B, H])`` (module doc). ``hi`` must not pass
     the quantized tokens of either store. ``packed``: the packed path (True; ValueError where
     :func:`packed_reads` says no), the staged one (False), or the packed one where it reads (None);
-    ``splits``: the path's splits along the sequence (default: one wave)."""
+    ``splits``: the path's splits along the sequence (default: one wave); ``min_blocks``: the packed
+    path's fewest blocks per CTA (default :func:`default_min_blocks`)."""
     b, h, d = q.shape
     kvh = jax.tree.leaves(k_store)[0].shape[2]
     lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)
@@ -179,12 +200,12 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
     ring = jnp.zeros((b, 0, kvh, d), jnp.float16), jnp.zeros((b, 0), jnp.int32)
     new = jnp.zeros((b, kvh, d), jnp.float16)
     return _call(q, k_store, v_store, k_codec, v_codec, bounds, ring, ring, (ring[0], ring[0]), (new, new),
-                 tail=False, scale=scale, softcap=softcap, splits=splits, packed=packed)
+                 tail=False, scale=scale, softcap=softcap, splits=splits, packed=packed, min_blocks=min_blocks)
 
 
 def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, scale: float,
                  softcap: float | None = None, splits: int | None = None, packed: bool | None = None,
-                 staged_splits: int | None = None):
+                 staged_splits: int | None = None, min_blocks: int | None = None):
     """One query per row ``q [B, H, D]`` over a whole quantized cache (module doc):
     ``bounds [B, 8]`` int32 per row: the stream range ``lo, hi`` (hi: the row's non-sink tokens),
     ``qk, qv`` (its quantized keys and values), the visible sink tokens ``[sink_lo, sink_hi)``,
@@ -192,9 +213,8 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     positions [B, R])``; ``sink``: keys and values ``[B, OFF, KVH, D]`` (OFF < 128); ``new``: the new
     token's key and value ``[B, KVH, D]``. Rings, sink and new token go to the kernel as FP16
     (clipped to its range). ``staged_splits``: the staged CTAs per (row, KV head) that take the
-    ring and tail blocks beside the packed ones (default :data:`GENERAL_SPLITS`; the packed path
-    only, ValueError off it). Returns ``(out
-    [B, H, D] float32 normalized, m, l)``."""
+    ring and tail blocks beside the packed ones (default :func:`default_staged_splits`; the packed
+    path only, ValueError off it); ``min_blocks``: as :func:`attend_units`'s. Returns ``(out [B, H, D] float32 normalized, m, l)``."""
     if sink[0].shape[1] >= BLOCK:
         raise ValueError(f"attend_cache: the sink and the new token must fit one {BLOCK}-token block, "
                          f"got a sink of {sink[0].shape[1]}")
@@ -202,7 +222,8 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     v_ring = fp16_clipped(v_ring[0]), v_ring[1].astype(jnp.int32)
     return _call(q, k_store, v_store, k_codec, v_codec, bounds.astype(jnp.int32), k_ring, v_ring,
                  tuple(map(fp16_clipped, sink)), tuple(map(fp16_clipped, new)), tail=True, scale=scale,
-                 softcap=softcap, splits=splits, packed=packed, staged_splits=staged_splits)
+                 softcap=softcap, splits=splits, packed=packed, staged_splits=staged_splits,
+                 min_blocks=min_blocks)
 
 
 def split_outputs(b: int, kvh: int, splits: int, g: int, d: int) -> tuple:
@@ -224,7 +245,7 @@ def fp16_clipped(x):
 
 
 def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, tail, scale, softcap, splits,
-          packed, staged_splits=None):
+          packed, staged_splits=None, min_blocks=None):
     b, h, d = q.shape
     kleaves = jax.tree.leaves(k_store)
     kvh = kleaves[0].shape[2]
@@ -253,9 +274,12 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
     if staged_splits is not None and (staged_splits < 1 or not on_packed):
         raise ValueError(f"attend_cache: staged_splits must be >= 1 and takes the packed path (packed_reads), got "
                          f"{staged_splits} with the {'packed' if on_packed else 'staged'} path")
+    if min_blocks is not None and min_blocks < 1:
+        raise ValueError(f"attend_units: min_blocks must be >= 1, got {min_blocks}")
     if on_packed:  # the staged path: ring and tail blocks only
-        general = (staged_splits or GENERAL_SPLITS) if tail else 0
-        splits = general + (splits or packed_splits(b, kvh, k_low.shape[1]))
+        splits = splits or packed_splits(b, kvh, k_low.shape[1])
+        general = (staged_splits or default_staged_splits(b, kvh)) if tail else 0
+        splits += general
     else:
         blocks = k_low.shape[1] + (-(-max(k_ring[0].shape[1], v_ring[0].shape[1]) // BLOCK) + 1 if tail else 0)
         splits = general = splits or default_splits(b, kvh, blocks)
@@ -269,5 +293,6 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
                                nb=np.int64(lay.n_boost), kg=np.int64(lay.key_groups), vt=np.int64(lay.value_tokens),
                                v_group=np.int64(lay.value_group), kbits=np.int64(lay.key_bits),
                                vbits=np.int64(lay.value_bits), tail=np.int64(tail), gsplits=np.int64(general),
+                               min_per=np.int64(min_blocks or default_min_blocks(b, kvh, splits)),
                                softcap=np.float32(softcap or 0.0))
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)

@@ -107,6 +107,24 @@ def lowering_inputs(name):
     return kc, vc, jnp.zeros((b, kvh * 4, d), jnp.bfloat16), ks, vs
 
 
+def test_staged_splits_drop_to_one_once_the_packed_ctas_fill_the_gpu():
+    """default_staged_splits: GENERAL_SPLITS (a block each) while batch x KV heads leaves the packed
+    path more than one split (packed_splits), one from the point where it gives one."""
+    for b, kvh in [(1, 8), (8, 8), (16, 8), (33, 4), (32, 8), (64, 8), (1000, 1)]:
+        one = cuda.packed_splits(b, kvh, 4096) == 1
+        assert cuda.default_staged_splits(b, kvh) == (1 if one else cuda.GENERAL_SPLITS), (b, kvh)
+    assert cuda.default_staged_splits(16, 8) == cuda.GENERAL_SPLITS and cuda.default_staged_splits(64, 8) == 1
+
+
+def test_packed_ctas_take_more_blocks_once_the_grid_passes_one_wave():
+    """default_min_blocks: 1 while every CTA of the grid is resident at once (132 SMs x 2), then
+    MIN_BLOCKS (8 x 8 heads x 8 splits = 512 CTAs: batch 8 at any context)."""
+    slots = cuda.PACKED_CTAS_PER_SM * 132
+    assert cuda.default_min_blocks(1, 8, 33) == 1 and cuda.default_min_blocks(1, 8, slots // 8) == 1
+    assert cuda.default_min_blocks(1, 8, slots // 8 + 1) == cuda.MIN_BLOCKS
+    assert cuda.default_min_blocks(8, 8, 8) == cuda.MIN_BLOCKS > 1
+
+
 def test_packed_path_reads_head_dim_128_and_splits_without_empty_ones():
     assert cuda.packed_reads(cuda.Layout(32, 1, 128, 128), 128, 4)
     assert cuda.packed_reads(cuda.Layout(16, 1, 128, 128), 128, 8)
@@ -221,15 +239,22 @@ def test_the_cache_step_lowers_to_one_custom_call_for_cuda(name):
 @pytest.mark.parametrize("staged", [None, 1, 3])
 def test_the_cache_step_takes_its_staged_splits(staged):
     """attend_cache on the packed path: staged_splits staged CTAs per (row, KV head) after the
-    packed ones (default GENERAL_SPLITS); 0 is refused, and so is the option off the packed path."""
+    packed ones (default: default_staged_splits); 0 is refused, and so is the option off the packed
+    path; min_blocks goes to the kernel (default: default_min_blocks), 0 refused."""
     kc, vc = CODECS["kitty-pro"]
     b, kvh, d, n = 2, 2, 128, 512
     ks, vs = stores((kc, vc), *random_kv(1, b, n, kvh, d))
     q = jnp.zeros((b, kvh * 4, d), jnp.bfloat16)
     f = jax.jit(lambda q, ks, vs, ops: cuda.attend_cache(q, ks, vs, kc, vc, *ops, scale=0.125, staged_splits=staged))
     text = f.trace(q, ks, vs, cache_operands(b, kvh, d, 127, 255, 32)).lower(lowering_platforms=("cuda",)).as_text()
-    splits = cuda.packed_splits(b, kvh, n // 128) + (staged or cuda.GENERAL_SPLITS)
+    splits = cuda.packed_splits(b, kvh, n // 128) + (staged or cuda.default_staged_splits(b, kvh))
     assert f"tensor<{b}x{kvh}x{splits}x4x{d}xf32>" in text
+    assert f"min_per = {cuda.default_min_blocks(b, kvh, splits)} : i64" in text
+    text = jax.jit(lambda q, ks, vs, ops: cuda.attend_cache(q, ks, vs, kc, vc, *ops, scale=0.125, min_blocks=7)).trace(
+        q, ks, vs, cache_operands(b, kvh, d, 127, 255, 32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "min_per = 7 : i64" in text
+    with pytest.raises(ValueError, match="min_blocks must be >= 1"):
+        cuda.attend_cache(q, ks, vs, kc, vc, *cache_operands(b, kvh, d, 127, 255, 32), scale=1.0, min_blocks=0)
     with pytest.raises(ValueError, match="staged_splits must be >= 1"):
         cuda.attend_cache(q, ks, vs, kc, vc, *cache_operands(b, kvh, d, 127, 255, 32), scale=1.0, staged_splits=0)
     with pytest.raises(ValueError, match="takes the packed path .* with the staged path"):
@@ -267,11 +292,11 @@ def test_bad_operands_are_refused():
 # --- the compiled kernel -----------------------------------------------------------------------
 
 
-def check(kc, vc, q, k, v, lo, hi, scale, softcap=None, splits=None, packed=None):
+def check(kc, vc, q, k, v, lo, hi, scale, softcap=None, splits=None, packed=None, min_blocks=None):
     ks, vs = stores((kc, vc), k, v)
     lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
     out, m, l = jax.jit(lambda *a: cuda.attend_units(*a, kc, vc, lo, hi, scale=scale, softcap=softcap,
-                                                     splits=splits, packed=packed))(q, ks, vs)
+                                                     splits=splits, packed=packed, min_blocks=min_blocks))(q, ks, vs)
     out, m, l = (np.asarray(a, np.float64) for a in (out, m, l))
     assert np.isfinite(out).all() and not np.isnan(m).any() and np.isfinite(l).all()
     want_out, want_m, want_l = exact(q, np_decode(kc, ks), np_decode(vc, vs), lo, hi, scale, softcap)
@@ -325,7 +350,8 @@ def test_gpu_query_heads_per_kv_head(name, g):
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", READ)
 def test_gpu_qwen3_8b_shape_any_split(name):
-    """B=8, KVH=8, H=32, D=128, 4K quantized tokens, ragged rows; every split count agrees."""
+    """B=8, KVH=8, H=32, D=128, 4K quantized tokens, ragged rows; every split count agrees, and on
+    the packed path every fewest-blocks-per-CTA (min_blocks: splits past a row's blocks exit)."""
     kc, vc = CODECS[name]
     if isinstance(kc, kitty.KeyCodec):
         kc = kitty.KeyCodec(16 if name == "kitty" else 32)
@@ -339,7 +365,9 @@ def test_gpu_qwen3_8b_shape_any_split(name):
     reads_packed = cuda.packed_reads(cuda.layout(kc, vc, d, h // kvh), d, h // kvh)
     assert reads_packed == (name not in READ_4BIT)
     for packed, agree in [(False, 1e-4), (True, 5e-4)] if reads_packed else [(False, 1e-4)]:
-        outs = [check(kc, vc, q, k, v, lo, hi, d**-0.5, splits=s, packed=packed) for s in (None, 1, 5, 32)]
+        options = [(None, None), (1, None), (5, None), (32, None)]
+        options += [(32, 1), (5, 9), (32, 40)] if packed else []
+        outs = [check(kc, vc, q, k, v, lo, hi, d**-0.5, splits=s, packed=packed, min_blocks=mb) for s, mb in options]
         for o in outs[1:]:
             assert rel(o, outs[0]) <= agree
 
