@@ -25,7 +25,8 @@ Tensor parallelism (:func:`jaxlp.models.shard_model` calls :meth:`QuantizedLinea
 a column-parallel layer computes its rows of the output from the whole input on each device, a
 row-parallel one its partial product from its share of the input features, summed by one
 all-reduce; the product (any implementation, GPU kernels included) runs on the local shards under
-``shard_map``. A row-parallel layer whose activation quantizer reduces over the whole input (a
+``shard_map``, and a kernel's checks (``why_not``, ``"auto"``'s choice) see a shard's shape and the
+input's local features. A row-parallel layer whose activation quantizer reduces over the whole input (a
 per-token FP8 scale: W8A8-FP8, FireQ, NestedFP's FP8 mode) is left to XLA's SPMD partitioner
 instead, which keeps the single-device numerics (a kernel's operands are then gathered).
 """
@@ -201,43 +202,67 @@ class QuantizedLinear(nnx.Module):
             y = y * self.out_scale
         return y.astype(x.dtype)
 
+    def _shards(self, x: jax.Array) -> tuple[Mesh, str, tuple[int, int]] | None:
+        """``(mesh, role, the shard's own [N, K])`` where the product runs on the local shards under
+        ``shard_map`` (module doc), else None: a replicated layer, or a row-parallel one whose
+        activation quantizer is left to XLA's SPMD partitioner."""
+        if self.parallel is None:
+            return None
+        mesh, role = self.parallel
+        act = "nestedfp_fp8" if self.mode == "fp8" and self.format == "nestedfp" else self.activation
+        tp = mesh.shape[AXIS]
+        n, k = self.weight.get_value().shape
+        if role == "row" and (act not in LOCAL_ACTIVATIONS or (k // tp) % LOCAL_ACTIVATIONS[act]):
+            return None
+        return mesh, role, (n // tp, k) if role == "column" else (n, k // tp)
+
+    def _view(self, w: QuantizedArray, act_amax) -> SimpleNamespace:
+        """What a kernel's ``why_not`` and ``matmul`` read of the layer, with weight ``w``."""
+        return SimpleNamespace(weight=SimpleNamespace(get_value=lambda: w), act_amax=act_amax,
+                               activation=self.activation, out_scale=self.out_scale, mode=self.mode, bias=None)
+
+    def _operands(self, x: jax.Array) -> tuple:
+        """``(layer, x)`` as the product sees them, for a kernel's checks: under ``shard_map`` a view
+        of one shard (its weight's shape, the input's local features: a shard must meet a kernel's
+        shape rules, not only the whole layer), else the layer and ``x``."""
+        shards = self._shards(x)
+        if shards is None:
+            return self, x
+        _, role, local_shape = shards
+        amax = None if self.act_amax is None else self.act_amax[...]
+        w = dataclasses.replace(self.weight.get_value(), shape=local_shape)
+        local_x = jax.ShapeDtypeStruct((*x.shape[:-1], local_shape[1]), x.dtype)
+        return self._view(w, amax), local_x
+
     def _product(self, matmul: Callable, x: jax.Array) -> jax.Array:
         """``matmul(layer, x)`` (the product before bias), on the local shards when the layer is
         tensor-parallel and its activation quantizer allows it (module doc)."""
-        if self.parallel is None:
+        shards = self._shards(x)
+        if shards is None:
             return matmul(self, x)
-        mesh, role = self.parallel
-        act = "nestedfp_fp8" if self.mode == "fp8" and self.format == "nestedfp" else self.activation
+        mesh, role, local_shape = shards
         w = self.weight.get_value()
-        tp = mesh.shape[AXIS]
-        n, k = w.shape
-        if role == "row" and (act not in LOCAL_ACTIVATIONS or (k // tp) % LOCAL_ACTIVATIONS[act]):
-            return matmul(self, x)  # XLA's SPMD partitioner: single-device numerics
-        local_shape = (n // tp, k) if role == "column" else (n, k // tp)  # the shard's own [N, K]
         lead = (None,) * (x.ndim - 1)
         x_spec, out_spec = (P(*lead, None), P(*lead, AXIS)) if role == "column" else (P(*lead, AXIS), P(*lead, None))
         extra = () if self.act_amax is None else (self.act_amax[...],)
 
         def local(w, x, *extra):
-            w = dataclasses.replace(w, shape=local_shape)
-            view = SimpleNamespace(weight=SimpleNamespace(get_value=lambda: w), act_amax=extra[0] if extra else None,
-                                   activation=self.activation, out_scale=self.out_scale, mode=self.mode, bias=None)
-            y = matmul(view, x)
+            y = matmul(self._view(dataclasses.replace(w, shape=local_shape), extra[0] if extra else None), x)
             return jax.lax.psum(y.astype(jnp.float32), AXIS).astype(y.dtype) if role == "row" else y
 
-        specs = (quantized_specs(w, role, tp), x_spec) + (P(),) * len(extra)
+        specs = (quantized_specs(w, role, mesh.shape[AXIS]), x_spec) + (P(),) * len(extra)
         return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)(w, x, *extra)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         impl = self.implementation
         if impl == "auto":
             on_gpu = jax.default_backend() == "gpu"
-            impl = next((n for n, k in KERNELS.items() if on_gpu and k.auto_takes(self, x)), "xla")
+            impl = next((n for n, k in KERNELS.items() if on_gpu and k.auto_takes(*self._operands(x))), "xla")
         if impl == "xla":
             y = self._product(type(self).reference, x)
         else:
             kernel = KERNELS[impl]
-            reason = kernel.why_not(self, x)
+            reason = kernel.why_not(*self._operands(x))
             if reason is not None:
                 raise ValueError(f"implementation {impl!r} does not compute this layer on input {x.shape} "
                                  f"{x.dtype}: {reason}")

@@ -126,6 +126,29 @@ def test_the_local_product_sees_each_shards_own_shape(base):
         assert seen == [local] and y.shape == (2, layer.out_features)
 
 
+def test_kernel_checks_see_each_shards_own_shape():
+    """A kernel's shape rules apply to the shard it runs on, not only to the whole layer: down_proj
+    1088 -> 512 splits K into 272-wide shards, no multiple of the NestedFP GEMV's 64-wide K steps
+    (the whole 1088 is), so the explicit kernel is refused naming the shard (and "auto" passes it
+    over); the views the checks get: column rows / tp, row K / tp with the input's local features,
+    the layer itself where the product is not sharded (replicated, or left to XLA's partitioner)."""
+    model = shard_model(quantize_model(tp_model(intermediate=1088, layers=1), "nestedfp"), mesh_of(4))
+    down, up = model.layers[0].mlp.down_proj, model.layers[0].mlp.up_proj
+    x = jnp.ones((2, 1088), jnp.float16)
+    view, local_x = down._operands(x)
+    assert view.weight.get_value().shape == (512, 272) and local_x.shape == (2, 272) and local_x.dtype == x.dtype
+    view, local_x = up._operands(jnp.ones((2, 512), jnp.float16))
+    assert view.weight.get_value().shape == (272, 512) and local_x.shape == (2, 512)
+    down.set_implementation("nestedfp_cuda")
+    with pytest.raises(ValueError, match="weight 512 x 272: N must be a multiple of 16 and K of 64"):
+        down(x)
+    replicated = quantize_model(tp_model(layers=1), "w8a8-fp8")
+    layer = replicated.layers[0].mlp.down_proj
+    assert layer._operands(x)[0] is layer
+    fp8 = shard_model(replicated, mesh_of(4)).layers[0].mlp.down_proj  # per-token FP8: XLA's partitioner
+    assert fp8._operands(jnp.ones((2, 1024), jnp.bfloat16))[0] is fp8
+
+
 def test_quantize_model_keeps_the_mesh_of_a_sharded_model(base):
     sharded = shard_model(nnx.clone(base), mesh_of(4))
     q = quantize_model(sharded, "w4a16-mxfp4")
