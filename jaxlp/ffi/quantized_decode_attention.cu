@@ -23,7 +23,8 @@
 //      online softmax (base 2) and O += P V (P in FP16), operands from shared memory by ldmatrix.
 // The 4 warps' partials are merged in shared memory; the CTA writes its split's unnormalized
 // output o (relative to its max m), m (natural log units) and l = sum exp(s - m); a second launch
-// merges the splits (split_merge.cuh). An empty range gives o = 0, m = -inf, l = 0.
+// merges the splits (split_merge.cuh; a warp per query where the splits are at most the
+// `few_splits` attribute). An empty range gives o = 0, m = -inf, l = 0.
 //
 // The whole cache in one call (the cache call, `tail` = 1): the stream range [lo, hi) then runs to
 // the row's last token, and a token's key (value) is read from the FP16 ring, slot j % R, where
@@ -1569,7 +1570,7 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                      ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> m_all,
                      ffi::Result<ffi::Buffer<ffi::F32>> den, int64_t nb, int64_t kg,
                      int64_t vt, int64_t v_group, int64_t kbits, int64_t vbits, int64_t tail, int64_t gsplits,
-                     int64_t min_per, float softcap) {
+                     int64_t min_per, int64_t few_splits, float softcap) {
   auto qd = q.dimensions();
   auto od = o->dimensions();
   auto kd = k_low.dimensions();
@@ -1667,7 +1668,8 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   }
   if (e == cudaSuccess)
     e = jaxlp::split_merge(stream, p.o, p.m, p.l, out->typed_data(), m_all->typed_data(), den->typed_data(),
-                           static_cast<int>(batch * kvh), p.splits, p.g, static_cast<int>(d));
+                           static_cast<int>(batch * kvh), p.splits, p.g, static_cast<int>(d),
+                           static_cast<int>(std::min<int64_t>(std::max<int64_t>(few_splits, 0), 32)));
   if (e != cudaSuccess)
     return ffi::Error(ffi::ErrorCode::kInternal,
                       std::string("jaxlp quantized decode attention launch: ") + cudaGetErrorString(e));
@@ -1712,5 +1714,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Attr<int64_t>("tail")
                                   .Attr<int64_t>("gsplits")
                                   .Attr<int64_t>("min_per")
+                                  .Attr<int64_t>("few_splits")  // the merge: a warp per query up to these splits
                                   .Attr<float>("softcap"),
                               {ffi::Traits::kCmdBufferCompatible});

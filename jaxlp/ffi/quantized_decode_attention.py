@@ -70,6 +70,9 @@ HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # query heads per KV head (the mma's 16 rows)
 CTAS_PER_SM = 3  # what the staged path's shared memory allows at head_dim 128
 PACKED_CTAS_PER_SM = 2  # the packed path: two resident per SM (its registers and shared memory), one wave
+# The split merge takes a warp per (row, query) up to this many splits (split_merge.cuh's
+# split_merge_queries_kernel), else 8 warps per (row, query): 0 (always the latter) until measured.
+QUERY_MERGE_SPLITS = 0
 MIN_BLOCKS = 8  # packed path, a grid past one wave: the fewest blocks per packed CTA (two per warp)
 GENERAL_SPLITS = 4  # whole-cache calls: the staged splits that take the ring and tail blocks (one block each)
 
@@ -185,13 +188,15 @@ def default_min_blocks(batch: int, kv_heads: int, splits: int, num_sms: int = 13
 
 
 def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float, softcap: float | None = None,
-                 splits: int | None = None, packed: bool | None = None, min_blocks: int | None = None):
+                 splits: int | None = None, packed: bool | None = None, min_blocks: int | None = None,
+                 query_merge_splits: int = QUERY_MERGE_SPLITS):
     """Attention of ``q [B, H, D]`` over the quantized stream indices ``[lo, hi)`` of each row:
     ``(out [B, H, D] float32 normalized, m [B, H], l [B, H])`` (module doc). ``hi`` must not pass
     the quantized tokens of either store. ``packed``: the packed path (True; ValueError where
     :func:`packed_reads` says no), the staged one (False), or the packed one where it reads (None);
     ``splits``: the path's splits along the sequence (default: one wave); ``min_blocks``: the packed
-    path's fewest blocks per CTA (default :func:`default_min_blocks`)."""
+    path's fewest blocks per CTA (default :func:`default_min_blocks`); ``query_merge_splits``: the
+    split merge takes a warp per (row, query) up to this many splits (at most 32; 0: never)."""
     b, h, d = q.shape
     kvh = jax.tree.leaves(k_store)[0].shape[2]
     lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)
@@ -200,12 +205,14 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
     ring = jnp.zeros((b, 0, kvh, d), jnp.float16), jnp.zeros((b, 0), jnp.int32)
     new = jnp.zeros((b, kvh, d), jnp.float16)
     return _call(q, k_store, v_store, k_codec, v_codec, bounds, ring, ring, (ring[0], ring[0]), (new, new),
-                 tail=False, scale=scale, softcap=softcap, splits=splits, packed=packed, min_blocks=min_blocks)
+                 tail=False, scale=scale, softcap=softcap, splits=splits, packed=packed, min_blocks=min_blocks,
+                 query_merge_splits=query_merge_splits)
 
 
 def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, scale: float,
                  softcap: float | None = None, splits: int | None = None, packed: bool | None = None,
-                 staged_splits: int | None = None, min_blocks: int | None = None):
+                 staged_splits: int | None = None, min_blocks: int | None = None,
+                 query_merge_splits: int = QUERY_MERGE_SPLITS):
     """One query per row ``q [B, H, D]`` over a whole quantized cache (module doc):
     ``bounds [B, 8]`` int32 per row: the stream range ``lo, hi`` (hi: the row's non-sink tokens),
     ``qk, qv`` (its quantized keys and values), the visible sink tokens ``[sink_lo, sink_hi)``,
@@ -214,7 +221,7 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     token's key and value ``[B, KVH, D]``. Rings, sink and new token go to the kernel as FP16
     (clipped to its range). ``staged_splits``: the staged CTAs per (row, KV head) that take the
     ring and tail blocks beside the packed ones (default :func:`default_staged_splits`; the packed
-    path only, ValueError off it); ``min_blocks``: as :func:`attend_units`'s. Returns ``(out [B, H, D] float32 normalized, m, l)``."""
+    path only, ValueError off it); ``min_blocks``, ``query_merge_splits``: as :func:`attend_units`'s. Returns ``(out [B, H, D] float32 normalized, m, l)``."""
     if sink[0].shape[1] >= BLOCK:
         raise ValueError(f"attend_cache: the sink and the new token must fit one {BLOCK}-token block, "
                          f"got a sink of {sink[0].shape[1]}")
@@ -223,7 +230,7 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     return _call(q, k_store, v_store, k_codec, v_codec, bounds.astype(jnp.int32), k_ring, v_ring,
                  tuple(map(fp16_clipped, sink)), tuple(map(fp16_clipped, new)), tail=True, scale=scale,
                  softcap=softcap, splits=splits, packed=packed, staged_splits=staged_splits,
-                 min_blocks=min_blocks)
+                 min_blocks=min_blocks, query_merge_splits=query_merge_splits)
 
 
 def split_outputs(b: int, kvh: int, splits: int, g: int, d: int) -> tuple:
@@ -245,7 +252,7 @@ def fp16_clipped(x):
 
 
 def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, tail, scale, softcap, splits,
-          packed, staged_splits=None, min_blocks=None):
+          packed, staged_splits=None, min_blocks=None, query_merge_splits=QUERY_MERGE_SPLITS):
     b, h, d = q.shape
     kleaves = jax.tree.leaves(k_store)
     kvh = kleaves[0].shape[2]
@@ -276,6 +283,8 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
                          f"{staged_splits} with the {'packed' if on_packed else 'staged'} path")
     if min_blocks is not None and min_blocks < 1:
         raise ValueError(f"attend_units: min_blocks must be >= 1, got {min_blocks}")
+    if not 0 <= query_merge_splits <= 32:
+        raise ValueError(f"attend_units: query_merge_splits must be in [0, 32], got {query_merge_splits}")
     if on_packed:  # the staged path: ring and tail blocks only
         splits = splits or packed_splits(b, kvh, k_low.shape[1])
         general = (staged_splits or default_staged_splits(b, kvh)) if tail else 0
@@ -294,5 +303,6 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
                                v_group=np.int64(lay.value_group), kbits=np.int64(lay.key_bits),
                                vbits=np.int64(lay.value_bits), tail=np.int64(tail), gsplits=np.int64(general),
                                min_per=np.int64(min_blocks or default_min_blocks(b, kvh, splits)),
+                               few_splits=np.int64(query_merge_splits),
                                softcap=np.float32(softcap or 0.0))
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)

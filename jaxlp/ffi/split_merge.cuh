@@ -75,6 +75,55 @@ __global__ void __launch_bounds__(kMergeWarps * 32) split_merge_kernel(
   }
 }
 
+// The same merge with one warp per (row r, query g), 8 per CTA, for a few splits (the grid's rows x
+// queries CTAs of split_merge_kernel then mostly idle warps: 2 splits at 64 rows x 8 KV heads, 2,048
+// CTAs of 256 threads). A lane takes 4 or 8 channels (float4) and every split in order; the maximum
+// over the splits by shuffles (lane s holds split s's m, s < 32: the caller keeps splits <= 32).
+__global__ void __launch_bounds__(kMergeWarps * 32) split_merge_queries_kernel(
+    const float* __restrict__ o, const float* __restrict__ m, const float* __restrict__ l, float* __restrict__ out,
+    float* __restrict__ m_all, float* __restrict__ den_all, int pairs, int splits, int g, int d) {
+  const int pair = blockIdx.x * kMergeWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31, n4 = d / 4;
+  if (pair >= pairs) return;
+  const int r = pair / g, gi = pair % g;
+  const size_t ml = static_cast<size_t>(r) * splits * g + gi;  // m, l of split s at ml + s g
+  float mx = lane < splits ? m[ml + static_cast<size_t>(lane) * g] : -INFINITY;
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+  const float safe = mx == -INFINITY ? 0.f : mx;
+  float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+  float den = 0.f;
+#pragma unroll 4
+  for (int s = 0; s < splits; ++s) {
+    const float ms = m[ml + static_cast<size_t>(s) * g];
+    const float w = ms == -INFINITY ? 0.f : expf(ms - safe);
+    den += l[ml + static_cast<size_t>(s) * g] * w;
+    const float4* src = reinterpret_cast<const float4*>(o + (ml + static_cast<size_t>(s) * g) * d);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (lane + 32 * k < n4) {
+        const float4 x = src[lane + 32 * k];
+        acc[k].x += w * x.x;
+        acc[k].y += w * x.y;
+        acc[k].z += w * x.z;
+        acc[k].w += w * x.w;
+      }
+    }
+  }
+  float4* dst = reinterpret_cast<float4*>(out + (static_cast<size_t>(r) * g + gi) * d);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    if (lane + 32 * k < n4) {
+      const float4 a = acc[k];
+      dst[lane + 32 * k] = den > 0.f ? make_float4(a.x / den, a.y / den, a.z / den, a.w / den)
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  if (lane == 0) {
+    m_all[static_cast<size_t>(r) * g + gi] = mx;
+    den_all[static_cast<size_t>(r) * g + gi] = den;
+  }
+}
+
 // Null if the merged outputs a handler was given hold out [rows, g, d] and m_all, den [rows, g]
 // (their element counts), else the error message.
 inline const char* merged_outputs_error(long out_count, long m_count, long den_count, long rows, long g, long d) {
@@ -84,12 +133,19 @@ inline const char* merged_outputs_error(long out_count, long m_count, long den_c
 }
 
 // The merge of `rows` rows' partials o [rows, splits, g, d], m, l [rows, splits, g] into out
-// [rows, g, d], m_all, den [rows, g]. The caller checks the bounds: d a multiple of 4 up to
-// kMergeMaxD, g < 65536.
+// [rows, g, d], m_all, den [rows, g]: split_merge_queries_kernel where splits <= few_splits (at most
+// 32), else split_merge_kernel. The caller checks the bounds: d a multiple of 4 up to kMergeMaxD,
+// g < 65536.
 inline cudaError_t split_merge(cudaStream_t stream, const float* o, const float* m, const float* l, float* out,
-                               float* m_all, float* den, int rows, int splits, int g, int d) {
+                               float* m_all, float* den, int rows, int splits, int g, int d, int few_splits = 0) {
   if (rows == 0 || g == 0) return cudaSuccess;
-  split_merge_kernel<<<dim3(rows, g), kMergeWarps * 32, 0, stream>>>(o, m, l, out, m_all, den, splits, g, d);
+  if (splits <= few_splits && splits <= 32) {
+    const int pairs = rows * g;
+    split_merge_queries_kernel<<<(pairs + kMergeWarps - 1) / kMergeWarps, kMergeWarps * 32, 0, stream>>>(
+        o, m, l, out, m_all, den, pairs, splits, g, d);
+  } else {
+    split_merge_kernel<<<dim3(rows, g), kMergeWarps * 32, 0, stream>>>(o, m, l, out, m_all, den, splits, g, d);
+  }
   return cudaGetLastError();
 }
 

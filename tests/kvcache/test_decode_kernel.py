@@ -278,7 +278,8 @@ def test_gpu_cuda_step_packed_and_staged_paths_agree_with_the_reference(name, ba
     staged path alone, at head_dim 128: a few CTAs, and a grid whose packed CTAs alone fill the GPU
     (64 rows x 4 KV heads; the staged CTAs then queue behind them); rows ragged and rewound; one
     staged CTA per (row, KV head), and more than it has blocks (empty ones); packed CTAs of at least
-    1 or 3 blocks, and of more blocks than a row has (the packed splits past it exit)."""
+    1 or 3 blocks, and of more blocks than a row has (the packed splits past it exit); the split
+    merge with a warp per query."""
     rng = np.random.default_rng(batch)
     stored = STORED if batch == 7 else list(rng.integers(1, 700, batch))
     lengths = LENGTHS if batch == 7 else [int(n) - int(rng.integers(0, 2)) * int(rng.integers(0, n)) for n in stored]
@@ -289,7 +290,7 @@ def test_gpu_cuda_step_packed_and_staged_paths_agree_with_the_reference(name, ba
     for kw in (dict(window=None, softcap=None), dict(window=100, softcap=5.0)):
         want = layer.reference_attend(q, k, v, p[:, None], scale=0.125, **kw)[0][:, 0]
         for options in (dict(), dict(packed=True), dict(packed=False), dict(staged_splits=1), dict(staged_splits=7),
-                        dict(min_blocks=1), dict(min_blocks=3), dict(min_blocks=64)):
+                        dict(min_blocks=1), dict(min_blocks=3), dict(min_blocks=64), dict(query_merge_splits=32)):
             got = _cuda_step(layer, q, k, v, p, options=tuple(options.items()), **kw)
             assert_rows_close(got, want)
 
