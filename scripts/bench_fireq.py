@@ -7,8 +7,8 @@ Per token count M (``--ms``), side by side in one run, for gate_up (28672 x 4096
 - ``xla_fp8``: the FireQ layer through XLA's FP8 dot (``implementation="xla_native"``: the FP8
   weight ``e4m3(q * s)`` materialized by XLA, cuBLASLt's FP8 GEMM, then the scale pass);
 - ``fireq_cuda`` (M <= 32; ``fireq_cuda_u2`` / ``_u4``: its other unrolls), ``fireq_pallas`` (the
-  GEMM decoding in registers) and ``fireq_decoded`` (the CUDA decode, then the FP8 GEMM): the layer
-  through jaxlp's kernels (:mod:`jaxlp.quantization.fireq_kernels`), activation quantization
+  GEMM decoding in registers), ``fireq_decoded`` (the CUDA decode, then the FP8 GEMM) and
+  ``fireq_cutlass`` (CUTLASS's mixed-input GEMM, the lookup-table decode): the layer through jaxlp's kernels (:mod:`jaxlp.quantization.fireq_kernels`), activation quantization
   included; ``auto``: what ``implementation="auto"`` runs (GEMV up to 16 tokens, then the GEMM
   design of ``fireq_kernels.default_design``).
 
@@ -54,7 +54,7 @@ from jaxlp.quantization import fireq_kernels, linear, native_dot  # noqa: E402
 FFN_SHAPES = (("gate_up", 28672, 4096), ("down", 4096, 14336))
 TARGET_BYTES = 220 << 20  # BF16 weight buffers per shape: > 4x the 50 MB L2
 VARIANTS = ("bf16", "xla_fp8", "fireq_cuda", "fireq_cuda_u2", "fireq_cuda_u4", "fireq_pallas", "fireq_decoded",
-            "auto")
+            "fireq_cutlass", "auto")
 
 
 def layer_view(w):
@@ -75,7 +75,8 @@ def product(name: str):
           "fireq_cuda_u2": functools.partial(fireq_kernels.matmul_gemv, unroll=2),
           "fireq_cuda_u4": functools.partial(fireq_kernels.matmul_gemv, unroll=4), "auto": auto,
           "fireq_pallas": lambda layer, x: fireq_kernels.matmul_gemm(layer, x, design="in_kernel"),
-          "fireq_decoded": lambda layer, x: fireq_kernels.matmul_gemm(layer, x, design="decoded")}[name]
+          "fireq_decoded": lambda layer, x: fireq_kernels.matmul_gemm(layer, x, design="decoded"),
+          "fireq_cutlass": fireq_kernels.matmul_cutlass}[name]
     return lambda x, w: fn(layer_view(w), x)
 
 

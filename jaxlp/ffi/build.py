@@ -48,7 +48,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "fireq": ("fireq.cu",),  # FireQ INT4 x FP8 products for 1..16 tokens, INT4 -> FP8 decode (jaxlp.ffi.fireq)
     "fp8_activations": ("fp8_activations.cu",),  # per-token FP8 activation quantizers (jaxlp.ffi.fp8_activations)
     # CUTLASS 3 WGMMA GEMMs (jaxlp.ffi.cutlass_gemm): FP8 x FP8 with scale epilogues, NestedFP16
-    "cutlass_gemm": ("cutlass_fp8_gemm.cu", "cutlass_nestedfp_gemm.cu"),
+    "cutlass_gemm": ("cutlass_fp8_gemm.cu", "cutlass_nestedfp_gemm.cu", "cutlass_fireq_gemm.cu"),
 }
 # Libraries built on CUTLASS's headers (:func:`cutlass_dir`), for sm_90a only: the WGMMA and TMA
 # instructions of its SM90 kernels exist on that target alone (no PTX for later GPUs).

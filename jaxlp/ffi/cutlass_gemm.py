@@ -28,7 +28,17 @@ a cluster, ``sk`` stream-K, ``s``: the weights rebuilt into an FP16 tile in shar
 WGMMA operands read from there; 50% slower than CUTLASS's plain FP16 GEMM on the same tiles,
 :func:`fp16_matmul`, so the defaults merge into registers; docs/perf.md session 27).
 
-Shapes: K a multiple of 16 and N of 8 (TMA's 16-byte rows), any M >= 1. The library needs
+:func:`fireq_matmul` (``cutlass_fireq_gemm.cu``): FireQ's W4A8 product, ``(x8 @ e4m3(q * s).T) *
+token_scale[:, None]``, on CUTLASS's mixed-input mainloop in its lookup-table mode: each k-block's
+INT4 codes become E4M3 in registers by byte permutes from a per-group table of the scale's
+multiples (exactly FireQ's dequantized weight), FP8 WGMMA against the activations, the FP8 sums
+promoted into float32 registers every :data:`FIREQ_CONFIGS`' ``promote_tiles`` x 128 K (CUTLASS's
+mixed-input mainloop does not promote; this one adds it). :func:`fireq_operands` builds the codes
+and tables it reads from a FireQ weight (an elementwise pass; a load-time layout would save it).
+Not yet run on a GPU (docs/perf.md session 28).
+
+Shapes: K a multiple of 16 and N of 8 (TMA's 16-byte rows), any M >= 1 (FireQ: K a multiple of 128,
+its groups). The library needs
 CUTLASS's headers (the ``nvidia-cutlass`` package or ``$JAXLP_CUTLASS_DIR``,
 :func:`jaxlp.ffi.build.cutlass_dir`) and ``nvcc``, and is built on first use.
 """
@@ -45,8 +55,9 @@ from jaxlp.ffi import build
 TARGET = "jaxlp_cutlass_fp8_gemm"
 NESTEDFP_TARGET = "jaxlp_cutlass_nestedfp16_gemm"
 FP16_TARGET = "jaxlp_cutlass_fp16_gemm"
+FIREQ_TARGET = "jaxlp_cutlass_fireq_gemm"
 LIBRARY = build.Library("cutlass_gemm", {TARGET: "JaxlpCutlassFp8Gemm", NESTEDFP_TARGET: "JaxlpCutlassNestedFp16Gemm",
-                                         FP16_TARGET: "JaxlpCutlassFp16Gemm"})
+                                         FP16_TARGET: "JaxlpCutlassFp16Gemm", FIREQ_TARGET: "JaxlpCutlassFireqGemm"})
 FP16_CONFIGS = ("co128x256", "co128")  # the plain FP16 baseline's tiles (weight rows x tokens)
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 K_ALIGN = 16  # FP8 elements per 16-byte TMA row
@@ -103,6 +114,22 @@ NESTEDFP_CONFIGS: dict[str, NestedFPConfig] = {
     "co128sk": NestedFPConfig("cooperative", (128, 128), (1, 1), 5, "streamk", "registers"),
     "co128x256s": NestedFPConfig("cooperative", (128, 256), (1, 1), 3, "persistent", "shared"),
 }
+
+
+class FireqConfig(NamedTuple):
+    """One compiled kernel of ``cutlass_fireq_gemm.cu`` (its ``dispatch`` table, in this order): the
+    cooperative CTA tile (weight rows x tokens, 128 K per step) and the k tiles per promoted sum."""
+
+    tile: tuple[int, int]
+    promote_tiles: int
+
+
+FIREQ_CONFIGS: dict[str, FireqConfig] = {
+    "co128": FireqConfig((128, 128), 2),
+    "co128x64": FireqConfig((128, 64), 2),
+    "co128p1": FireqConfig((128, 128), 1),
+}
+FIREQ_GROUP = 128  # K per FireQ scale group (jaxlp.formats.int4_fp8.GROUP_SIZE)
 
 
 # K per promoted step sum by default: 256 (CUTLASS's own default is 128) measured 8-11% faster at
@@ -238,3 +265,60 @@ def fp16_matmul(x: jax.Array, w: jax.Array, *, config: str = "co128x256") -> jax
         LIBRARY.load()
     call = jax.ffi.ffi_call(FP16_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float16))
     return call(x, w, config=FP16_CONFIGS.index(config))
+
+
+def fireq_default_config(m: int) -> str:
+    """The FireQ kernel for ``m`` tokens: 64-token tiles up to 64 tokens, else 128 x 128 (not yet
+    measured)."""
+    return "co128x64" if m <= 64 else "co128"
+
+
+def fireq_operands(w) -> tuple[jax.Array, jax.Array]:
+    """``(codes, tables)`` for :func:`fireq_matmul` from a FireQ weight ``w``
+    (:class:`~jaxlp.formats.int4_fp8.Int4FP8Array` ``[N, K]``, groups of 128): the codes [N, K / 2]
+    in CUTLASS's unified encoding (a positive ``q`` as the low three bits of ``-q`` with the sign bit
+    clear, 0 and the negatives unchanged; two per byte, element 2i in the low nibble) and per group
+    the table ``e4m3(-8 s) .. e4m3(-s)`` (round to nearest even, saturating at 448, as FireQ rounds
+    ``q * s``) as uint8 ``[K / 128, N, 8]``. The kernel decodes code ``c`` as byte ``c & 7`` of the
+    table, its sign flipped where ``c < 8`` (0: ``-0``): ``e4m3(q * s)``, bit for bit."""
+    from jaxlp.formats import int4_fp8
+
+    if getattr(w, "format", None) != int4_fp8.Int4FP8Array.format or len(w.shape) != 2:
+        raise ValueError(f"cutlass fireq_operands: w must be a 2-D FireQ Int4FP8Array, got {type(w).__name__}")
+    if w.group_size != FIREQ_GROUP:
+        raise ValueError(f"cutlass fireq_operands: needs groups of {FIREQ_GROUP}, got {w.group_size}")
+    q = w.int4_values().astype(jnp.int32)
+    codes = int4_fp8.pack_int4(jnp.where(q > 0, (-q) & 7, q))
+    negatives = w.table()[..., :8]  # e4m3(q s) for q = -8 .. -1: [N, K / 128, 8]
+    return codes, jax.lax.bitcast_convert_type(negatives, jnp.uint8).transpose(1, 0, 2)
+
+
+def fireq_matmul(x8: jax.Array, codes: jax.Array, tables: jax.Array, token_scale: jax.Array, *,
+                 out_dtype=jnp.bfloat16, config: str | None = None) -> jax.Array:
+    """``(x8 @ e4m3(q * s).T) * token_scale[:, None]`` rounded once to ``out_dtype`` (module doc):
+    ``x8 [M, K]`` float8_e4m3fn, ``codes, tables`` from :func:`fireq_operands`, ``token_scale [M]``;
+    ``config``: a :data:`FIREQ_CONFIGS` name (default :func:`fireq_default_config`)."""
+    if x8.ndim != 2 or x8.dtype != jnp.dtype(jnp.float8_e4m3fn):
+        raise ValueError(f"cutlass fireq_matmul: x8 must be float8_e4m3fn [M, K], got {x8.dtype} {x8.shape}")
+    (m, k), n = x8.shape, codes.shape[0]
+    if codes.shape != (n, k // 2) or codes.dtype != jnp.uint8:
+        raise ValueError(f"cutlass fireq_matmul: codes must be uint8 [N, K / 2] = [{n}, {k // 2}], got {codes.dtype} "
+                         f"{codes.shape}")
+    if k % FIREQ_GROUP:
+        raise ValueError(f"cutlass fireq_matmul: K must be a multiple of {FIREQ_GROUP} (the groups), got {k}")
+    if tables.shape != (k // FIREQ_GROUP, n, 8) or tables.dtype != jnp.uint8:
+        raise ValueError(f"cutlass fireq_matmul: tables must be uint8 [K / 128, N, 8] = [{k // FIREQ_GROUP}, {n}, 8], "
+                         f"got {tables.dtype} {tables.shape}")
+    if token_scale.shape != (m,):
+        raise ValueError(f"cutlass fireq_matmul: token_scale must be [{m}], got {token_scale.shape}")
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
+        raise ValueError(f"cutlass fireq_matmul: out_dtype must be bfloat16 or float16, got {jnp.dtype(out_dtype)}")
+    if reason := why_not(m, n, k):
+        raise ValueError(f"cutlass fireq_matmul: {reason}")
+    config = config or fireq_default_config(m)
+    if config not in FIREQ_CONFIGS:
+        raise ValueError(f"cutlass fireq_matmul: unknown config {config!r}; the configs are {sorted(FIREQ_CONFIGS)}")
+    if build.on_gpu():
+        LIBRARY.load()
+    call = jax.ffi.ffi_call(FIREQ_TARGET, jax.ShapeDtypeStruct((m, n), out_dtype))
+    return call(x8, codes, tables, token_scale.astype(jnp.float32), config=list(FIREQ_CONFIGS).index(config))

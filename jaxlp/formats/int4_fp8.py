@@ -110,6 +110,11 @@ class Int4FP8Array(QuantizedArray):
         """``fp8_e4m3(q * s)`` (the kernel's pre-scaled FP8 table), cast to ``dtype``."""
         return _dequantize(self.codes, self.scales, self.group_size).astype(dtype)
 
+    def table(self) -> jax.Array:
+        """The pre-scaled FP8 table of each group, ``fp8_e4m3(q * s)`` for ``q = -8 .. 7``:
+        float8_e4m3fn ``[..., K / group_size, 16]`` (entry ``q + 8``)."""
+        return _fp8(self.scales.astype(jnp.float32)[..., None] * jnp.arange(-8, 8, dtype=jnp.float32))
+
     def fp8_values(self) -> jax.Array:
         """``fp8_e4m3(q * s)`` as ``float8_e4m3fn [..., K]``: the FP8 operand of the GEMM."""
         return _dequantize(self.codes, self.scales, self.group_size)

@@ -13,7 +13,12 @@ registers, never in memory:
   pays where many tokens share it); the default by tokens and the layer's width
   (:func:`default_design`).
 
-``"auto"`` tries them in that order on a GPU (so the GEMV for few tokens, the GEMM past them),
+``implementation="fireq_cutlass"`` (:func:`jaxlp.ffi.cutlass_gemm.fireq_matmul`): any number of
+tokens through CUTLASS's mixed-input mainloop, the INT4 codes turned into E4M3 in registers by a
+per-group lookup table and the FP8 sums promoted; explicit only (``"auto"`` passes it over) until it
+is measured on a GPU.
+
+``"auto"`` tries the others in that order on a GPU (so the GEMV for few tokens, the GEMM past them),
 before XLA's FP8 dot on the materialized FP8 weight (:mod:`jaxlp.quantization.native_dot`). The
 math of ``QuantizedLinear.reference`` to summation order (FP32 sums of exact E4M3 products), the
 activation scale applied to the FP32 sums before the one rounding to x's dtype.
@@ -26,6 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxlp.ffi import cutlass_gemm
 from jaxlp.ffi import fireq as gemv_kernel
 from jaxlp.ffi import fp8_activations as quantize_cuda
 from jaxlp.formats import int4_fp8
@@ -35,6 +41,7 @@ from jaxlp.pallas import wgmma_tiles
 
 GEMV_IMPLEMENTATION = "fireq_cuda"
 GEMM_IMPLEMENTATION = "fireq_pallas"
+CUTLASS_IMPLEMENTATION = "fireq_cutlass"
 GEMM_DESIGNS = ("in_kernel", "decoded")
 GEMV_TOKENS = 16  # the GEMV takes this many tokens on any layer
 DECODED_FROM_TOKENS = 512  # H100, docs/perf.md "session 20": the decoded design from here on
@@ -101,6 +108,18 @@ def why_not_gemm(layer, x: jax.Array) -> str | None:
     return None
 
 
+def why_not_cutlass(layer, x: jax.Array) -> str | None:
+    """``None`` if :func:`matmul_cutlass` computes this layer on ``x`` here, else the reason."""
+    if (reason := layer_reason(layer, x)) is not None:
+        return reason
+    n, k = layer.weight.get_value().shape
+    return cutlass_gemm.why_not_here(math.prod(x.shape[:-1]), n, k)
+
+
+def auto_declines_cutlass(layer, x: jax.Array) -> str | None:
+    return "not yet measured on a GPU: explicit only"
+
+
 def _quantized_tokens(x):
     """``(lead shape, x8 [T, K], s_x [T] float32)``: the ``fireq_fp8`` codes and their BF16 scale,
     by the one-pass CUDA quantizer where its library is available (:func:`jaxlp.ffi.fp8_activations.fireq_fp8`:
@@ -144,4 +163,15 @@ def matmul_gemm(layer, x: jax.Array, *, design: str | None = None, config=None) 
                                   config=config)
     else:
         y = gemm_kernel.int4_fp8_matmul(x8, w, token_scale, out_dtype=x.dtype, config=config)
+    return y.reshape(*lead, w.shape[0])
+
+
+def matmul_cutlass(layer, x: jax.Array, *, config: str | None = None) -> jax.Array:
+    """The layer's product before bias through the CUTLASS GEMM (:func:`jaxlp.ffi.cutlass_gemm.fireq_matmul`;
+    ``config`` one of its ``FIREQ_CONFIGS``), the lookup-table operands built from the weight in the
+    same program."""
+    w = layer.weight.get_value()
+    lead, x8, x_scale = _quantized_tokens(x)
+    codes, tables = cutlass_gemm.fireq_operands(w)
+    y = cutlass_gemm.fireq_matmul(x8, codes, tables, x_scale * layer.out_scale, out_dtype=x.dtype, config=config)
     return y.reshape(*lead, w.shape[0])

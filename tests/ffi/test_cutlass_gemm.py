@@ -1,18 +1,20 @@
-"""The CUTLASS FP8 x FP8 GEMM (``jaxlp/ffi/cutlass_fp8_gemm.cu``): its argument checks, config
-table and lowering on the CPU; on a GPU every compiled kernel against float64 of the E4M3 values
-(skipped without a CUDA GPU)."""
+"""The CUTLASS GEMMs (``jaxlp/ffi/cutlass_fp8_gemm.cu``, ``cutlass_nestedfp_gemm.cu``,
+``cutlass_fireq_gemm.cu``): argument checks, config tables, lowering and FireQ's lookup-table
+operands on the CPU; on a GPU every compiled kernel against float64 (skipped without a CUDA GPU)."""
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from fp8_operands import float64_product, operands
 from nestedfp_operands import weights
 
 from jaxlp.ffi import build, cutlass_gemm
-from jaxlp.formats import nestedfp
+from jaxlp.formats import int4_fp8, nestedfp
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 
@@ -204,3 +206,113 @@ def test_gpu_fp16_baseline_matches_float64(config):
     y = np.asarray(cutlass_gemm.fp16_matmul(jnp.asarray(x), jnp.asarray(w), config=config), np.float64)
     want = x.astype(np.float64) @ w.astype(np.float64).T
     assert np.linalg.norm(y - want) / np.linalg.norm(want) <= 1e-3
+
+
+# --- FireQ W4A8 (cutlass_fireq_gemm.cu) ----------------------------------------------------------
+
+
+def fireq_weight(rng, n, k):
+    """A FireQ weight with a zero group (the scale floor), a saturating group (|q s| past 448),
+    groups of tiny scales (E4M3 subnormal products) and a row cycling through all 16 codes (-8 too,
+    which the quantizer rarely gives)."""
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[0, :128] = 0.0
+    w[1, :128] = np.linspace(-2000.0, 1800.0, 128)  # scale 448 / 7 rounded: q s beyond 448 saturates
+    w[2, :128] *= 1e-3
+    w = int4_fp8.quantize(jnp.asarray(w))
+    q = np.array(w.int4_values())
+    q[3] = np.arange(k) % 16 - 8
+    return dataclasses.replace(w, codes=int4_fp8.pack_int4(jnp.asarray(q)))
+
+
+def lookup_decode(codes, tables):
+    """The kernel's conversion (CUTLASS's lookup_table_convert), in NumPy: code c (unified encoding)
+    selects byte c & 7 of its group's table of e4m3(-8 s) .. e4m3(-s); where c's bit 3 is clear the
+    byte of the positive table, the same with its sign bit flipped, byte 0 becoming -0 (0x80)."""
+    c = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1).astype(np.int64)  # [N, K]
+    n, k = c.shape
+    neg = np.asarray(tables).transpose(1, 0, 2)  # [N, K / 128, 8]
+    pos = neg ^ 0x80
+    pos[..., 0] = 0x80
+    group = np.broadcast_to(np.arange(k) // 128, (n, k))
+    rows = np.broadcast_to(np.arange(n)[:, None], (n, k))
+    byte = np.where(c >> 3, neg[rows, group, c & 7], pos[rows, group, c & 7]).astype(np.uint8)
+    return byte.view(ml_dtypes.float8_e4m3fn)
+
+
+def test_fireq_configs_match_the_kernels_dispatch():
+    text = (build.SOURCE_DIR / "cutlass_fireq_gemm.cu").read_text()
+    cases = re.findall(r"JAXLP_CASE\((\d+), (\d+), (\d+), (\d+)\)", text)
+    assert len(cases) == len(cutlass_gemm.FIREQ_CONFIGS)
+    for (index, tn, tm, promote), (name, cfg) in zip(cases, cutlass_gemm.FIREQ_CONFIGS.items()):
+        assert int(index) == list(cutlass_gemm.FIREQ_CONFIGS).index(name)
+        assert ((int(tn), int(tm)), int(promote)) == tuple(cfg), name
+    for m in (1, 64, 65, 4096):
+        assert cutlass_gemm.fireq_default_config(m) in cutlass_gemm.FIREQ_CONFIGS
+
+
+@pytest.mark.parametrize("n, k", [(24, 128), (40, 512)])
+def test_fireq_operands_decode_to_the_fireq_weight_bit_for_bit(n, k):
+    """The unified codes through the lookup tables, as the kernel converts them, give FireQ's
+    dequantized weight e4m3(q s) bit for bit (zeros aside: q = 0 decodes to -0), over every code,
+    a zero group, saturated products and subnormal ones."""
+    w = fireq_weight(np.random.default_rng(n + k), n, k)
+    codes, tables = cutlass_gemm.fireq_operands(w)
+    assert codes.shape == (n, k // 2) and codes.dtype == jnp.uint8
+    assert tables.shape == (k // 128, n, 8) and tables.dtype == jnp.uint8
+    q = np.asarray(w.int4_values())
+    assert set(np.unique(q)) == set(range(-8, 8))
+    got = lookup_decode(np.asarray(codes), tables)
+    want = np.asarray(w.fp8_values())
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+    nonzero = q != 0
+    np.testing.assert_array_equal(got.view(np.uint8)[nonzero], want.view(np.uint8)[nonzero])
+    assert (np.abs(want.astype(np.float32)[1, :128]) == 448).any()  # the saturating group
+
+
+def test_fireq_operands_and_matmul_are_checked_and_lower():
+    w = fireq_weight(np.random.default_rng(0), 64, 256)
+    codes, tables = cutlass_gemm.fireq_operands(w)
+    x8 = jnp.zeros((3, 256), jnp.float8_e4m3fn)
+    ts = jnp.ones((3,), jnp.float32)
+    with pytest.raises(ValueError, match="FireQ Int4FP8Array"):
+        cutlass_gemm.fireq_operands(jnp.zeros((64, 256)))
+    with pytest.raises(ValueError, match="groups of 128"):
+        cutlass_gemm.fireq_operands(int4_fp8.quantize(jnp.ones((8, 256)), group_size=64))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        cutlass_gemm.fireq_matmul(x8.astype(jnp.bfloat16), codes, tables, ts)
+    with pytest.raises(ValueError, match="codes must be uint8"):
+        cutlass_gemm.fireq_matmul(x8[:, :128], codes, tables, ts)
+    with pytest.raises(ValueError, match="tables must be uint8"):
+        cutlass_gemm.fireq_matmul(x8, codes, tables[:1], ts)
+    with pytest.raises(ValueError, match="token_scale"):
+        cutlass_gemm.fireq_matmul(x8, codes, tables, ts[:2])
+    with pytest.raises(ValueError, match="unknown config"):
+        cutlass_gemm.fireq_matmul(x8, codes, tables, ts, config="pp64")
+    f = jax.jit(lambda *a: cutlass_gemm.fireq_matmul(*a, out_dtype=jnp.float16, config="co128p1"))
+    text = f.trace(x8, codes, tables, ts).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{cutlass_gemm.FIREQ_TARGET}" in text and "tensor<3x64xf16>" in text
+    assert f"config = {list(cutlass_gemm.FIREQ_CONFIGS).index('co128p1')} : i64" in text
+
+
+@pytest.mark.parametrize("config", list(cutlass_gemm.FIREQ_CONFIGS))
+@pytest.mark.parametrize("m, n, k", [(1, 256, 128), (33, 1000, 1024), (129, 648, 4096), (300, 4096, 4096),
+                                     (64, 512, 14336)])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_fireq_matches_float64_of_the_dequantized_operands(config, m, n, k, out_dtype):
+    """Every FireQ kernel against float64 of x8 and e4m3(q s) (M, N off the tiles, one group, the
+    paper's longest K, saturated activations, a zero token): within the output dtype's epsilon
+    (#18: 1e-3), which needs the promoted sums."""
+    rng = np.random.default_rng(m + n + k)
+    w = fireq_weight(rng, n, k)
+    x, _, ts, _ = operands(rng, m, 8, k)
+    codes, tables = cutlass_gemm.fireq_operands(w)
+    y = np.asarray(cutlass_gemm.fireq_matmul(jnp.asarray(x), codes, tables, jnp.asarray(ts), out_dtype=out_dtype,
+                                             config=config), np.float64)
+    want = (x.astype(np.float64) @ np.asarray(w.fp8_values()).astype(np.float64).T) * ts[:, None]
+    assert y.shape == (m, n) and np.isfinite(y).all()
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) <= float(jnp.finfo(out_dtype).eps)
+    if m > 1:
+        np.testing.assert_array_equal(y[-1], 0.0)

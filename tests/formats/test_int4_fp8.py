@@ -114,6 +114,25 @@ def test_saturation_instead_of_nan():
     assert deq[0, 0] == 448.0 and deq[0, 1] == -448.0
 
 
+def test_table_holds_every_code_times_its_groups_scale():
+    """table(): e4m3(q * s) for q = -8 .. 7 per group (the kernels' pre-scaled lookup), against
+    float64 products rounded by ml_dtypes (saturating at 448 as the format does), on normal, tiny
+    (scale floor) and saturating groups."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 384)).astype(np.float32)
+    x[1, :128] *= 1e-6
+    x[2, 128:256] *= 1e4
+    qa = quantize(jnp.asarray(x))
+    table = np.asarray(qa.table())
+    assert table.shape == (3, 3, 16) and table.dtype == F8
+    s = np.asarray(qa.scales).astype(np.float64)
+    want = np.clip(s[..., None] * np.arange(-8, 8), -448, 448).astype(F8)
+    np.testing.assert_array_equal(table.view(np.uint8), want.view(np.uint8))
+    q = np.asarray(qa.int4_values()).reshape(3, 3, 128) + 8
+    np.testing.assert_array_equal(np.take_along_axis(table, q, axis=-1).reshape(3, 384).astype(np.float32),
+                                  np.asarray(qa.dequantize(jnp.float32)))
+
+
 def test_jit_registry_and_pytree():
     rng = np.random.default_rng(205)
     x = jnp.asarray(rng.standard_t(3, (8, 256)) * 0.02, jnp.bfloat16)  # bf16: many exact ties

@@ -1,5 +1,6 @@
 """FireQ W4A8 layer products on the kernels (``jaxlp.quantization.fireq_kernels``): the CUDA GEMV
-(``"fireq_cuda"``) and the Pallas GEMMs (``"fireq_pallas"``, both designs): what they take and
+(``"fireq_cuda"``), the Pallas GEMMs (``"fireq_pallas"``, both designs) and the CUTLASS GEMM
+(``"fireq_cutlass"``, explicit only): what they take and
 refuse, the GEMM design and dispatch rules, the lowering (CPU), and on a GPU the products against
 float64 NumPy of the exactly decoded E4M3 weights and the quantized activations (``ml_dtypes``), with
 the format's edge values, PTS's ``1/p``, XLA's FP8 dot beside them, and ``"auto"``'s choice."""
@@ -12,10 +13,11 @@ import numpy as np
 import pytest
 
 from fireq_operands import rel, weights
+from jaxlp.ffi import cutlass_gemm
 from jaxlp.ffi import fireq as cuda
 from jaxlp.formats import int4_fp8, nestedfp
 from jaxlp.quantization import fireq_kernels
-from jaxlp.quantization.linear import QuantizedLinear
+from jaxlp.quantization.linear import KERNELS, QuantizedLinear
 
 ON_GPU = jax.default_backend() == "gpu"
 # relative to float64 (FP32 sums of exact products, summation order only, then the one rounding to
@@ -70,6 +72,22 @@ def test_layer_product_lowers_to_the_gemv_for_cuda():
     assert text.count("stablehlo.custom_call") == 1 and cuda.TARGET in text
 
 
+def test_cutlass_gemm_is_explicit_and_lowers_to_one_custom_call():
+    """"fireq_cutlass": refused off its shapes and without the library (here: no GPU), passed over by
+    "auto" until measured, and its product (operands built in the program) one custom call."""
+    lay = layer(weights(np.random.default_rng(3), 64, 256), "fireq_cutlass", out_scale=0.25)
+    x = jnp.ones((2, 3, 256), jnp.bfloat16)
+    if not ON_GPU:
+        assert "CUTLASS library is not available" in fireq_kernels.why_not_cutlass(lay, x)
+    assert "groups of 128" in fireq_kernels.why_not_cutlass(
+        QuantizedLinear(int4_fp8.quantize(jnp.ones((48, 256)), group_size=64), activation="fireq_fp8"), x)
+    assert KERNELS["fireq_cutlass"].auto_declines(lay, x) is not None
+    f = jax.jit(lambda x: fireq_kernels.matmul_cutlass(lay, x, config="co128x64"))
+    assert f.eval_shape(x).shape == (2, 3, 64) and f.eval_shape(x).dtype == jnp.bfloat16
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"stablehlo.custom_call @{cutlass_gemm.FIREQ_TARGET}") == 1
+
+
 def numpy_reference(w, x, out_scale=1.0):
     """float64 product of the values the kernels multiply: ``e4m3(q * s)`` and the quantized
     activations, times the BF16 activation scale and ``out_scale``."""
@@ -82,7 +100,7 @@ def numpy_reference(w, x, out_scale=1.0):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("implementation", ["fireq_cuda", "fireq_pallas"])
+@pytest.mark.parametrize("implementation", ["fireq_cuda", "fireq_pallas", "fireq_cutlass"])
 @pytest.mark.parametrize("m,n,k", [(1, 16, 128), (3, 48, 1024), (8, 4096, 4096), (9, 1024, 4224), (16, 14336, 512),
                                    (13, 4096, 14336), (17, 4096, 1024), (32, 1024, 14336)])
 def test_gpu_matches_float64(implementation, m, n, k):
@@ -92,7 +110,8 @@ def test_gpu_matches_float64(implementation, m, n, k):
     x[0] = 0.0 if m > 1 else x[0]  # an all-zero token
     lay = layer(w, implementation, out_scale=0.5)
     xin = jnp.asarray(x, jnp.float16 if m % 2 else jnp.bfloat16)  # odd M: an FP16 model
-    why_not = fireq_kernels.why_not_gemv if implementation == "fireq_cuda" else fireq_kernels.why_not_gemm
+    why_not = {"fireq_cuda": fireq_kernels.why_not_gemv, "fireq_pallas": fireq_kernels.why_not_gemm,
+               "fireq_cutlass": fireq_kernels.why_not_cutlass}[implementation]
     assert why_not(lay, xin) is None
     y = jax.jit(lambda x: lay(x))(xin)
     ref = numpy_reference(w, xin.astype(jnp.float32), 0.5)
@@ -115,6 +134,20 @@ def test_gpu_gemm_designs_match_float64(design, m):
     lay = layer(w, "fireq_pallas", out_scale=0.25)
     xin = jnp.asarray(rng.standard_normal((m, 1024)), jnp.float16)
     y = jax.jit(lambda x: fireq_kernels.matmul_gemm(lay, x, design=design))(xin)
+    assert y.dtype == jnp.float16 and y.shape == (m, 640)
+    assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), 0.25)) <= TOL[y.dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("config", list(cutlass_gemm.FIREQ_CONFIGS))
+@pytest.mark.parametrize("m", [40, 700])
+def test_gpu_cutlass_gemm_matches_float64(config, m):
+    rng = np.random.default_rng(m + len(config))
+    w = weights(rng, 640, 1024)
+    lay = layer(w, "fireq_cutlass", out_scale=0.25)
+    xin = jnp.asarray(rng.standard_normal((m, 1024)), jnp.float16)
+    y = jax.jit(lambda x: fireq_kernels.matmul_cutlass(lay, x, config=config))(xin)
     assert y.dtype == jnp.float16 and y.shape == (m, 640)
     assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), 0.25)) <= TOL[y.dtype]
 
