@@ -41,6 +41,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "cutlass_rs_loop.cuh"
 #include "cutlass_run.cuh"
 
 namespace ffi = xla::ffi;
@@ -52,9 +53,8 @@ using namespace cute;
 constexpr int kGroup = 128;  // K per FireQ scale group
 
 // CUTLASS's mixed-input mainloop (`Base`, lookup-table mode) with promoted FP8 sums (file head). The
-// loop is the base's (k-block b + 2's codes copied to registers and k-block b + 1 converted while
-// k-block b's WGMMA runs), accumulating into `partial`; after every kPromoteTiles k tiles, and after
-// the last, all WGMMAs are waited for and `partial` is added into `accum`.
+// loop is the base's (cutlass_rs_loop.cuh), accumulating into `partial`; after every kPromoteTiles k
+// tiles, and after the last, all WGMMAs are waited for and `partial` is added into `accum`.
 template <class Base, int kPromoteTiles>
 struct FireqMainloop : Base {
   using typename Base::MainloopPipeline;
@@ -101,7 +101,7 @@ struct FireqMainloop : Base {
     Tensor partial = make_fragment_like(accum);  // this window's FP8 sums
     clear(accum);
     int tile = 0;  // k tiles issued
-    auto promote = [&](bool last) {  // after tile `tile`'s WGMMAs are issued
+    auto promote = [&](bool last) {  // rs_k_loop's tile_done: after a k tile's WGMMAs are issued
       ++tile;
       if (!last && tile % kPromoteTiles) return;
       warpgroup_wait<0>();
@@ -113,95 +113,9 @@ struct FireqMainloop : Base {
       tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;  // the next WGMMA starts the next window
     };
 
-    PipelineState smem_pipe_release = smem_pipe_read;
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(partial);
-
     constexpr int K_BLOCK_MAX = size<2>(tCrA_load);
-    constexpr int K_WAIT_MAX = cute::min(K_BLOCK_MAX - 1, 7);
-    static_assert(K_BLOCK_MAX >= 4, "Consider increasing TileShapeK");
-
-    cutlass::ConsumerToken barrier_token = {cutlass::BarrierStatus::WaitAgain};
-    {  // first k tile
-      barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, barrier_token);
-      const int read_stage = smem_pipe_read.index();
-      ++smem_pipe_read;
-      barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
-      copy_kblock(0, read_stage);
-      copy_kblock(1, read_stage);
-      convert_kblock(0);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
-        warpgroup_arrive();
-        cute::gemm(tiled_mma, tCrA_mma(_, _, k_block), tCrB(_, _, k_block, read_stage), partial);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        warpgroup_commit_batch();
-        if (k_block < K_BLOCK_MAX - 2) copy_kblock(k_block + 2, read_stage);
-        if (k_block < K_BLOCK_MAX - 1) convert_kblock(k_block + 1);
-      }
-      --k_tile_count;
-      if (k_tile_count > 0) {
-        pipeline.consumer_wait(smem_pipe_read, barrier_token);
-        copy_kblock(0, smem_pipe_read.index());
-        copy_kblock(1, smem_pipe_read.index());
-        warpgroup_wait<K_WAIT_MAX>();
-        convert_kblock(0);
-      }
-      promote(k_tile_count == 0);
-    }
-    if (k_tile_count == 0) return;
-
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 1; --k_tile_count) {
-      const int read_stage = smem_pipe_read.index();
-      ++smem_pipe_read;
-      warpgroup_fence_operand(partial);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
-        warpgroup_arrive();
-        cute::gemm(tiled_mma, tCrA_mma(_, _, k_block), tCrB(_, _, k_block, read_stage), partial);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        warpgroup_commit_batch();
-        warpgroup_wait<K_WAIT_MAX>();  // K_BLOCK_MAX - 1 WGMMAs pending: the previous stage is read
-        if (k_block == K_BLOCK_MAX - 1) {
-          pipeline.consumer_release(smem_pipe_release);
-          ++smem_pipe_release;
-        }
-        if (k_block == 0) barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
-        if (k_block == K_BLOCK_MAX - 1) {
-          pipeline.consumer_wait(smem_pipe_read, barrier_token);
-          copy_kblock(0, smem_pipe_read.index());
-          copy_kblock(1, smem_pipe_read.index());
-          convert_kblock(0);
-        } else {
-          if (k_block < K_BLOCK_MAX - 2) copy_kblock(k_block + 2, read_stage);
-          convert_kblock(k_block + 1);
-        }
-      }
-      warpgroup_fence_operand(partial);
-      promote(false);
-    }
-
-    {  // last k tile
-      const int read_stage = smem_pipe_read.index();
-      warpgroup_fence_operand(partial);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
-        warpgroup_arrive();
-        cute::gemm(tiled_mma, tCrA_mma(_, _, k_block), tCrB(_, _, k_block, read_stage), partial);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        warpgroup_commit_batch();
-        warpgroup_wait<K_WAIT_MAX>();
-        if (k_block == K_BLOCK_MAX - 1) {
-          pipeline.consumer_release(smem_pipe_release);
-          ++smem_pipe_release;
-        }
-        if (k_block < K_BLOCK_MAX - 2) copy_kblock(k_block + 2, read_stage);
-        if (k_block < K_BLOCK_MAX - 1) convert_kblock(k_block + 1);
-      }
-      promote(true);
-    }
+    jaxlp::rs_k_loop<K_BLOCK_MAX>(pipeline, smem_pipe_read, k_tile_count, tiled_mma, tCrA_mma, tCrB, partial,
+                                  copy_kblock, convert_kblock, promote);
   }
 };
 

@@ -38,6 +38,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "cutlass_rs_loop.cuh"
 #include "cutlass_run.cuh"
 #include "nestedfp_merge.cuh"
 
@@ -301,8 +302,8 @@ struct NestedFp16Mainloop : Base {
     warpgroup_fence_operand(accum);
   }
 
-  // Consumer, registers: the base's RS mainloop (k-block b + 2's bytes copied to registers and
-  // k-block b + 1 rebuilt while k-block b's WGMMA runs), with both planes copied and merged.
+  // Consumer, registers: the base's RS k loop (cutlass_rs_loop.cuh: k-block b + 2's bytes copied to
+  // registers and k-block b + 1 rebuilt while k-block b's WGMMA runs), with both planes copied and merged.
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma_registers(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
                                     int k_tile_count, int thread_idx, TensorStorage& shared_tensors) {
@@ -353,95 +354,9 @@ struct NestedFp16Mainloop : Base {
       }
     };
 
-    PipelineState smem_pipe_release = smem_pipe_read;
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(accum);
-
     constexpr int K_BLOCK_MAX = size<2>(tCrA_load);
-    constexpr int K_WAIT_MAX = cute::min(K_BLOCK_MAX - 1, 7);
-    static_assert(K_BLOCK_MAX >= 4, "Consider increasing TileShapeK");
-
-    cutlass::ConsumerToken barrier_token = {cutlass::BarrierStatus::WaitAgain};
-    {  // first k tile
-      barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, barrier_token);
-      int read_stage = smem_pipe_read.index();
-      ++smem_pipe_read;
-      barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
-      copy_kblock(0, read_stage);
-      copy_kblock(1, read_stage);
-      merge_kblock(0);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
-        warpgroup_arrive();
-        cute::gemm(tiled_mma, tCrA_mma(_, _, k_block), tCrB(_, _, k_block, read_stage), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        warpgroup_commit_batch();
-        if (k_block < K_BLOCK_MAX - 2) copy_kblock(k_block + 2, read_stage);
-        if (k_block < K_BLOCK_MAX - 1) merge_kblock(k_block + 1);
-      }
-      --k_tile_count;
-      if (k_tile_count > 0) {
-        pipeline.consumer_wait(smem_pipe_read, barrier_token);
-        copy_kblock(0, smem_pipe_read.index());
-        copy_kblock(1, smem_pipe_read.index());
-        warpgroup_wait<K_WAIT_MAX>();
-        merge_kblock(0);
-      }
-    }
-    if (k_tile_count == 0) return;
-
-    warpgroup_fence_operand(accum);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 1; --k_tile_count) {
-      int read_stage = smem_pipe_read.index();
-      ++smem_pipe_read;
-      warpgroup_fence_operand(accum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
-        warpgroup_arrive();
-        cute::gemm(tiled_mma, tCrA_mma(_, _, k_block), tCrB(_, _, k_block, read_stage), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        warpgroup_commit_batch();
-        warpgroup_wait<K_WAIT_MAX>();
-        if (k_block == K_BLOCK_MAX - 1) {
-          pipeline.consumer_release(smem_pipe_release);
-          ++smem_pipe_release;
-        }
-        if (k_block == 0) barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
-        if (k_block == K_BLOCK_MAX - 1) {
-          pipeline.consumer_wait(smem_pipe_read, barrier_token);
-          copy_kblock(0, smem_pipe_read.index());
-          copy_kblock(1, smem_pipe_read.index());
-          merge_kblock(0);
-        } else {
-          if (k_block < K_BLOCK_MAX - 2) copy_kblock(k_block + 2, read_stage);
-          merge_kblock(k_block + 1);
-        }
-      }
-      warpgroup_fence_operand(accum);
-    }
-
-    warpgroup_fence_operand(accum);
-    {  // last k tile
-      int read_stage = smem_pipe_read.index();
-      warpgroup_fence_operand(accum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
-        warpgroup_arrive();
-        cute::gemm(tiled_mma, tCrA_mma(_, _, k_block), tCrB(_, _, k_block, read_stage), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        warpgroup_commit_batch();
-        warpgroup_wait<K_WAIT_MAX>();
-        if (k_block == K_BLOCK_MAX - 1) {
-          pipeline.consumer_release(smem_pipe_release);
-          ++smem_pipe_release;
-        }
-        if (k_block < K_BLOCK_MAX - 2) copy_kblock(k_block + 2, read_stage);
-        if (k_block < K_BLOCK_MAX - 1) merge_kblock(k_block + 1);
-      }
-    }
-    warpgroup_fence_operand(accum);
+    jaxlp::rs_k_loop<K_BLOCK_MAX>(pipeline, smem_pipe_read, k_tile_count, tiled_mma, tCrA_mma, tCrB, accum,
+                                  copy_kblock, merge_kblock, [](bool) {});
   }
 };
 

@@ -15,6 +15,28 @@ namespace jaxlp {
 constexpr int kMergeWarps = 8;
 constexpr int kMergeMaxD = 256;  // head_dim: two float4 of channels per lane
 
+// One split's partials of a (row, query), at offset `at` of m and l (rows of d channels of o): its
+// weight w = exp(m - safe) (0 for an empty split), den += l w, and this lane's channels (float4 lane
+// and lane + 32, where below d / 4) of acc += w o.
+__device__ __forceinline__ void add_split(const float* __restrict__ o, const float* __restrict__ m,
+                                          const float* __restrict__ l, size_t at, int d, float safe, int lane,
+                                          float4 (&acc)[2], float& den) {
+  const float ms = m[at];
+  const float w = ms == -INFINITY ? 0.f : expf(ms - safe);
+  den += l[at] * w;
+  const float4* src = reinterpret_cast<const float4*>(o + at * d);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    if (lane + 32 * k < d / 4) {
+      const float4 x = src[lane + 32 * k];
+      acc[k].x += w * x.x;
+      acc[k].y += w * x.y;
+      acc[k].z += w * x.z;
+      acc[k].w += w * x.w;
+    }
+  }
+}
+
 // One CTA of 8 warps per (row r, query g). The data is small and in L2 (the attention kernel just
 // wrote it): the cost is latency, so every warp takes every 8th split and a lane 4 or 8 channels
 // (float4 loads, all of a warp's splits in flight together), in two passes (the splits' maximum,
@@ -38,22 +60,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32) split_merge_kernel(
   float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
   float den = 0.f;
 #pragma unroll 4
-  for (int s = warp; s < splits; s += kMergeWarps) {
-    const float ms = m[ml + static_cast<size_t>(s) * g];
-    const float w = ms == -INFINITY ? 0.f : expf(ms - safe);
-    den += l[ml + static_cast<size_t>(s) * g] * w;
-    const float4* src = reinterpret_cast<const float4*>(o + (ml + static_cast<size_t>(s) * g) * d);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      if (lane + 32 * k < n4) {
-        const float4 x = src[lane + 32 * k];
-        acc[k].x += w * x.x;
-        acc[k].y += w * x.y;
-        acc[k].z += w * x.z;
-        acc[k].w += w * x.w;
-      }
-    }
-  }
+  for (int s = warp; s < splits; s += kMergeWarps)
+    add_split(o, m, l, ml + static_cast<size_t>(s) * g, d, safe, lane, acc, den);
 #pragma unroll
   for (int k = 0; k < 2; ++k)
     if (lane + 32 * k < n4) reinterpret_cast<float4*>(part[warp])[lane + 32 * k] = acc[k];
@@ -93,22 +101,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) split_merge_queries_kernel(
   float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
   float den = 0.f;
 #pragma unroll 4
-  for (int s = 0; s < splits; ++s) {
-    const float ms = m[ml + static_cast<size_t>(s) * g];
-    const float w = ms == -INFINITY ? 0.f : expf(ms - safe);
-    den += l[ml + static_cast<size_t>(s) * g] * w;
-    const float4* src = reinterpret_cast<const float4*>(o + (ml + static_cast<size_t>(s) * g) * d);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      if (lane + 32 * k < n4) {
-        const float4 x = src[lane + 32 * k];
-        acc[k].x += w * x.x;
-        acc[k].y += w * x.y;
-        acc[k].z += w * x.z;
-        acc[k].w += w * x.w;
-      }
-    }
-  }
+  for (int s = 0; s < splits; ++s) add_split(o, m, l, ml + static_cast<size_t>(s) * g, d, safe, lane, acc, den);
   float4* dst = reinterpret_cast<float4*>(out + (static_cast<size_t>(r) * g + gi) * d);
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
