@@ -172,8 +172,8 @@ def default_staged_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
     """Staged CTAs per (row, KV head) of a whole-cache call on the packed path: :data:`GENERAL_SPLITS`
     (a block each: the ring's one or two blocks, the tail block) while the packed CTAs leave room
     for them, one (the blocks in turn) once ``batch x kv_heads`` fills over half the GPU's resident
-    packed CTAs (:func:`packed_splits` gives one), where thousands of one-block CTAs would queue in waves
-    behind them."""
+    packed CTAs (:func:`packed_splits` gives one), where thousands of one-block CTAs would queue in
+    waves behind them."""
     return 1 if 2 * batch * kv_heads > PACKED_CTAS_PER_SM * num_sms else GENERAL_SPLITS
 
 
@@ -221,7 +221,8 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     token's key and value ``[B, KVH, D]``. Rings, sink and new token go to the kernel as FP16
     (clipped to its range). ``staged_splits``: the staged CTAs per (row, KV head) that take the
     ring and tail blocks beside the packed ones (default :func:`default_staged_splits`; the packed
-    path only, ValueError off it); ``min_blocks``, ``query_merge_splits``: as :func:`attend_units`'s. Returns ``(out [B, H, D] float32 normalized, m, l)``."""
+    path only, ValueError off it); ``min_blocks``, ``query_merge_splits``: as :func:`attend_units`'s.
+    Returns ``(out [B, H, D] float32 normalized, m, l)``."""
     if sink[0].shape[1] >= BLOCK:
         raise ValueError(f"attend_cache: the sink and the new token must fit one {BLOCK}-token block, "
                          f"got a sink of {sink[0].shape[1]}")
