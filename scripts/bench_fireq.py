@@ -9,8 +9,9 @@ Per token count M (``--ms``), side by side in one run, for gate_up (28672 x 4096
 - ``fireq_cuda`` (M <= 32; ``fireq_cuda_u2`` / ``_u4``: its other unrolls), ``fireq_pallas`` (the
   GEMM decoding in registers), ``fireq_decoded`` (the CUDA decode, then the FP8 GEMM) and
   ``fireq_cutlass`` (CUTLASS's mixed-input GEMM, the lookup-table decode): the layer through
-  jaxlp's kernels (:mod:`jaxlp.quantization.fireq_kernels`), activation quantization included; ``auto``: what ``implementation="auto"`` runs (GEMV up to 16 tokens, then the GEMM
-  design of ``fireq_kernels.default_design``).
+  jaxlp's kernels (:mod:`jaxlp.quantization.fireq_kernels`), activation quantization included;
+  ``auto``: what ``implementation="auto"`` runs (GEMV up to 16 tokens, then the GEMM design of
+  ``fireq_kernels.default_design``).
 
 Per row: us of device time, the ratio ``bf16 / ours`` and the floor (the larger of the stored
 bytes (INT4 codes, scales, 16-bit activations in and out) / copy bandwidth and 2MNK / twice the
