@@ -220,7 +220,7 @@ def attention_part(args, config, rows):
             bf16_us = None
             for name in args.formats:
                 on_gpu = jax.default_backend() == "gpu"  # off a GPU (smoke runs): the kernels' interpreter
-                fmt = kvcache.get(name) if on_gpu or name == "bf16" else kvcache.get(name, attention="interpret")
+                fmt = cache_format(name, args, attention=None if on_gpu or name == "bf16" else "interpret")
                 layer_bytes = step_bytes(fmt, config, batch, context)
                 copies = rotation_copies(layer_bytes, args.rotate_mb * 2**20)
                 try:
@@ -348,7 +348,7 @@ def decode_part(args, model, rows):
             for name in args.formats:
                 profile = {} if args.profile else None
                 try:
-                    ms = decode_ms(model, kvcache.get(name), batch, context, args, profile)
+                    ms = decode_ms(model, cache_format(name, args), batch, context, args, profile)
                 except Exception as e:  # noqa: BLE001
                     print(f"decode {name} B={batch} ctx={context}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
@@ -365,7 +365,7 @@ def capacity_part(args, model, rows):
     budget = int(args.budget_gb * 2**30)
     config = model.config
     for name in args.formats:
-        fmt = kvcache.get(name)
+        fmt = cache_format(name, args)
         batch = kvcache.max_batch_size(fmt, config, args.capacity_context + args.n2 + 8, budget)
         batch = min(batch, args.max_batch)
         try:
@@ -385,7 +385,7 @@ def prefill_part(args, model, rows):
     for spec in args.prefill:
         shape, name = spec.split(":")
         batch, length = map(int, shape.split("x"))
-        cache = kvcache.get(name).init(model.config, batch, length + 8)
+        cache = cache_format(name, args).init(model.config, batch, length + 8)
         graphdef, params = nnx.split(model)
         run = jax.jit(lambda g, p, c, t: nnx.merge(g, p).forward(t, cache=c, fresh=True)[1], static_argnums=0,
                       donate_argnums=2)
@@ -414,6 +414,12 @@ class Rows(list):
         super().append(row)
         if self.path:
             harness.write_json(self.path, dict(self.meta, rows=list(self)))
+
+
+def cache_format(name: str, args, attention: str | None = None):
+    """The cache format ``name`` with ``--kernel-options`` where it has a CUDA kernel (not BF16)."""
+    options = args.kernel_options if name != "bf16" else None
+    return kvcache.get(name, attention=attention, kernel_options=options or None)
 
 
 def compiler_options(text: str) -> dict:
@@ -453,6 +459,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true",
                    help="attention and decode parts: also split the GPU time per step by kernel (profiler traces)")
+    p.add_argument("--kernel-options", type=compiler_options, default={},
+                   help="the quantized caches' CUDA kernel keywords (QuantizedCacheFormat.kernel_options), e.g. "
+                        "query_merge_splits=8;min_blocks=4 (';' between options)")
     p.add_argument("--compiler-options", type=compiler_options, default={},
                    help="XLA options for the timed programs, e.g. xla_gpu_enable_command_buffer=FUSION,CONDITIONAL "
                         "(';' between options)")

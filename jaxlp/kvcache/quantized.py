@@ -206,10 +206,16 @@ def _merge_partials(parts):
     return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
 
+# Keywords of the CUDA one-token kernels' calls a format may fix (QuantizedCacheFormat.kernel_options):
+# jaxlp.ffi.quantized_decode_attention.attend_cache's, and the subset FireQ's INT4 kernel takes.
+KERNEL_OPTIONS = ("splits", "packed", "staged_splits", "min_blocks", "query_merge_splits")
+INT4_KERNEL_OPTIONS = ("splits",)
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["sink_k", "sink_v", "k_ring", "k_ring_pos", "v_ring", "v_ring_pos", "k_store", "v_store"],
-    meta_fields=["k_spec", "v_spec", "max_len", "attention"],
+    meta_fields=["k_spec", "v_spec", "max_len", "attention", "kernel_options"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedLayerCache(LayerCache):
@@ -228,6 +234,7 @@ class QuantizedLayerCache(LayerCache):
     v_spec: StreamSpec
     max_len: int
     attention: str = "auto"
+    kernel_options: tuple = ()  # (name, value) pairs for the CUDA one-token kernel (QuantizedCacheFormat's)
 
     @property
     def sink_len(self) -> int:
@@ -268,7 +275,8 @@ class QuantizedLayerCache(LayerCache):
                 return out, self.store(k, v, positions)
         if implementation is not None:
             out = self._attend_one(q[:, 0], k[:, 0], v[:, 0], positions[:, 0], scale=scale, window=window,
-                                   softcap=softcap, query_scaling=query_scaling)
+                                   softcap=softcap, query_scaling=query_scaling,
+                                   cuda_options=dict(self.kernel_options) or None)
             return out[:, None].astype(q.dtype), self._store_one(k[:, 0], v[:, 0], positions[:, 0], implementation)
         return self.reference_attend(q, k, v, positions, scale=scale, window=window, softcap=softcap)
 
@@ -357,6 +365,9 @@ class QuantizedLayerCache(LayerCache):
             lo = jnp.clip(first - off, 0, hi)
             args = (q, self.k_store, self.v_store, kc, vc, lo, hi)
             if int4_step:  # FireQ: units and the new token are the whole step
+                if unknown := sorted(set(cuda_options or {}) - set(INT4_KERNEL_OPTIONS)):
+                    raise ValueError(f"kernel_options {unknown} do not apply to FireQ's INT4 kernel (it takes "
+                                     f"{INT4_KERNEL_OPTIONS})")
                 return cuda_int4.attend_units(*args, scale=scale, softcap=softcap, new=(k, v, valid),
                                               query_scaling=query_scaling, **(cuda_options or {}))[0]
             if kernel is not None:
@@ -524,9 +535,17 @@ class QuantizedCacheFormat(CacheFormat):
     sink: int = 0
     dtype: Any = jnp.float16
     attention: str = "auto"
+    kernel_options: tuple | dict = ()
 
     def __post_init__(self):
+        """``kernel_options``: keywords of the CUDA one-token kernel's call (:data:`KERNEL_OPTIONS`,
+        e.g. ``{"query_merge_splits": 8}``), kept as sorted ``(name, value)`` pairs; ValueError
+        naming an unknown one."""
         decode.check_implementation(self.attention)
+        options = dict(self.kernel_options)
+        if unknown := sorted(set(options) - set(KERNEL_OPTIONS)):
+            raise ValueError(f"unknown kernel_options {unknown}; the CUDA attention kernels take {KERNEL_OPTIONS}")
+        object.__setattr__(self, "kernel_options", tuple(sorted(options.items())))
 
     def streams(self, config: ModelConfig) -> tuple[tuple[Codec, int], tuple[Codec, int]]:
         raise NotImplementedError
@@ -551,7 +570,7 @@ class QuantizedCacheFormat(CacheFormat):
             v_ring_pos=jnp.full((batch_size, vs.ring), -1, jnp.int32),
             k_store=_empty_store(ks.codec, (batch_size, ks.units, h), d),
             v_store=_empty_store(vs.codec, (batch_size, vs.units, h), d),
-            k_spec=ks, v_spec=vs, max_len=max_len, attention=self.attention,
+            k_spec=ks, v_spec=vs, max_len=max_len, attention=self.attention, kernel_options=self.kernel_options,
         )
 
     def init(self, config: ModelConfig, batch_size: int, max_len: int) -> KVCache:

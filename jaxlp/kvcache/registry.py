@@ -27,15 +27,20 @@ _FORMATS = {
 }
 
 
-def get(name_or_format, *, attention: str | None = None) -> CacheFormat:
+def get(name_or_format, *, attention: str | None = None, kernel_options: dict | None = None) -> CacheFormat:
     """A cache format from its name (see :func:`formats`) or the format itself; ``attention``
-    replaces its attention implementation (see :mod:`jaxlp.attention.decode`)."""
+    replaces its attention implementation (see :mod:`jaxlp.attention.decode`), ``kernel_options``
+    a quantized format's CUDA kernel keywords (``QuantizedCacheFormat.kernel_options``)."""
     if isinstance(name_or_format, CacheFormat):
         fmt = name_or_format
     elif name_or_format in _FORMATS:
         fmt = _FORMATS[name_or_format]
     else:
         raise ValueError(f"unknown KV cache format {name_or_format!r}; known: {', '.join(sorted(_FORMATS))}")
+    if kernel_options is not None:
+        if not hasattr(fmt, "kernel_options"):
+            raise ValueError(f"the {getattr(fmt, 'name', fmt)!r} cache has no CUDA kernel to take kernel_options")
+        fmt = dataclasses.replace(fmt, kernel_options=kernel_options)
     return fmt if attention is None else dataclasses.replace(fmt, attention=attention)
 
 

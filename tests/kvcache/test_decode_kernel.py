@@ -163,6 +163,43 @@ def test_attention_field_is_validated_and_static():
     assert jax.tree.structure(a) != jax.tree.structure(b)  # part of the jit cache key
 
 
+def test_kernel_options_are_validated_static_and_reach_the_kernel(monkeypatch):
+    """kernel_options: checked by name (ValueError naming the unknown one; not on a dense cache; FireQ's
+    INT4 kernel takes only splits), kept sorted and hashable in the format and every layer (a static
+    part of the jit key), and given to the CUDA kernel's call of a one-token step as keywords."""
+    from jaxlp.ffi import quantized_decode_attention as cuda_attention
+    from jaxlp.kvcache.quantized import QuantizedLayerCache
+
+    with pytest.raises(ValueError, match=r"unknown kernel_options \['warps'\]"):
+        kvcache.get("kitty-pro", kernel_options={"warps": 8})
+    with pytest.raises(ValueError, match="no CUDA kernel"):
+        kvcache.get("bf16", kernel_options={"splits": 2})
+    fmt = kvcache.get("kivi-k2v2*", kernel_options={"query_merge_splits": 8, "min_blocks": 4})
+    assert fmt.kernel_options == (("min_blocks", 4), ("query_merge_splits", 8)) and hash(fmt)
+    a = fmt.init(config(4, 2), 1, 300)
+    assert a.layers[0].kernel_options == fmt.kernel_options
+    assert jax.tree.structure(a) != jax.tree.structure(kvcache.get("kivi-k2v2*").init(config(4, 2), 1, 300))
+    seen = {}
+
+    def spy(q, *args, **kw):
+        seen.update(kw)
+        return jnp.zeros(q.shape, jnp.float32), None, None
+
+    monkeypatch.setattr(cuda_attention, "attend_cache", spy)
+    monkeypatch.setattr(QuantizedLayerCache, "_decode_implementation", lambda self, heads: "cuda")
+    monkeypatch.setattr(QuantizedLayerCache, "_store_one", lambda self, k, v, p, impl: self)
+    layer = dataclasses.replace(filled_layer("kivi-k2v2*", [130], 300, h=4, kvh=2, seed=0, d=128),
+                                kernel_options=fmt.kernel_options)
+    q, k, v = step_inputs(layer, 4, 0)
+    layer.attend(q, k, v, jnp.asarray([[130]]), scale=0.1, window=None, softcap=None)
+    assert seen["query_merge_splits"] == 8 and seen["min_blocks"] == 4
+    fireq = kvcache.get("fireq-int4", kernel_options={"min_blocks": 4}).init(config(4, 2, 128), 1, 300)
+    inner = fireq.layers[0].inner
+    with pytest.raises(ValueError, match="do not apply to FireQ's INT4 kernel"):
+        inner._attend_one(q[:, 0], k[:, 0], v[:, 0], jnp.asarray([130]), scale=0.1, window=None, softcap=None,
+                          cuda_options=dict(inner.kernel_options))
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error without a GPU")
 def test_pallas_without_a_gpu_says_why():
     layer = filled_layer("kitty", [130], 200, h=4, kvh=2, seed=0)

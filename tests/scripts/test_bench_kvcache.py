@@ -26,6 +26,16 @@ def test_compiler_options_parse_bools_ints_and_strings(bk):
     assert bk.compiler_options("") == {}
 
 
+def test_kernel_options_go_to_the_quantized_formats_only(bk):
+    """--kernel-options: the quantized caches' CUDA kernel keywords (parsed as the XLA options are);
+    BF16 has no such kernel and is left as it is."""
+    args = types.SimpleNamespace(kernel_options=bk.compiler_options("query_merge_splits=8"))
+    assert bk.cache_format("kivi-k2v2*", args).kernel_options == (("query_merge_splits", 8),)
+    assert bk.cache_format("kitty-pro", args, attention="interpret").attention == "interpret"
+    assert bk.cache_format("bf16", args) == kvcache.get("bf16")
+    assert bk.cache_format("kitty-pro", types.SimpleNamespace(kernel_options={})) == kvcache.get("kitty-pro")
+
+
 def test_loop_us_times_the_donated_loop_and_fills_the_profile(bk):
     args = types.SimpleNamespace(n1=1, n2=3, repeats=1, compiler_options={})
     profile = {}
