@@ -88,9 +88,21 @@ def test_user_errors_are_one_line(model_dir, tmp_path, capsys, argv, message):
     assert len(err.splitlines()) == 1
 
 
-def test_console_script_demo_runs():
-    proc = subprocess.run([sys.executable, "-m", "jaxlp.cli", "demo", "--problems", "2"],
-                          capture_output=True, text=True, timeout=600)
+def test_console_script_demo_runs(tiny_reasoner_dir, monkeypatch, capsys):
+    """The demo through the console entry point, on the tiny reasoner (1 layer: the embedded one's
+    8-layer NVFP4 program takes most of a minute to compile); in process, the embedded reasoner is
+    what it loads by default."""
+    import jaxlp.models.tokenizer
+    from jaxlp.demo import REASONER_DIR
+
+    def stop(path):
+        raise RuntimeError(f"would load {path}")
+
+    monkeypatch.setattr(jaxlp.models.tokenizer, "load_tokenizer", stop)
+    assert main(["demo", "--problems", "1"]) == 1
+    assert f"would load {REASONER_DIR}" in capsys.readouterr().err
+    proc = subprocess.run([sys.executable, "-m", "jaxlp.cli", "demo", "--problems", "2", "--model",
+                           str(tiny_reasoner_dir)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "tok/s" in proc.stdout and "weight bytes" in proc.stdout
@@ -215,15 +227,13 @@ def test_nestedfp_precision_flag(model_dir, tmp_path, capsys):
     assert "no NestedFP layers" in capsys.readouterr().err
 
 
-def test_generate_tp_gives_the_single_device_text(model_dir, tmp_path, capsys):
+def test_generate_tp_gives_the_single_device_text(model_dir, tiny_reasoner_dir, tmp_path, capsys):
     """--tp 2 over two of the four simulated CPU devices: the same greedy text for the dense test
-    checkpoint and a W4A16-NVFP4 reasoner; a clear error where a split would cut NVFP4 blocks, for
-    more devices than there are, and with fused projections."""
-    from importlib.resources import files
-
+    checkpoint and a W4A16-NVFP4 reasoner (the tiny one: its splits keep whole NVFP4 blocks too); a
+    clear error where a split would cut NVFP4 blocks, for more devices than there are, and with fused
+    projections."""
     out = tmp_path / "q"
-    assert main(["quantize", "--model", str(files("jaxlp") / "assets" / "reasoner"), "--recipe", "w4a16-nvfp4",
-                 "--out", str(out)]) == 0
+    assert main(["quantize", "--model", str(tiny_reasoner_dir), "--recipe", "w4a16-nvfp4", "--out", str(out)]) == 0
     capsys.readouterr()
     for model in (model_dir, out):
         args = ["generate", "--model", str(model), "--prompt", "12 + 35 =", "--max-new-tokens", "6", "--kv-cache",
