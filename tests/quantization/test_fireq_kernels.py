@@ -124,30 +124,23 @@ def test_gpu_matches_float64(implementation, m, n, k):
     assert rel(np.asarray(y, np.float32), np.asarray(native, np.float32)) <= 2 * TOL[y.dtype]
 
 
+GEMMS = {**{design: ("fireq_pallas", dict(design=design)) for design in fireq_kernels.GEMM_DESIGNS},
+         **{f"cutlass-{c}": ("fireq_cutlass", dict(config=c)) for c in cutlass_gemm.FIREQ_CONFIGS}}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("design", ["in_kernel", "decoded"])
+@pytest.mark.parametrize("gemm", list(GEMMS))
 @pytest.mark.parametrize("m", [40, 700])
-def test_gpu_gemm_designs_match_float64(design, m):
+def test_gpu_gemms_match_float64(gemm, m):
+    """Each GEMM (both Pallas designs, every CUTLASS config) through its layer product."""
+    implementation, options = GEMMS[gemm]
     rng = np.random.default_rng(m)
     w = weights(rng, 640, 1024)
-    lay = layer(w, "fireq_pallas", out_scale=0.25)
+    lay = layer(w, implementation, out_scale=0.25)
+    matmul = fireq_kernels.matmul_gemm if implementation == "fireq_pallas" else fireq_kernels.matmul_cutlass
     xin = jnp.asarray(rng.standard_normal((m, 1024)), jnp.float16)
-    y = jax.jit(lambda x: fireq_kernels.matmul_gemm(lay, x, design=design))(xin)
-    assert y.dtype == jnp.float16 and y.shape == (m, 640)
-    assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), 0.25)) <= TOL[y.dtype]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("config", list(cutlass_gemm.FIREQ_CONFIGS))
-@pytest.mark.parametrize("m", [40, 700])
-def test_gpu_cutlass_gemm_matches_float64(config, m):
-    rng = np.random.default_rng(m + len(config))
-    w = weights(rng, 640, 1024)
-    lay = layer(w, "fireq_cutlass", out_scale=0.25)
-    xin = jnp.asarray(rng.standard_normal((m, 1024)), jnp.float16)
-    y = jax.jit(lambda x: fireq_kernels.matmul_cutlass(lay, x, config=config))(xin)
+    y = jax.jit(lambda x: matmul(lay, x, **options))(xin)
     assert y.dtype == jnp.float16 and y.shape == (m, 640)
     assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), 0.25)) <= TOL[y.dtype]
 
