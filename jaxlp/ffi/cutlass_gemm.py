@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlp.ffi import build
+from jaxlp.formats import int4_fp8
 
 TARGET = "jaxlp_cutlass_fp8_gemm"
 NESTEDFP_TARGET = "jaxlp_cutlass_nestedfp16_gemm"
@@ -129,7 +130,7 @@ FIREQ_CONFIGS: dict[str, FireqConfig] = {
     "co128x64": FireqConfig((128, 64), 2),
     "co128p1": FireqConfig((128, 128), 1),
 }
-FIREQ_GROUP = 128  # K per FireQ scale group (jaxlp.formats.int4_fp8.GROUP_SIZE)
+FIREQ_GROUP = int4_fp8.GROUP_SIZE  # K per FireQ scale group: the kernel's 128 K per step
 
 
 # K per promoted step sum by default: 256 (CUTLASS's own default is 128) measured 8-11% faster at
@@ -281,8 +282,6 @@ def fireq_operands(w) -> tuple[jax.Array, jax.Array]:
     the table ``e4m3(-8 s) .. e4m3(-s)`` (round to nearest even, saturating at 448, as FireQ rounds
     ``q * s``) as uint8 ``[K / 128, N, 8]``. The kernel decodes code ``c`` as byte ``c & 7`` of the
     table, its sign flipped where ``c < 8`` (0: ``-0``): ``e4m3(q * s)``, bit for bit."""
-    from jaxlp.formats import int4_fp8
-
     if getattr(w, "format", None) != int4_fp8.Int4FP8Array.format or len(w.shape) != 2:
         raise ValueError(f"cutlass fireq_operands: w must be a 2-D FireQ Int4FP8Array, got {type(w).__name__}")
     if w.group_size != FIREQ_GROUP:
