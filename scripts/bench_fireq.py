@@ -8,7 +8,9 @@ Per token count M (``--ms``), side by side in one run, for gate_up (28672 x 4096
   weight ``e4m3(q * s)`` materialized by XLA, cuBLASLt's FP8 GEMM, then the scale pass);
 - ``fireq_cuda`` (M <= 32; ``fireq_cuda_u2`` / ``_u4``: its other unrolls), ``fireq_pallas`` (the
   GEMM decoding in registers), ``fireq_decoded`` (the CUDA decode, then the FP8 GEMM) and
-  ``fireq_cutlass`` (CUTLASS's mixed-input GEMM, the lookup-table decode): the layer through
+  ``fireq_cutlass`` (CUTLASS's mixed-input GEMM, the lookup-table decode; its lookup tables built
+  from the scales in the same program; ``fireq_cutlass_tables``: built beforehand, as a load-time
+  layout would hold them; either with ``:CONFIG``, one of ``cutlass_gemm.FIREQ_CONFIGS``): the layer through
   jaxlp's kernels (:mod:`jaxlp.quantization.fireq_kernels`), activation quantization included;
   ``auto``: what ``implementation="auto"`` runs (GEMV up to 16 tokens, then the GEMM design of
   ``fireq_kernels.default_design``).
@@ -47,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_nvfp4 as bn  # noqa: E402
 
-from jaxlp.ffi import fireq as fireq_cuda  # noqa: E402
+from jaxlp.ffi import cutlass_gemm, fireq as fireq_cuda  # noqa: E402
 from jaxlp.formats import int4_fp8  # noqa: E402
 from jaxlp.progress import Reporter  # noqa: E402
 from jaxlp.quantization import fireq_kernels, linear, native_dot  # noqa: E402
@@ -55,7 +57,7 @@ from jaxlp.quantization import fireq_kernels, linear, native_dot  # noqa: E402
 FFN_SHAPES = (("gate_up", 28672, 4096), ("down", 4096, 14336))
 TARGET_BYTES = 220 << 20  # BF16 weight buffers per shape: > 4x the 50 MB L2
 VARIANTS = ("bf16", "xla_fp8", "fireq_cuda", "fireq_cuda_u2", "fireq_cuda_u4", "fireq_pallas", "fireq_decoded",
-            "fireq_cutlass", "auto")
+            "fireq_cutlass", "fireq_cutlass_tables", "auto")
 
 
 def layer_view(w):
@@ -70,15 +72,24 @@ def auto(layer, x):
 
 
 def product(name: str):
+    name, _, config = name.partition(":")
     if name == "bf16":
         return lambda x, w: jnp.dot(x, w.T)
+    if name.startswith("fireq_cutlass"):  # w: (weight, tables) for _tables
+        pre = name == "fireq_cutlass_tables"
+        return lambda x, w: fireq_kernels.matmul_cutlass(layer_view(w[0] if pre else w), x, config=config or None,
+                                                         tables=w[1] if pre else None)
     fn = {"xla_fp8": native_dot.matmul, "fireq_cuda": fireq_kernels.matmul_gemv,
           "fireq_cuda_u2": functools.partial(fireq_kernels.matmul_gemv, unroll=2),
           "fireq_cuda_u4": functools.partial(fireq_kernels.matmul_gemv, unroll=4), "auto": auto,
           "fireq_pallas": lambda layer, x: fireq_kernels.matmul_gemm(layer, x, design="in_kernel"),
-          "fireq_decoded": lambda layer, x: fireq_kernels.matmul_gemm(layer, x, design="decoded"),
-          "fireq_cutlass": fireq_kernels.matmul_cutlass}[name]
+          "fireq_decoded": lambda layer, x: fireq_kernels.matmul_gemm(layer, x, design="decoded")}[name]
     return lambda x, w: fn(layer_view(w), x)
+
+
+def known_variant(name: str) -> bool:
+    base, sep, config = name.partition(":")
+    return base in VARIANTS and (not sep or (base.startswith("fireq_cutlass") and config in cutlass_gemm.FIREQ_CONFIGS))
 
 
 def floor_us(m, n, k, bandwidth_tbps, tflops) -> float:
@@ -104,8 +115,9 @@ def main(argv=None):
         return end_to_end(args, argv)
     ms = [int(v) for v in args.ms.split(",")]
     variants = args.variants.split(",")
-    if unknown := sorted(set(variants) - set(VARIANTS)):
-        ap.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+    if unknown := sorted(v for v in variants if not known_variant(v)):
+        ap.error(f"unknown variants {unknown}; choose from {VARIANTS} (fireq_cutlass*: with :CONFIG, one of "
+                 f"{sorted(cutlass_gemm.FIREQ_CONFIGS)})")
     if "bf16" not in variants:
         variants.insert(0, "bf16")
 
@@ -123,13 +135,17 @@ def main(argv=None):
             w32 = [make(jax.random.key(7 * n + k + i)) for i in range(count)]
             weights = {"bf16": [w.astype(jnp.bfloat16) for w in w32]}
             weights["fireq"] = [int4_fp8.quantize(w) for w in w32]
+            if any(v.startswith("fireq_cutlass_tables") for v in variants):
+                weights["fireq_tables"] = [(w, jax.jit(cutlass_gemm.fireq_tables)(w)) for w in weights["fireq"]]
             del w32
             for m in ms:
                 jobs = bn.Jobs(args.reps)
                 for name in variants:
                     if name.startswith("fireq_cuda") and m > (16 if name != "fireq_cuda" else fireq_cuda.MAX_TOKENS):
                         continue
-                    jobs.add(name, product(name), weights["bf16" if name == "bf16" else "fireq"], m, k, jnp.bfloat16)
+                    kind = ("bf16" if name == "bf16" else "fireq_tables"
+                            if name.startswith("fireq_cutlass_tables") else "fireq")
+                    jobs.add(name, product(name), weights[kind], m, k, jnp.bfloat16)
                 times = {key: bn._us(bn._pick(t)) for key, t in jobs.run().items()}
                 per_layer[(layer, m)] = times
                 row = dict(layer=layer, n=n, k=k, m=m, floor_us=floor_us(m, n, k, bw, tflops), us=times)
@@ -205,11 +221,12 @@ def end_to_end(args, argv):
 
 
 def table(result):
-    print("| layer | M | floor | " + " | ".join(VARIANTS) + " | auto x BF16 | auto x XLA FP8 |")
-    print("|---|---|---|" + "---|" * (len(VARIANTS) + 2))
+    names = list(dict.fromkeys(v for row in result["rows"] for v in row["us"]))  # the run's variants, in order
+    print("| layer | M | floor | " + " | ".join(names) + " | auto x BF16 | auto x XLA FP8 |")
+    print("|---|---|---|" + "---|" * (len(names) + 2))
     for row in result["rows"]:
         us = row["us"]
-        cells = [f"{us[v]:.1f}" if us.get(v) is not None else "" for v in VARIANTS]
+        cells = [f"{us[v]:.1f}" if us.get(v) is not None else "" for v in names]
         best = us.get("auto")
         x_bf16 = f"{us['bf16'] / best:.2f}" if best and us.get("bf16") else ""
         x_fp8 = f"{us['xla_fp8'] / best:.2f}" if best and us.get("xla_fp8") else ""

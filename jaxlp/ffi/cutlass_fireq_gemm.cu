@@ -11,11 +11,13 @@
 // weights are WGMMA's A operand (output features on its M, tokens on its N: y^T = W x^T, written
 // column-major, i.e. y row-major), each k-block's INT4 codes copied from shared memory to registers
 // and turned into E4M3 by byte permutes from a per-group table of the 8 negative multiples of the
-// scale, e4m3(-8 s) .. e4m3(-s) (the positive ones by flipping the sign): exactly e4m3(q s), which
-// is FireQ's dequantized weight (jaxlp.formats.int4_fp8). The table wants the codes in CUTLASS's
-// "unified" encoding (a positive q stored as the bits of -q with the sign bit clear; 0 stays 0) and
-// the tables themselves as the scale operand, [K / 128, N] entries of 8 bytes (N-major); Python's
-// fireq_operands builds both from the FireQ weight, exactly.
+// scale, e4m3(-8 s) .. e4m3(-s): exactly e4m3(q s), which is FireQ's dequantized weight
+// (jaxlp.formats.int4_fp8). The tables are the scale operand, [K / 128, N] entries of 8 bytes
+// (N-major; Python's fireq_operands builds them from the weight's scales). CUTLASS's conversion
+// wants its codes in a "unified" encoding (a positive q stored as the bits of -q); this one reads
+// FireQ's own two's-complement codes: a code c with bit 3 set (q = c - 16 < 0) is byte c & 7 of
+// the negative table, as CUTLASS's, and one with bit 3 clear (q = c >= 0) is byte c of a positive
+// table built from it once per k tile, +0, -T[7], -T[6], ..., -T[1] (fireq_positive_table).
 //
 // `FireqMainloop` is that mainloop with its FP8 sums promoted: the tensor cores' own FP8 accumulation
 // keeps fewer bits than float32, so each kPromoteTiles k tiles (128 K each) of WGMMAs accumulate into
@@ -51,6 +53,43 @@ namespace jaxlp_cutlass_fireq {
 using namespace cute;
 
 constexpr int kGroup = 128;  // K per FireQ scale group
+
+// The positive half of a group's table from its negative half T = e4m3(-8 s) .. e4m3(-s) (two words,
+// byte i = T[i]): byte q = e4m3(q s) = T[8 - q] with its sign flipped for q = 1..7, and +0 for q = 0.
+__device__ __forceinline__ void fireq_positive_table(uint32_t neg0, uint32_t neg1, uint32_t& pos0, uint32_t& pos1) {
+  pos0 = (__byte_perm(neg0, neg1, 0x5670) & 0xffffff00u) ^ 0x80808000u;  // +0, -T7, -T6, -T5
+  pos1 = __byte_perm(neg0, neg1, 0x1234) ^ 0x80808080u;                   // -T4, -T3, -T2, -T1
+}
+
+// CUTLASS's MixedInputUtils::dequantize_A_kblock in its lookup-table mode for FireQ's two's-complement
+// codes: the same lookup (lookup_table_convert: byte c & 7 of the negative table where bit 3 of c is
+// set, else of the positive one), the positive tables built by fireq_positive_table at k block 0.
+template <class Utils, class TensorIn, class TensorOut, class Extra>
+CUTLASS_DEVICE void fireq_convert_kblock(TensorIn const& tCrA_load, TensorOut& tCrA_mma, Extra& extra, int k_block) {
+  Tensor src = tCrA_load(_, _, k_block);
+  Tensor dst = tCrA_mma(_, _, k_block);
+  constexpr int kPerReg = cute::min(decltype(size(src(_, 0)))::value, 8);  // 8 codes per 32-bit register
+  Tensor src_vm = cute::group_modes<1, -1>(cute::zipped_divide(src, Int<kPerReg>{}));
+  Tensor dst_vm = cute::group_modes<1, -1>(cute::zipped_divide(dst, Int<kPerReg>{}));
+  Tensor scales_neg = cute::get<1>(extra)(_, _, k_block);
+  auto&& tCrS_pos = cute::get<2>(extra);
+  Tensor scales_pos = tCrS_pos(_, _, k_block);
+  Tensor scales_neg_vm = cute::group_modes<1, -1>(cute::zipped_divide(scales_neg, Int<kPerReg>{}));
+  Tensor scales_pos_vm = cute::group_modes<1, -1>(cute::zipped_divide(scales_pos, Int<kPerReg>{}));
+  if (k_block == 0) {
+    Tensor neg = filter(scales_neg_vm);
+    Tensor pos = filter(scales_pos_vm);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(neg.layout()); ++i) {
+      auto&& n = reinterpret_cast<cutlass::Array<uint32_t, 2> const&>(neg(i));
+      auto&& p = reinterpret_cast<cutlass::Array<uint32_t, 2>&>(pos(i));
+      fireq_positive_table(n[0], n[1], p[0], p[1]);
+    }
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size<1>(dst_vm); ++i)
+    Utils::lookup_table_convert(src_vm(_, i), dst_vm(_, i), scales_neg_vm(_, i), scales_pos_vm(_, i));
+}
 
 // CUTLASS's mixed-input mainloop (`Base`, lookup-table mode) with promoted FP8 sums (file head). The
 // loop is the base's (cutlass_rs_loop.cuh), accumulating into `partial`; after every kPromoteTiles k
@@ -96,7 +135,7 @@ struct FireqMainloop : Base {
     auto copy_kblock = [&](int k_block, int stage) {
       Utils::copy_tensors_MK(smem_tiled_copy_A, tCsA, tCrA_copy_view, extra, extra_copy, k_block, stage);
     };
-    auto convert_kblock = [&](int k_block) { Utils::dequantize_A_kblock(tCrA_load, tCrA_mma, extra, k_block); };
+    auto convert_kblock = [&](int k_block) { fireq_convert_kblock<Utils>(tCrA_load, tCrA_mma, extra, k_block); };
 
     Tensor partial = make_fragment_like(accum);  // this window's FP8 sums
     clear(accum);
@@ -121,7 +160,7 @@ struct FireqMainloop : Base {
 
 // The GEMM: tile features x tokens x 128 K per CTA, two consumer warpgroups (cooperative), the FP8
 // sums promoted every kPromoteTiles k tiles, the token scale in the epilogue.
-template <class ElementOut, int kTileN, int kTileM, int kPromoteTiles>
+template <class ElementOut, int kTileN, int kTileM, int kPromoteTiles, class Scheduler>
 struct FireqGemm {
   using TileShape = Shape<Int<kTileN>, Int<kTileM>, Int<kGroup>>;
   using ClusterShape = Shape<_1, _1, _1>;
@@ -150,7 +189,7 @@ struct FireqGemm {
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
   using Mainloop = FireqMainloop<Built, kPromoteTiles>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, CollectiveEpilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+                                                      Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static ffi::Error run(cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* x8, const void* codes,
@@ -181,7 +220,8 @@ struct FireqGemm {
 };
 
 // The compiled kernels (index = the `config` attribute; jaxlp/ffi/cutlass_gemm.py's FIREQ_CONFIGS
-// names them in this order): tile features x tokens (x 128 K), k tiles per promoted sum.
+// names them in this order): tile features x tokens (x 128 K), k tiles per promoted sum, the tile
+// scheduler (stream-K splits K over the SMs where the output has fewer tiles than SMs).
 template <class Out>
 ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* x8, const void* codes,
                     const void* tables, const float* ts, void* y, int m, int n, int k, int sms) {
@@ -189,9 +229,11 @@ ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scra
   case INDEX:                  \
     return FireqGemm<Out, __VA_ARGS__>::run(stream, scratch, x8, codes, tables, ts, y, m, n, k, sms);
   switch (config) {
-    JAXLP_CASE(0, 128, 128, 2)
-    JAXLP_CASE(1, 128, 64, 2)
-    JAXLP_CASE(2, 128, 128, 1)
+    JAXLP_CASE(0, 128, 128, 2, cutlass::gemm::PersistentScheduler)
+    JAXLP_CASE(1, 128, 64, 2, cutlass::gemm::PersistentScheduler)
+    JAXLP_CASE(2, 128, 128, 1, cutlass::gemm::PersistentScheduler)
+    JAXLP_CASE(3, 128, 128, 2, cutlass::gemm::StreamKScheduler)
+    JAXLP_CASE(4, 128, 64, 2, cutlass::gemm::StreamKScheduler)
     default:
       return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                         "jaxlp cutlass fireq gemm: unknown config " + std::to_string(config));
@@ -241,7 +283,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpCutlassFireqGemm, jaxlp_cutlass_fireq::Impl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()         // x8 [M, K] float8_e4m3fn
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes [N, K / 2], unified encoding
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes [N, K / 2], FireQ's
                                   .Arg<ffi::Buffer<ffi::U8>>()   // tables [K / 128, N, 8]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // token_scale [M]
                                   .Ret<ffi::AnyBuffer>()         // y [M, N] bfloat16 or float16

@@ -30,12 +30,12 @@ WGMMA operands read from there; 50% slower than CUTLASS's plain FP16 GEMM on the
 
 :func:`fireq_matmul` (``cutlass_fireq_gemm.cu``): FireQ's W4A8 product, ``(x8 @ e4m3(q * s).T) *
 token_scale[:, None]``, on CUTLASS's mixed-input mainloop in its lookup-table mode: each k-block's
-INT4 codes become E4M3 in registers by byte permutes from a per-group table of the scale's
-multiples (exactly FireQ's dequantized weight), FP8 WGMMA against the activations, the FP8 sums
-promoted into float32 registers every :data:`FIREQ_CONFIGS`' ``promote_tiles`` x 128 K (CUTLASS's
-mixed-input mainloop does not promote; this one adds it). :func:`fireq_operands` builds the codes
-and tables it reads from a FireQ weight (an elementwise pass; a load-time layout would save it).
-Not yet run on a GPU (docs/perf.md session 28).
+INT4 codes (the weight's own, two's complement) become E4M3 in registers by byte permutes from a
+per-group table of the scale's multiples (exactly FireQ's dequantized weight), FP8 WGMMA against
+the activations, the FP8 sums promoted into float32 registers every :data:`FIREQ_CONFIGS`'
+``promote_tiles`` x 128 K (CUTLASS's mixed-input mainloop does not promote; this one adds it).
+:func:`fireq_tables` builds the tables from the weight's scales (8 bytes per group: 1/8 of the
+codes' bytes).
 
 Shapes: K a multiple of 16 and N of 8 (TMA's 16-byte rows), any M >= 1 (FireQ: K a multiple of 128,
 its groups). The library needs
@@ -119,16 +119,20 @@ NESTEDFP_CONFIGS: dict[str, NestedFPConfig] = {
 
 class FireqConfig(NamedTuple):
     """One compiled kernel of ``cutlass_fireq_gemm.cu`` (its ``dispatch`` table, in this order): the
-    cooperative CTA tile (weight rows x tokens, 128 K per step) and the k tiles per promoted sum."""
+    cooperative CTA tile (weight rows x tokens, 128 K per step), the k tiles per promoted sum and
+    the tile scheduler ("persistent", or "streamk": K split over the SMs)."""
 
     tile: tuple[int, int]
     promote_tiles: int
+    scheduler: str = "persistent"
 
 
 FIREQ_CONFIGS: dict[str, FireqConfig] = {
     "co128": FireqConfig((128, 128), 2),
     "co128x64": FireqConfig((128, 64), 2),
     "co128p1": FireqConfig((128, 128), 1),
+    "co128sk": FireqConfig((128, 128), 2, "streamk"),
+    "co128x64sk": FireqConfig((128, 64), 2, "streamk"),
 }
 FIREQ_GROUP = int4_fp8.GROUP_SIZE  # K per FireQ scale group: the kernel's 128 K per step
 
@@ -268,35 +272,36 @@ def fp16_matmul(x: jax.Array, w: jax.Array, *, config: str = "co128x256") -> jax
     return call(x, w, config=FP16_CONFIGS.index(config))
 
 
-def fireq_default_config(m: int) -> str:
-    """The FireQ kernel for ``m`` tokens: 64-token tiles up to 64 tokens, else 128 x 128 (not yet
-    measured)."""
-    return "co128x64" if m <= 64 else "co128"
+def fireq_default_config(m: int, n: int, num_sms: int = 132) -> str:
+    """The FireQ kernel for ``m`` tokens and ``n`` output features: 64-token tiles up to 64 tokens,
+    else 128 x 128; stream-K where those tiles are fewer than the SMs (the down projection's 4096
+    features at 16-256 tokens: 2x faster than the persistent tiles; H200, docs/perf.md session 29)."""
+    tile_m = 64 if m <= 64 else 128
+    tiles = -(-n // 128) * -(-m // tile_m)
+    return ("co128x64" if m <= 64 else "co128") + ("sk" if tiles < num_sms else "")
 
 
-def fireq_operands(w) -> tuple[jax.Array, jax.Array]:
-    """``(codes, tables)`` for :func:`fireq_matmul` from a FireQ weight ``w``
-    (:class:`~jaxlp.formats.int4_fp8.Int4FP8Array` ``[N, K]``, groups of 128): the codes [N, K / 2]
-    in CUTLASS's unified encoding (a positive ``q`` as the low three bits of ``-q`` with the sign bit
-    clear, 0 and the negatives unchanged; two per byte, element 2i in the low nibble) and per group
-    the table ``e4m3(-8 s) .. e4m3(-s)`` (round to nearest even, saturating at 448, as FireQ rounds
-    ``q * s``) as uint8 ``[K / 128, N, 8]``. The kernel decodes code ``c`` as byte ``c & 7`` of the
-    table, its sign flipped where ``c < 8`` (0: ``-0``): ``e4m3(q * s)``, bit for bit."""
+def fireq_tables(w) -> jax.Array:
+    """The lookup tables :func:`fireq_matmul` reads beside a FireQ weight ``w``'s own codes
+    (:class:`~jaxlp.formats.int4_fp8.Int4FP8Array` ``[N, K]``, groups of 128): per group
+    ``e4m3(-8 s) .. e4m3(-s)`` (round to nearest even, saturating at 448, as FireQ rounds ``q * s``)
+    as uint8 ``[K / 128, N, 8]``. The kernel decodes code ``q < 0`` as byte ``q + 8`` of the table
+    and ``q >= 0`` as byte ``8 - q`` with its sign flipped (``q = 0``: +0): ``e4m3(q * s)``, bit for
+    bit."""
     if getattr(w, "format", None) != int4_fp8.Int4FP8Array.format or len(w.shape) != 2:
-        raise ValueError(f"cutlass fireq_operands: w must be a 2-D FireQ Int4FP8Array, got {type(w).__name__}")
+        raise ValueError(f"cutlass fireq_tables: w must be a 2-D FireQ Int4FP8Array, got {type(w).__name__}")
     if w.group_size != FIREQ_GROUP:
-        raise ValueError(f"cutlass fireq_operands: needs groups of {FIREQ_GROUP}, got {w.group_size}")
-    q = w.int4_values().astype(jnp.int32)
-    codes = int4_fp8.pack_int4(jnp.where(q > 0, (-q) & 7, q))
+        raise ValueError(f"cutlass fireq_tables: needs groups of {FIREQ_GROUP}, got {w.group_size}")
     negatives = w.table()[..., :8]  # e4m3(q s) for q = -8 .. -1: [N, K / 128, 8]
-    return codes, jax.lax.bitcast_convert_type(negatives, jnp.uint8).transpose(1, 0, 2)
+    return jax.lax.bitcast_convert_type(negatives, jnp.uint8).transpose(1, 0, 2)
 
 
 def fireq_matmul(x8: jax.Array, codes: jax.Array, tables: jax.Array, token_scale: jax.Array, *,
                  out_dtype=jnp.bfloat16, config: str | None = None) -> jax.Array:
     """``(x8 @ e4m3(q * s).T) * token_scale[:, None]`` rounded once to ``out_dtype`` (module doc):
-    ``x8 [M, K]`` float8_e4m3fn, ``codes, tables`` from :func:`fireq_operands`, ``token_scale [M]``;
-    ``config``: a :data:`FIREQ_CONFIGS` name (default :func:`fireq_default_config`)."""
+    ``x8 [M, K]`` float8_e4m3fn, ``codes`` the weight's own (``Int4FP8Array.codes [N, K / 2]``),
+    ``tables`` from :func:`fireq_tables`, ``token_scale [M]``; ``config``: a :data:`FIREQ_CONFIGS`
+    name (default :func:`fireq_default_config`)."""
     if x8.ndim != 2 or x8.dtype != jnp.dtype(jnp.float8_e4m3fn):
         raise ValueError(f"cutlass fireq_matmul: x8 must be float8_e4m3fn [M, K], got {x8.dtype} {x8.shape}")
     (m, k), n = x8.shape, codes.shape[0]
@@ -314,7 +319,7 @@ def fireq_matmul(x8: jax.Array, codes: jax.Array, tables: jax.Array, token_scale
         raise ValueError(f"cutlass fireq_matmul: out_dtype must be bfloat16 or float16, got {jnp.dtype(out_dtype)}")
     if reason := why_not(m, n, k):
         raise ValueError(f"cutlass fireq_matmul: {reason}")
-    config = config or fireq_default_config(m)
+    config = config or fireq_default_config(m, n)
     if config not in FIREQ_CONFIGS:
         raise ValueError(f"cutlass fireq_matmul: unknown config {config!r}; the configs are {sorted(FIREQ_CONFIGS)}")
     if build.on_gpu():

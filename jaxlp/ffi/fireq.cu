@@ -242,6 +242,23 @@ __global__ void __launch_bounds__(256) decode_kernel(const uint8_t* __restrict__
   }
 }
 
+// The CUTLASS FireQ GEMM's lookup tables (jaxlp/ffi/cutlass_fireq_gemm.cu): per group g and row n,
+// e4m3(q * s) for q = -8 .. -1, the codes 8 .. 15 through decode8 (8 bytes; tables [groups, N, 8],
+// each thread one entry, rows fastest: coalesced 8-byte stores).
+__global__ void __launch_bounds__(256) tables_kernel(const uint8_t* __restrict__ scales, uint2* __restrict__ tables,
+                                                     long entries, int n, int groups) {
+  constexpr uint32_t kNegatives = 0xFEDCBA98u;  // nibble i = 8 + i: q = i - 8
+  for (long e = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x; e < entries;
+       e += static_cast<long>(gridDim.x) * blockDim.x) {
+    const long g = e / n, row = e - g * n;
+    uint32_t s_even, s_odd;
+    scale_pairs(__ldg(scales + row * groups + g), s_even, s_odd);
+    uint2 t;
+    decode8(kNegatives, s_even, s_odd, t.x, t.y);
+    tables[e] = t;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host side
 
@@ -339,6 +356,25 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ffi::AnyB
   return ffi::Error::Success();
 }
 
+ffi::Error TablesImpl(cudaStream_t stream, ffi::AnyBuffer scales, ffi::Result<ffi::Buffer<ffi::U8>> tables) {
+  auto sd = scales.dimensions(), td = tables->dimensions();
+  if (scales.element_type() != ffi::DataType::F8E4M3FN || sd.size() != 2)
+    return bad("tables: scales must be float8_e4m3fn [N, K / 128]");
+  const int64_t n = sd[0], groups = sd[1];
+  if (td.size() != 3 || td[0] != groups || td[1] != n || td[2] != 8)
+    return bad("tables: the tables must be uint8 [K / 128, N, 8] for scales [N, K / 128]");
+  const long entries = n * groups;
+  if (entries == 0) return ffi::Error::Success();
+  const int blocks = static_cast<int>(std::min<long>((entries + 255) / 256, 132L * 16));
+  tables_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const uint8_t*>(scales.untyped_data()),
+                                            reinterpret_cast<uint2*>(tables->typed_data()), entries,
+                                            static_cast<int>(n), static_cast<int>(groups));
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxlp fireq tables launch: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxlp_fireq
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqGemv, jaxlp_fireq::Impl,
@@ -361,4 +397,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqDecode, jaxlp_fireq::DecodeImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()  // codes [N, K / 2]
                                   .Arg<ffi::AnyBuffer>()        // scales [N, K / 128] float8_e4m3fn
                                   .Ret<ffi::AnyBuffer>(),       // w8 [N, K] float8_e4m3fn
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpFireqTables, jaxlp_fireq::TablesImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // scales [N, K / 128] float8_e4m3fn
+                                  .Ret<ffi::Buffer<ffi::U8>>(),   // tables [K / 128, N, 8]
                               {ffi::Traits::kCmdBufferCompatible});

@@ -4,6 +4,7 @@ decoded to E4M3 in memory (sm_90).
     y = gemv(x8, codes, scales)   # float32 [M, N]: x8 [M <= 32, K] float8_e4m3fn times W8.T
     y = gemv(x8, codes, scales, token_scale=s, multiplier=1 / p, out_dtype=jnp.bfloat16)  # (x8 @ W8.T) * s * (1/p)
     w8 = decode(codes, scales)    # float8_e4m3fn [N, K]: W8
+    t = tables(scales)            # uint8 [K/128, N, 8]: e4m3(q * s) for q = -8 .. -1 (the CUTLASS GEMM's)
 
 with ``W8 = e4m3(q * s)`` the FireQ INT4 weight's exact FP8 values
 (:meth:`jaxlp.formats.int4_fp8.Int4FP8Array.fp8_values`: ``codes [N, K/2]`` two INT4 per byte,
@@ -19,7 +20,9 @@ conversion per pair; the FP8 weight never exists in memory. The K range is split
 FP32 sums through distributed shared memory and writes the scaled product in the output dtype
 (``jaxlp/ffi/gemv_epilogue.cuh``): one kernel per product. Shapes: ``N`` a multiple of 16, ``K``
 of 128 (the scale group). :func:`decode` writes ``W8`` with the same arithmetic, 32 K per thread
-(the FP8 GEMM of many tokens reads it). The library is compiled by ``nvcc`` on first use
+(the FP8 GEMM of many tokens reads it); :func:`tables` the lookup tables of
+:func:`jaxlp.ffi.cutlass_gemm.fireq_matmul` (its reference: :func:`jaxlp.ffi.cutlass_gemm.fireq_tables`),
+one 8-byte entry per thread. The library is compiled by ``nvcc`` on first use
 (:mod:`jaxlp.ffi.build`).
 """
 
@@ -35,7 +38,9 @@ from jaxlp.ffi import build
 
 TARGET = "jaxlp_fireq_gemv"
 DECODE_TARGET = "jaxlp_fireq_decode"
-LIBRARY = build.Library("fireq", {TARGET: "JaxlpFireqGemv", DECODE_TARGET: "JaxlpFireqDecode"})
+TABLES_TARGET = "jaxlp_fireq_tables"
+LIBRARY = build.Library("fireq", {TARGET: "JaxlpFireqGemv", DECODE_TARGET: "JaxlpFireqDecode",
+                                  TABLES_TARGET: "JaxlpFireqTables"})
 MAX_TOKENS = 32  # four token groups of the MMA's N = 8
 MAX_SPLITS = 8  # CTAs per cluster (the portable cluster size)
 OUT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
@@ -113,3 +118,15 @@ def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
     if build.on_gpu():
         LIBRARY.load()
     return jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn))(codes, scales)
+
+
+def tables(scales: jax.Array) -> jax.Array:
+    """The CUTLASS FireQ GEMM's lookup tables from a FireQ weight's scales ``[N, K/128]`` E4M3:
+    uint8 ``[K/128, N, 8]``, entry ``(g, n)`` the bytes of ``e4m3(q * s[n, g])`` for ``q = -8 .. -1``
+    (:func:`jaxlp.ffi.cutlass_gemm.fireq_tables`, bit for bit)."""
+    if scales.ndim != 2 or scales.dtype != jnp.dtype(jnp.float8_e4m3fn):
+        raise ValueError(f"fireq tables: scales must be float8_e4m3fn [N, K/128], got {scales.dtype} {scales.shape}")
+    n, groups = scales.shape
+    if build.on_gpu():
+        LIBRARY.load()
+    return jax.ffi.ffi_call(TABLES_TARGET, jax.ShapeDtypeStruct((groups, n, 8), jnp.uint8))(scales)

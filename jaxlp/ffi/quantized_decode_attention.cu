@@ -594,8 +594,9 @@ __device__ __forceinline__ void staged_path(const Params& p, int b, int kh, cons
 //
 // KIVI-2 (packed_path<true>): a block's key codes are Kitty's low plane (no high rows, no
 // boost_idx), with four FP16 scale / min sets [4][D], set t for tokens [32 t, 32 t + 32): exactly
-// plane t, so the n-tiles (bb, t) of S take Q'_t = Q * scale_t, each with its own fixed-point range
-// f_t and beta_t = sum_c Q_c min_t,c; plane 3 enters as code * 64 (no high bits to leave room for).
+// plane t, so the n-tiles (bb, t) of S take Q'_t = Q * scale_t, all four in one fixed-point range f
+// (over the largest |Q'_t| of the block) with beta_t = sum_c Q_c min_t,c; plane 3 enters as code * 64
+// (no high bits to leave room for).
 // Its values are one 32-byte row per token (strided by the KV heads) with FP16 scale / min per 32
 // channels: group u is exactly plane u of the row, so the n-tiles (bb, u) of O take P'_u = P *
 // scale[., u] (one range fp over the groups, as Kitty's per block), and mb_u = sum_t P_t min_t,u
@@ -845,10 +846,10 @@ __device__ __forceinline__ void kivi_qfrag(const float (*q4)[4][36], uint4* qfra
 //
 // KIVI (KIVI-2 key blocks and value tokens, value groups of 32 channels): key scale group t (tokens
 // [32 t, 32 t + 32)) is exactly the codes' plane t, so n-tile (bb, t) of S takes the A fragments of
-// Q'_t = Q * key scale_t, each with its own f_t over query g's channels and beta_t = Q . min_t; value
+// Q'_t = Q * key scale_t, in one range f over the groups and query g's channels, and beta_t = Q . min_t; value
 // group u (channels [32 u, 32 u + 32)) is exactly plane u of a token's codes, so n-tile (bb, u) of
 // O takes P'_u = P * value scale[., u] (one fp over the groups), and mb_u = P . min[., u] adds to
-// its channels. f_t (fp) needs the products' max first: a first pass (FP16 products for f_t, P times
+// its channels. f (fp) needs the products' max first: a first pass (FP16 products for f, P times
 // each token's largest scale for fp); the fixed-point A fragments are formed again inside the MMA
 // loops (4 per k-step, kept in registers) from the FP32 scales each warp writes over the stage's key
 // scale area, Q from q4, P * fp from the stage's key codes (read by then; 4 KB per warp).
@@ -912,7 +913,7 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
 
     // ---- Q' = Q * key scale of query g, channels 32 c + j: Kitty its fixed-point A fragments, KIVI
     // the range of each group's; the minimums' sums.
-    float f[kGroups], invf[kGroups], beta[kGroups];
+    float f[1], invf[1], beta[kGroups];  // f: the fixed-point range of Q' (KIVI: one over the groups)
     int sacc[4][4][4];
 #pragma unroll
     for (int bb = 0; bb < 4; ++bb)
@@ -964,8 +965,9 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
         frag[warp][k][lane] = make_uint4(hi0 ^ 0x80808080u, lo0 ^ 0x80808080u, hi1 ^ 0x80808080u, lo1 ^ 0x80808080u);
       }
 
-      // ---- S = Q' K^T in s32: n-tile (bb, t) column n is token 4 n + bb + 32 t.
-#pragma unroll 1
+      // ---- S = Q' K^T in s32: n-tile (bb, t) column n is token 4 n + bb + 32 t. This loop and O's are
+      // unrolled for Kitty (8 x 32K: 4% faster), rolled for KIVI (unrolled 3-10% slower; session 29).
+#pragma unroll
       for (int k = 0; k < 4; ++k) {
         const uint4 a = frag[warp][k][lane];
         const unsigned char* lk = st + S::kLow + 256 * k;
@@ -1044,20 +1046,16 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
         beta[2] = up ? b0 : o0;
         beta[3] = up ? b1 : o1;
       }
-      __half2 m01 = __hmax2(__lows2half2(hm[0], hm[1]), __highs2half2(hm[0], hm[1]));
-      __half2 m23 = __hmax2(__lows2half2(hm[2], hm[3]), __highs2half2(hm[2], hm[3]));
+      // One fixed-point range f over the four groups (as Kitty's one per page): a token's score then
+      // carries at most the absolute rounding of the block's widest group, and the A fragments take one
+      // FFMA per element (Q f, formed once per k-step, times each group's scale).
+      __half2 m = __hmax2(__hmax2(hm[0], hm[1]), __hmax2(hm[2], hm[3]));
+      m = __hmax2(m, __lowhigh2highlow(m));
 #pragma unroll
-      for (int x = 1; x < 4; x <<= 1) {
-        m01 = __hmax2(m01, __shfl_xor_sync(0xffffffffu, m01, x));
-        m23 = __hmax2(m23, __shfl_xor_sync(0xffffffffu, m23, x));
-      }
-      const float amax[4] = {__low2float(m01) * qpow, __high2float(m01) * qpow, __low2float(m23) * qpow,
-                             __high2float(m23) * qpow};
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        f[t] = amax[t] > kTiny ? __fdividef(kQRange, amax[t]) : 0.f;  // 2 ulp: inside kQRange's margin
-        invf[t] = amax[t] * (1.f / kQRange);
-      }
+      for (int x = 1; x < 4; x <<= 1) m = __hmax2(m, __shfl_xor_sync(0xffffffffu, m, x));
+      const float amax = __low2float(m) * qpow;
+      f[0] = amax > kTiny ? __fdividef(kQRange, amax) : 0.f;  // 2 ulp: inside kQRange's margin
+      invf[0] = amax * (1.f / kQRange);
       {  // the key scales to FP32 over the scale / minimum area: [t][32 chunks of 4], chunk q at q ^ (q >> 3 & 3)
         __syncwarp();  // every lane has read the FP16 scales and minimums
         float4* k32 = reinterpret_cast<float4*>(st + S::kKs);
@@ -1075,7 +1073,7 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
       const float4* k32 = reinterpret_cast<const float4*>(st + S::kKs);
 
       // ---- S = Q'_t K^T in s32: n-tile (bb, t) column n is token 4 n + bb + 32 t (group t), its A
-      // fragments x = round(Q f_t * scale_t) (FP32 scales from the stage).
+      // fragments x = round(Q f * scale_t) (FP32 scales from the stage).
 #pragma unroll 1
       for (int k = 0; k < 4; ++k) {
         const unsigned char* lk = st + S::kLow + 256 * k;
@@ -1085,14 +1083,15 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
         load_transposed(r1, lk, koff[0], koff[1], koff[2], koff[3]);
         const float4 qa = *reinterpret_cast<const float4*>(&q4[g][c][8 * k]);
         const float4 qb = *reinterpret_cast<const float4*>(&q4[g][c][8 * k + 4]);
-        const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        const float qf[8] = {qa.x * f[0], qa.y * f[0], qa.z * f[0], qa.w * f[0],
+                             qb.x * f[0], qb.y * f[0], qb.z * f[0], qb.w * f[0]};
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           const float4 s0 = k32[t * 32 + ((8 * c + 2 * k) ^ c)], s1 = k32[t * 32 + ((8 * c + 2 * k + 1) ^ c)];
           const float sc[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
           uint32_t y[8];
 #pragma unroll
-          for (int j = 0; j < 8; ++j) y[j] = fixed(qv[j] * f[t], sc[j], kMagic + kQMagicLow);
+          for (int j = 0; j < 8; ++j) y[j] = fixed(qf[j], sc[j], kMagic + kQMagicLow);
           uint32_t hi0, lo0, hi1, lo1;
           split_bytes(y[0], y[1], y[2], y[3], hi0, lo0);
           split_bytes(y[4], y[5], y[6], y[7], hi1, lo1);
@@ -1109,8 +1108,7 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
     const bool interior = base >= rb.lo && base + kBlock <= rb.hi;
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      const float unit = KIVI ? invf[KIVI ? t : 0] / static_cast<float>(1 << (2 * t))
-                              : invf[0] / static_cast<float>(t < 3 ? 1 << (2 * t) : 16);
+      const float unit = invf[0] / static_cast<float>(KIVI || t < 3 ? 1 << (2 * t) : 16);
       const float bt = beta[KIVI ? t : 0];
 #pragma unroll
       for (int bb = 0; bb < 4; ++bb)
@@ -1223,7 +1221,7 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
 
       // ---- O = P' V in s32 per block: k-step t (tokens 8 c + kTok + 32 t), n-tile (bb, u) column n is
       // channel 4 n + bb + 32 u; then into o.
-#pragma unroll 1
+#pragma unroll
       for (int t = 0; t < 4; ++t) {
         const uint4 a = frag[warp][t][lane];
         const unsigned char* vt = st + S::kVal + 1024 * t;

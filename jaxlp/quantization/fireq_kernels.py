@@ -15,11 +15,13 @@ registers, never in memory:
 
 ``implementation="fireq_cutlass"`` (:func:`jaxlp.ffi.cutlass_gemm.fireq_matmul`): any number of
 tokens through CUTLASS's mixed-input mainloop, the INT4 codes turned into E4M3 in registers by a
-per-group lookup table and the FP8 sums promoted; explicit only (``"auto"`` passes it over) until it
-is measured on a GPU.
+per-group lookup table (built from the scales in the same program, :func:`jaxlp.ffi.fireq.tables`)
+and the FP8 sums promoted.
 
-``"auto"`` tries the others in that order on a GPU (so the GEMV for few tokens, the GEMM past them),
-before XLA's FP8 dot on the materialized FP8 weight (:mod:`jaxlp.quantization.native_dot`). The
+``"auto"`` on a GPU: CUTLASS from 17 to :data:`CUTLASS_MAX_TOKENS` tokens, the GEMV up to 16, the
+Pallas GEMM design past CUTLASS's range (:func:`auto_declines_cutlass`; H100, docs/perf.md session
+29: the FFN of Llama-3-8B 1.5-1.8x BF16 at 32-128 tokens), then XLA's FP8 dot on the materialized
+FP8 weight (:mod:`jaxlp.quantization.native_dot`). The
 math of ``QuantizedLinear.reference`` to summation order (FP32 sums of exact E4M3 products), the
 activation scale applied to the FP32 sums before the one rounding to x's dtype.
 """
@@ -44,6 +46,7 @@ GEMM_IMPLEMENTATION = "fireq_pallas"
 CUTLASS_IMPLEMENTATION = "fireq_cutlass"
 GEMM_DESIGNS = ("in_kernel", "decoded")
 GEMV_TOKENS = 16  # the GEMV takes this many tokens on any layer
+CUTLASS_MAX_TOKENS = 1024  # "auto": CUTLASS past the GEMV's 16 tokens up to here (H100, docs/perf.md session 29)
 DECODED_FROM_TOKENS = 512  # H100, docs/perf.md "session 20": the decoded design from here on
 
 
@@ -117,7 +120,17 @@ def why_not_cutlass(layer, x: jax.Array) -> str | None:
 
 
 def auto_declines_cutlass(layer, x: jax.Array) -> str | None:
-    return "not yet measured on a GPU: explicit only"
+    """Why ``"auto"`` passes the CUTLASS GEMM over where it computes the layer: the GEMV's tokens
+    (1..16), past :data:`CUTLASS_MAX_TOKENS` (the decoded design, 1.09x faster at 2048 tokens), or
+    without the CUDA table builder (XLA's build of the tables took ~30 us per product)."""
+    tokens = math.prod(x.shape[:-1])
+    if tokens <= GEMV_TOKENS:
+        return f"{tokens} tokens: the GEMV's (1 to {GEMV_TOKENS})"
+    if tokens > CUTLASS_MAX_TOKENS:
+        return f"{tokens} tokens: past {CUTLASS_MAX_TOKENS} the Pallas GEMM's decoded design measured faster"
+    if not gemv_kernel.available():
+        return "the CUDA table builder (jaxlp.ffi.fireq) is not available"
+    return None
 
 
 def _quantized_tokens(x):
@@ -166,12 +179,14 @@ def matmul_gemm(layer, x: jax.Array, *, design: str | None = None, config=None) 
     return y.reshape(*lead, w.shape[0])
 
 
-def matmul_cutlass(layer, x: jax.Array, *, config: str | None = None) -> jax.Array:
+def matmul_cutlass(layer, x: jax.Array, *, config: str | None = None, tables=None) -> jax.Array:
     """The layer's product before bias through the CUTLASS GEMM (:func:`jaxlp.ffi.cutlass_gemm.fireq_matmul`;
-    ``config`` one of its ``FIREQ_CONFIGS``), the lookup-table operands built from the weight in the
-    same program."""
+    ``config`` one of its ``FIREQ_CONFIGS``) on the weight's codes; ``tables``: its lookup tables
+    (:func:`jaxlp.ffi.cutlass_gemm.fireq_tables`) built beforehand, else built in the same program
+    from the scales (by :func:`jaxlp.ffi.fireq.tables` where its library is available)."""
     w = layer.weight.get_value()
     lead, x8, x_scale = _quantized_tokens(x)
-    codes, tables = cutlass_gemm.fireq_operands(w)
-    y = cutlass_gemm.fireq_matmul(x8, codes, tables, x_scale * layer.out_scale, out_dtype=x.dtype, config=config)
+    if tables is None:
+        tables = gemv_kernel.tables(w.scales) if gemv_kernel.available() else cutlass_gemm.fireq_tables(w)
+    y = cutlass_gemm.fireq_matmul(x8, w.codes, tables, x_scale * layer.out_scale, out_dtype=x.dtype, config=config)
     return y.reshape(*lead, w.shape[0])

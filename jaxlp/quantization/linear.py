@@ -19,7 +19,7 @@ kernel up to 64), ``"fp8_cutlass_fast"`` / ``"fp8_pallas_fast"`` the same withou
 FP8 sums, explicit only; ``"fireq_cuda"`` / ``"fireq_pallas"``: :mod:`jaxlp.quantization.fireq_kernels`, FireQ W4A8
 through a CUDA GEMV for 1..16 tokens (32 on narrow layers) and Pallas FP8 WGMMA GEMMs, the INT4
 weight decoded to FP8 in registers or by a CUDA pass, ``"fireq_cutlass"`` a CUTLASS GEMM decoding it
-by a lookup table in registers, explicit only until measured); ``"auto"``
+by a lookup table in registers, taken by ``"auto"`` from 17 to 1024 tokens); ``"auto"``
 takes the first that supports the layer and the input, else ``"xla"``.
 
 Tensor parallelism (:func:`jaxlp.models.shard_model` calls :meth:`QuantizedLinear.set_parallel`):
@@ -95,11 +95,11 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({
     fp8_gemm.CUTLASS_IMPLEMENTATION: Kernel(fp8_gemm.why_not_cutlass, fp8_gemm.matmul_cutlass,
                                             fp8_gemm.auto_declines_cutlass),
     fp8_gemm.IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul),
-    # FireQ W4A8: the GEMV for 1..16 tokens (32 on narrow layers), the GEMMs past them
-    fireq_kernels.GEMV_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemv, fireq_kernels.matmul_gemv),
-    fireq_kernels.GEMM_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemm, fireq_kernels.matmul_gemm),
+    # FireQ W4A8: CUTLASS for 17..1024 tokens, the GEMV for 1..16 (32 on narrow layers), then Pallas
     fireq_kernels.CUTLASS_IMPLEMENTATION: Kernel(fireq_kernels.why_not_cutlass, fireq_kernels.matmul_cutlass,
                                                  auto_declines=fireq_kernels.auto_declines_cutlass),
+    fireq_kernels.GEMV_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemv, fireq_kernels.matmul_gemv),
+    fireq_kernels.GEMM_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemm, fireq_kernels.matmul_gemm),
     native_dot.IMPLEMENTATION: Kernel(native_dot.why_not, native_dot.matmul),
     fp8_gemm.FAST_IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul_fast),  # explicit: FP8 sums unpromoted
     fp8_gemm.CUTLASS_FAST_IMPLEMENTATION: Kernel(fp8_gemm.why_not_cutlass, fp8_gemm.matmul_cutlass_fast),

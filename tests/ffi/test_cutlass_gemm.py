@@ -225,15 +225,32 @@ def fireq_weight(rng, n, k):
     return dataclasses.replace(w, codes=int4_fp8.pack_int4(jnp.asarray(q)))
 
 
+def prmt(a, b, selector):
+    """PTX ``prmt.b32`` (default mode) on uint32 arrays: byte i of the result is byte
+    ``(selector >> 4 i) & 7`` of the 8 bytes ``b:a`` (``a`` bytes 0-3)."""
+    src = np.stack([(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)])
+    return sum(src[(selector >> 4 * i) & 7].astype(np.uint64) << 8 * i for i in range(4)).astype(np.uint32)
+
+
+POSITIVE_TABLE = re.compile(r"pos0 = \(__byte_perm\(neg0, neg1, (0x[0-9a-f]+)\) & (0x[0-9a-f]+)u\) "
+                            r"\^ (0x[0-9a-f]+)u;\s*//[^\n]*\n\s*pos1 = __byte_perm\(neg0, neg1, (0x[0-9a-f]+)\) "
+                            r"\^ (0x[0-9a-f]+)u;")
+
+
 def lookup_decode(codes, tables):
-    """The kernel's conversion (CUTLASS's lookup_table_convert), in NumPy: code c (unified encoding)
-    selects byte c & 7 of its group's table of e4m3(-8 s) .. e4m3(-s); where c's bit 3 is clear the
-    byte of the positive table, the same with its sign bit flipped, byte 0 becoming -0 (0x80)."""
+    """The kernel's conversion, in NumPy: FireQ's code c (two's complement) selects byte c & 7 of its
+    group's negative table e4m3(-8 s) .. e4m3(-s) where c's bit 3 is set (CUTLASS's
+    lookup_table_convert), else byte c of the positive table, built from the negative one by the
+    byte permutes and masks of cutlass_fireq_gemm.cu's fireq_positive_table (read from the source)."""
+    sel0, mask0, flip0, sel1, flip1 = (int(v, 16) for v in POSITIVE_TABLE.search(
+        (build.SOURCE_DIR / "cutlass_fireq_gemm.cu").read_text()).groups())
     c = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1).astype(np.int64)  # [N, K]
     n, k = c.shape
-    neg = np.asarray(tables).transpose(1, 0, 2)  # [N, K / 128, 8]
-    pos = neg ^ 0x80
-    pos[..., 0] = 0x80
+    neg = np.ascontiguousarray(np.asarray(tables).transpose(1, 0, 2))  # [N, K / 128, 8]
+    words = neg.view(np.uint32)  # [N, K / 128, 2]: bytes 0-3, 4-7
+    pos0 = (prmt(words[..., 0], words[..., 1], sel0) & np.uint32(mask0)) ^ np.uint32(flip0)
+    pos1 = prmt(words[..., 0], words[..., 1], sel1) ^ np.uint32(flip1)
+    pos = np.stack([pos0, pos1], axis=-1).view(np.uint8)  # [N, K / 128, 8]
     group = np.broadcast_to(np.arange(k) // 128, (n, k))
     rows = np.broadcast_to(np.arange(n)[:, None], (n, k))
     byte = np.where(c >> 3, neg[rows, group, c & 7], pos[rows, group, c & 7]).astype(np.uint8)
@@ -242,43 +259,51 @@ def lookup_decode(codes, tables):
 
 def test_fireq_configs_match_the_kernels_dispatch():
     text = (build.SOURCE_DIR / "cutlass_fireq_gemm.cu").read_text()
-    cases = re.findall(r"JAXLP_CASE\((\d+), (\d+), (\d+), (\d+)\)", text)
+    cases = re.findall(r"JAXLP_CASE\((\d+), (\d+), (\d+), (\d+), cutlass::gemm::(\w+)Scheduler\)", text)
     assert len(cases) == len(cutlass_gemm.FIREQ_CONFIGS)
-    for (index, tn, tm, promote), (name, cfg) in zip(cases, cutlass_gemm.FIREQ_CONFIGS.items()):
+    for (index, tn, tm, promote, scheduler), (name, cfg) in zip(cases, cutlass_gemm.FIREQ_CONFIGS.items()):
         assert int(index) == list(cutlass_gemm.FIREQ_CONFIGS).index(name)
-        assert ((int(tn), int(tm)), int(promote)) == tuple(cfg), name
+        assert ((int(tn), int(tm)), int(promote), scheduler.lower()) == tuple(cfg), name
     for m in (1, 64, 65, 4096):
-        assert cutlass_gemm.fireq_default_config(m) in cutlass_gemm.FIREQ_CONFIGS
+        for n in (4096, 28672):
+            assert cutlass_gemm.fireq_default_config(m, n) in cutlass_gemm.FIREQ_CONFIGS
+    # stream-K where the output tiles are fewer than the SMs: the down projection's 4096 features
+    assert cutlass_gemm.fireq_default_config(16, 4096) == "co128x64sk"
+    assert cutlass_gemm.fireq_default_config(256, 4096) == "co128sk"
+    assert cutlass_gemm.fireq_default_config(16, 28672) == "co128x64"
+    assert cutlass_gemm.fireq_default_config(1024, 4096) == "co128"
+
+
+def test_prmt_model():
+    a, b = np.array([0x03020100], np.uint32), np.array([0x07060504], np.uint32)
+    assert prmt(a, b, 0x3210)[0] == 0x03020100 and prmt(a, b, 0x4567)[0] == 0x04050607
 
 
 @pytest.mark.parametrize("n, k", [(24, 128), (40, 512)])
-def test_fireq_operands_decode_to_the_fireq_weight_bit_for_bit(n, k):
-    """The unified codes through the lookup tables, as the kernel converts them, give FireQ's
-    dequantized weight e4m3(q s) bit for bit (zeros aside: q = 0 decodes to -0), over every code,
-    a zero group, saturated products and subnormal ones."""
+def test_fireq_codes_through_the_tables_give_the_fireq_weight_bit_for_bit(n, k):
+    """FireQ's codes through the lookup tables, as the kernel converts them, give its dequantized
+    weight e4m3(q s) bit for bit (q = 0: +0), over every code, a zero group, saturated products and
+    subnormal ones."""
     w = fireq_weight(np.random.default_rng(n + k), n, k)
-    codes, tables = cutlass_gemm.fireq_operands(w)
-    assert codes.shape == (n, k // 2) and codes.dtype == jnp.uint8
+    tables = cutlass_gemm.fireq_tables(w)
     assert tables.shape == (k // 128, n, 8) and tables.dtype == jnp.uint8
     q = np.asarray(w.int4_values())
     assert set(np.unique(q)) == set(range(-8, 8))
-    got = lookup_decode(np.asarray(codes), tables)
+    got = lookup_decode(np.asarray(w.codes), tables)
     want = np.asarray(w.fp8_values())
-    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
-    nonzero = q != 0
-    np.testing.assert_array_equal(got.view(np.uint8)[nonzero], want.view(np.uint8)[nonzero])
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
     assert (np.abs(want.astype(np.float32)[1, :128]) == 448).any()  # the saturating group
 
 
-def test_fireq_operands_and_matmul_are_checked_and_lower():
+def test_fireq_tables_and_matmul_are_checked_and_lower():
     w = fireq_weight(np.random.default_rng(0), 64, 256)
-    codes, tables = cutlass_gemm.fireq_operands(w)
+    codes, tables = w.codes, cutlass_gemm.fireq_tables(w)
     x8 = jnp.zeros((3, 256), jnp.float8_e4m3fn)
     ts = jnp.ones((3,), jnp.float32)
     with pytest.raises(ValueError, match="FireQ Int4FP8Array"):
-        cutlass_gemm.fireq_operands(jnp.zeros((64, 256)))
+        cutlass_gemm.fireq_tables(jnp.zeros((64, 256)))
     with pytest.raises(ValueError, match="groups of 128"):
-        cutlass_gemm.fireq_operands(int4_fp8.quantize(jnp.ones((8, 256)), group_size=64))
+        cutlass_gemm.fireq_tables(int4_fp8.quantize(jnp.ones((8, 256)), group_size=64))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         cutlass_gemm.fireq_matmul(x8.astype(jnp.bfloat16), codes, tables, ts)
     with pytest.raises(ValueError, match="codes must be uint8"):
@@ -308,9 +333,8 @@ def test_gpu_fireq_matches_float64_of_the_dequantized_operands(config, m, n, k, 
     rng = np.random.default_rng(m + n + k)
     w = fireq_weight(rng, n, k)
     x, _, ts, _ = operands(rng, m, 8, k)
-    codes, tables = cutlass_gemm.fireq_operands(w)
-    y = np.asarray(cutlass_gemm.fireq_matmul(jnp.asarray(x), codes, tables, jnp.asarray(ts), out_dtype=out_dtype,
-                                             config=config), np.float64)
+    y = np.asarray(cutlass_gemm.fireq_matmul(jnp.asarray(x), w.codes, cutlass_gemm.fireq_tables(w), jnp.asarray(ts),
+                                             out_dtype=out_dtype, config=config), np.float64)
     want = (x.astype(np.float64) @ np.asarray(w.fp8_values()).astype(np.float64).T) * ts[:, None]
     assert y.shape == (m, n) and np.isfinite(y).all()
     assert np.linalg.norm(y - want) / np.linalg.norm(want) <= float(jnp.finfo(out_dtype).eps)

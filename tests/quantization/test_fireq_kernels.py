@@ -1,6 +1,6 @@
 """FireQ W4A8 layer products on the kernels (``jaxlp.quantization.fireq_kernels``): the CUDA GEMV
 (``"fireq_cuda"``), the Pallas GEMMs (``"fireq_pallas"``, both designs) and the CUTLASS GEMM
-(``"fireq_cutlass"``, explicit only): what they take and
+(``"fireq_cutlass"``) with its table builder: what they take and
 refuse, the GEMM design and dispatch rules, the lowering (CPU), and on a GPU the products against
 float64 NumPy of the exactly decoded E4M3 weights and the quantized activations (``ml_dtypes``), with
 the format's edge values, PTS's ``1/p``, XLA's FP8 dot beside them, and ``"auto"``'s choice."""
@@ -72,20 +72,61 @@ def test_layer_product_lowers_to_the_gemv_for_cuda():
     assert text.count("stablehlo.custom_call") == 1 and cuda.TARGET in text
 
 
-def test_cutlass_gemm_is_explicit_and_lowers_to_one_custom_call():
-    """"fireq_cutlass": refused off its shapes and without the library (here: no GPU), passed over by
-    "auto" until measured, and its product (operands built in the program) one custom call."""
+def test_cutlass_gemm_is_checked_and_lowers_to_one_custom_call():
+    """"fireq_cutlass": refused off its shapes and without the library (here: no GPU); its product
+    one custom call (the tables built by XLA here, where the CUDA table builder is not available)."""
     lay = layer(weights(np.random.default_rng(3), 64, 256), "fireq_cutlass", out_scale=0.25)
     x = jnp.ones((2, 3, 256), jnp.bfloat16)
     if not ON_GPU:
         assert "CUTLASS library is not available" in fireq_kernels.why_not_cutlass(lay, x)
     assert "groups of 128" in fireq_kernels.why_not_cutlass(
         QuantizedLinear(int4_fp8.quantize(jnp.ones((48, 256)), group_size=64), activation="fireq_fp8"), x)
-    assert KERNELS["fireq_cutlass"].auto_declines(lay, x) is not None
     f = jax.jit(lambda x: fireq_kernels.matmul_cutlass(lay, x, config="co128x64"))
     assert f.eval_shape(x).shape == (2, 3, 64) and f.eval_shape(x).dtype == jnp.bfloat16
     text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(f"stablehlo.custom_call @{cutlass_gemm.FIREQ_TARGET}") == 1
+
+
+def test_auto_takes_cutlass_between_the_gemv_and_the_decoded_gemm(monkeypatch):
+    """"auto" tries CUTLASS first, which passes the GEMV's 1..16 tokens and everything past 1024 on,
+    and needs the CUDA table builder."""
+    names = list(KERNELS)
+    assert names.index("fireq_cutlass") < names.index("fireq_cuda") < names.index("fireq_pallas")
+    assert names.index("fireq_pallas") < names.index("xla_native")
+    lay = layer(weights(np.random.default_rng(3), 64, 256), "auto")
+    decline = KERNELS["fireq_cutlass"].auto_declines
+    assert "the GEMV's" in decline(lay, jnp.ones((2, 8, 256), jnp.bfloat16))
+    assert "past 1024" in decline(lay, jnp.ones((1025, 256), jnp.bfloat16))
+    monkeypatch.setattr(fireq_kernels.gemv_kernel, "available", lambda: False)
+    assert "table builder" in decline(lay, jnp.ones((17, 256), jnp.bfloat16))
+    monkeypatch.setattr(fireq_kernels.gemv_kernel, "available", lambda: True)
+    assert decline(lay, jnp.ones((17, 256), jnp.bfloat16)) is None
+    assert decline(lay, jnp.ones((4, 256, 256), jnp.bfloat16)) is None  # 1024 tokens
+
+
+def test_table_builder_is_checked_and_lowers():
+    w = int4_fp8.quantize(jnp.asarray(weights(np.random.default_rng(5), 64, 256)))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        cuda.tables(w.scales.astype(jnp.float32))
+    f = jax.jit(cuda.tables)
+    assert f.eval_shape(w.scales).shape == (2, 64, 8) and f.eval_shape(w.scales).dtype == jnp.uint8
+    text = f.trace(w.scales).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{cuda.TABLES_TARGET}" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n, k", [(16, 128), (1000, 1024), (4096, 14336)])
+def test_gpu_table_builder_matches_the_reference_bit_for_bit(n, k):
+    """The CUDA tables against XLA's (cutlass_gemm.fireq_tables), with zero, saturating and subnormal
+    scale groups."""
+    rng = np.random.default_rng(n)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[0, :128] = 0.0
+    w[1 % n, 128 % k:256 % k or k] *= 1e4
+    w[2 % n, :128] *= 1e-4
+    q = int4_fp8.quantize(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(cuda.tables(q.scales)), np.asarray(cutlass_gemm.fireq_tables(q)))
 
 
 def numpy_reference(w, x, out_scale=1.0):
@@ -147,13 +188,16 @@ def test_gpu_gemms_match_float64(gemm, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-def test_gpu_auto_takes_the_gemv_for_few_tokens_then_the_gemm():
+def test_gpu_auto_takes_the_gemv_then_cutlass_then_the_gemm():
+    """1..16 tokens the GEMV, 17..1024 CUTLASS (its tables built by CUDA), past that the Pallas GEMM."""
     rng = np.random.default_rng(1)
     w = weights(rng, 256, 512)
     lay = layer(w, "auto")
-    for m in (1, 16, 17, 32, 33, 300):
+    for m in (1, 16, 17, 32, 33, 300, 1024, 1025):
         xin = jnp.asarray(rng.standard_normal((m, 512)), jnp.float16)
         text = jax.jit(lambda x: lay(x)).lower(xin).as_text()
-        assert (cuda.TARGET in text) == (m <= 32) and (("mosaic_gpu" in text) == (m > 32))
+        gemv, cutlass = m <= 16, 16 < m <= 1024
+        assert (cuda.TARGET in text) == gemv and (cutlass_gemm.FIREQ_TARGET in text) == cutlass
+        assert (cuda.TABLES_TARGET in text) == cutlass and ("mosaic_gpu" in text) == (m > 1024)
         y = jax.jit(lambda x: lay(x))(xin)
         assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32))) <= TOL[y.dtype]

@@ -28,6 +28,14 @@ def test_xla_products_are_the_layers():
         bench.product("fireq_triton")
 
 
+def test_cutlass_variants_take_a_config():
+    bench = load_script("bench_fireq")
+    assert bench.known_variant("fireq_cutlass") and bench.known_variant("fireq_cutlass_tables:co128p1")
+    assert not bench.known_variant("fireq_cutlass:co256") and not bench.known_variant("auto:co128")
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "bf16,fireq_cutlass:co256"])
+
+
 def test_floor_is_bytes_or_flops():
     bench = load_script("bench_fireq")
     n, k = 28672, 4096
