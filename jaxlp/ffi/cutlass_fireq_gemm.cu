@@ -13,7 +13,8 @@
 // and turned into E4M3 by byte permutes from a per-group table of the 8 negative multiples of the
 // scale, e4m3(-8 s) .. e4m3(-s): exactly e4m3(q s), which is FireQ's dequantized weight
 // (jaxlp.formats.int4_fp8). The tables are the scale operand, [K / 128, N] entries of 8 bytes
-// (N-major; Python's fireq_operands builds them from the weight's scales). CUTLASS's conversion
+// (N-major; built from the weight's scales by jaxlp.ffi.fireq.tables, reference
+// cutlass_gemm.fireq_tables). CUTLASS's conversion
 // wants its codes in a "unified" encoding (a positive q stored as the bits of -q); this one reads
 // FireQ's own two's-complement codes: a code c with bit 3 set (q = c - 16 < 0) is byte c & 7 of
 // the negative table, as CUTLASS's, and one with bit 3 clear (q = c >= 0) is byte c of a positive

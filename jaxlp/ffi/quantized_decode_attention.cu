@@ -912,7 +912,7 @@ __device__ __forceinline__ void packed_path(const Params& p, int b, int kh, cons
     const __half* km = reinterpret_cast<const __half*>(st + S::kKm);
 
     // ---- Q' = Q * key scale of query g, channels 32 c + j: Kitty its fixed-point A fragments, KIVI
-    // the range of each group's; the minimums' sums.
+    // the range over its four groups; the minimums' sums.
     float f[1], invf[1], beta[kGroups];  // f: the fixed-point range of Q' (KIVI: one over the groups)
     int sacc[4][4][4];
 #pragma unroll

@@ -37,9 +37,9 @@ Design (``quantized_decode_attention.cu``), two paths in one launch, both flash-
   split into high and low bytes (the MMA's rows ``g`` and ``g + 8``), the codes as bytes, one LOP3
   per 4 codes; about ``2e-4`` relative of the float32 reference. KIVI-2's key scale group ``t``
   (32 tokens) is plane ``t`` of the key codes and its value channel group ``u`` (32 channels)
-  plane ``u`` of the value codes: a block takes four ``Q * key scale`` fixed-point sets (each with
-  its own range and ``q . min``), four ``P * value scale`` sets and four ``P . value min`` sums,
-  one per plane;
+  plane ``u`` of the value codes: a block takes four ``Q * key scale`` fixed-point sets (one range
+  over the four, each its own ``q . min``), four ``P * value scale`` sets and four ``P . value min``
+  sums, one per plane;
 * staged (other layouts, 4-bit KIVI keys or values among them, other head dims, more than 8
   query heads per KV head, and a whole-cache call's blocks holding FP16 ring tokens or the sink):
   one CTA unpacks each block into shared memory as FP16 (``code * scale + min`` by HFMA2; never to
