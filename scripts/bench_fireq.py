@@ -10,10 +10,11 @@ Per token count M (``--ms``), side by side in one run, for gate_up (28672 x 4096
   GEMM decoding in registers), ``fireq_decoded`` (the CUDA decode, then the FP8 GEMM) and
   ``fireq_cutlass`` (CUTLASS's mixed-input GEMM, the lookup-table decode; its lookup tables built
   from the scales in the same program; ``fireq_cutlass_tables``: built beforehand, as a load-time
-  layout would hold them; either with ``:CONFIG``, one of ``cutlass_gemm.FIREQ_CONFIGS``): the layer through
-  jaxlp's kernels (:mod:`jaxlp.quantization.fireq_kernels`), activation quantization included;
-  ``auto``: what ``implementation="auto"`` runs (GEMV up to 16 tokens, then the GEMM design of
-  ``fireq_kernels.default_design``).
+  layout would hold them; either with ``:CONFIG``, one of ``cutlass_gemm.FIREQ_CONFIGS``): the
+  layer through jaxlp's kernels (:mod:`jaxlp.quantization.fireq_kernels`), activation
+  quantization included;
+  ``auto``: what ``implementation="auto"`` runs (the GEMV up to 16 tokens, CUTLASS to 1024, then the
+  GEMM design of ``fireq_kernels.default_design``).
 
 Per row: us of device time, the ratio ``bf16 / ours`` and the floor (the larger of the stored
 bytes (INT4 codes, scales, 16-bit activations in and out) / copy bandwidth and 2MNK / twice the

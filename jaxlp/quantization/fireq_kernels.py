@@ -20,7 +20,7 @@ and the FP8 sums promoted.
 
 ``"auto"`` on a GPU: CUTLASS from 17 to :data:`CUTLASS_MAX_TOKENS` tokens, the GEMV up to 16, the
 Pallas GEMM design past CUTLASS's range (:func:`auto_declines_cutlass`; H100, docs/perf.md session
-29: the FFN of Llama-3-8B 1.5-1.8x BF16 at 32-128 tokens), then XLA's FP8 dot on the materialized
+29: the FFN of Llama-3-8B 1.4-1.6x BF16 at 32-128 tokens), then XLA's FP8 dot on the materialized
 FP8 weight (:mod:`jaxlp.quantization.native_dot`). The
 math of ``QuantizedLinear.reference`` to summation order (FP32 sums of exact E4M3 products), the
 activation scale applied to the FP32 sums before the one rounding to x's dtype.

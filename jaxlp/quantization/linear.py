@@ -17,7 +17,7 @@ and ``"fp8_pallas"``: :mod:`jaxlp.quantization.fp8_gemm`, NestedFP's FP8 mode an
 FP8 GEMMs with the scales in their epilogues (CUTLASS's kernels through FFI past 64 tokens, a Pallas
 kernel up to 64), ``"fp8_cutlass_fast"`` / ``"fp8_pallas_fast"`` the same without promoting their
 FP8 sums, explicit only; ``"fireq_cuda"`` / ``"fireq_pallas"``: :mod:`jaxlp.quantization.fireq_kernels`, FireQ W4A8
-through a CUDA GEMV for 1..16 tokens (32 on narrow layers) and Pallas FP8 WGMMA GEMMs, the INT4
+through a CUDA GEMV for 1..16 tokens (32 on narrow layers where CUTLASS's is not) and Pallas FP8 WGMMA GEMMs, the INT4
 weight decoded to FP8 in registers or by a CUDA pass, ``"fireq_cutlass"`` a CUTLASS GEMM decoding it
 by a lookup table in registers, taken by ``"auto"`` from 17 to 1024 tokens); ``"auto"``
 takes the first that supports the layer and the input, else ``"xla"``.
@@ -95,7 +95,7 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({
     fp8_gemm.CUTLASS_IMPLEMENTATION: Kernel(fp8_gemm.why_not_cutlass, fp8_gemm.matmul_cutlass,
                                             fp8_gemm.auto_declines_cutlass),
     fp8_gemm.IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul),
-    # FireQ W4A8: CUTLASS for 17..1024 tokens, the GEMV for 1..16 (32 on narrow layers), then Pallas
+    # FireQ W4A8: CUTLASS for 17..1024 tokens, the GEMV for 1..16 (or up to 32 on narrow layers), then Pallas
     fireq_kernels.CUTLASS_IMPLEMENTATION: Kernel(fireq_kernels.why_not_cutlass, fireq_kernels.matmul_cutlass,
                                                  auto_declines=fireq_kernels.auto_declines_cutlass),
     fireq_kernels.GEMV_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemv, fireq_kernels.matmul_gemv),
