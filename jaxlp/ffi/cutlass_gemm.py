@@ -272,7 +272,7 @@ def fp16_matmul(x: jax.Array, w: jax.Array, *, config: str = "co128x256") -> jax
     return call(x, w, config=FP16_CONFIGS.index(config))
 
 
-def fireq_default_config(m: int, n: int, num_sms: int = 132) -> str:
+def fireq_default_config(m: int, n: int, *, num_sms: int = 132) -> str:
     """The FireQ kernel for ``m`` tokens and ``n`` output features: 64-token tiles up to 64 tokens,
     else 128 x 128; stream-K where those tiles are fewer than the SMs (the down projection's 4096
     features at 16-256 tokens: 2x faster than the persistent tiles; H200, docs/perf.md session 29)."""
