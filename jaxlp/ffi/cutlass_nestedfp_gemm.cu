@@ -18,6 +18,13 @@
 // and the merge in place of the conversion. Everything else (pipeline, schedules, epilogue) is
 // CUTLASS's.
 //
+// The other design, for many tokens (`Merge::kTransformWarp`, `TransformKernel`): the producer
+// warpgroup, whose warps CUTLASS's kernel leaves idle but for the TMA one, rebuilds each stage's weight
+// tile (a quarter of its rows per warp) into a ring of FP16 tiles in shared memory, in the layout
+// WGMMA reads, and the consumer warpgroups run CUTLASS's plain SS k loop on them: no conversion on the
+// WGMMA's critical path (H100, 2048 tokens: 0.81-0.83x XLA's FP16 dot, the register design 0.67-0.77x;
+// docs/perf.md session 30).
+//
 // `JaxlpCutlassFp16Gemm`: the same GEMM on plain FP16 weights through CUTLASS's own mainloop (both
 // operands from shared memory), the benchmarks' baseline for what the byte planes cost.
 //
@@ -48,13 +55,59 @@ namespace jaxlp_cutlass_nestedfp {
 
 using namespace cute;
 
+// 16-byte shared-memory load and store at a shared-state-space byte address (volatile: kept in order).
+__device__ __forceinline__ void ld_shared_v4(uint32_t at, uint32_t (&v)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "r"(at));
+}
+__device__ __forceinline__ void st_shared_v4(uint32_t at, const uint32_t* v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+               : "memory");
+}
+
+// Rows [0, kRows) of one 64-K tile rebuilt by a warp from the byte planes at shared-memory byte
+// addresses `upper`, `lower` (their row 0: 64-byte rows in CUTLASS's 64-byte swizzle, 16-byte unit
+// bits 4-5 ^= bits 7-8) into the FP16 tile at `tile` (128-byte rows in the 128-byte swizzle WGMMA
+// reads, bits 4-6 ^= bits 7-9); the addresses are 1024-byte aligned but for multiples of 8 rows. In
+// step i lane q takes row 8 i + q / 4, K 16 (q % 4) .. + 15: one 16-byte load per plane, four
+// merges, two 16-byte stores; the swizzle terms are the lane's own, each step an immediate offset.
+// (cute's tensors address shared memory through 64-bit generic pointers here: generic loads and
+// stores, 1.7x the instructions.)
+template <int kRows>
+__device__ __forceinline__ void merge_k_tile(int lane, uint32_t upper, uint32_t lower, uint32_t tile) {
+  static_assert(kRows % 8 == 0, "whole steps of 8 rows");
+  const int q = lane >> 2, c = lane & 3;
+  const uint32_t plane = (q * 64 + 16 * c) ^ (((q >> 1) & 3) << 4);
+  const uint32_t fp16 = (q * 128 + 32 * c) ^ ((q & 7) << 4);  // its second 16 bytes: unit 2 c + 1, bit 4 flipped
+  uint32_t u[4], l[4];
+  ld_shared_v4(upper + plane, u);
+  ld_shared_v4(lower + plane, l);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kRows / 8; ++i) {  // step i + 1's loads before step i's stores (the asm keeps this order)
+    uint32_t w[8];
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < 4; ++j) jaxlp::nestedfp_merge4(u[j], l[j], w[2 * j], w[2 * j + 1]);
+    if (i + 1 < kRows / 8) {
+      ld_shared_v4(upper + plane + (i + 1) * 512, u);
+      ld_shared_v4(lower + plane + (i + 1) * 512, l);
+    }
+    st_shared_v4(tile + fp16 + i * 1024, w);
+    st_shared_v4(tile + (fp16 ^ 16) + i * 1024, w + 4);
+  }
+}
+
+// Where the FP16 weights are rebuilt (see NestedFp16Mainloop).
+enum class Merge { kRegisters, kTransformWarp };
+
 // CUTLASS's mixed-input mainloop (`Base`) with the lower byte plane beside A's upper one (file head).
-// kMergeToSmem: each consumer warpgroup rebuilds its rows of the weight tile into a shared-memory FP16
-// tile (two per warpgroup, in WGMMA's 128-byte swizzled K-major layout) and WGMMA reads both operands
-// from shared memory, the next k tile rebuilt while the current one's WGMMAs run; else the weights
-// are WGMMA's register operand, rebuilt per k-block (the mixed-input mainloop's design).
-template <class Base, bool kMergeToSmem>
+// The weights are rebuilt (kMerge)
+//   kRegisters: into WGMMA's register operand per k-block by the consumer warpgroups (the
+//     mixed-input mainloop's design);
+//   kTransformWarp: by the producer warpgroup's four warps (TransformKernel: warp 0 also issues the
+//     TMA loads), a quarter of each k tile's rows each, into a ring of FP16 tiles; the consumers run
+//     CUTLASS's plain SS k loop on them (cooperative schedule only).
+template <class Base, Merge kMerge>
 struct NestedFp16Mainloop : Base {
+  static constexpr bool kTransform = kMerge == Merge::kTransformWarp;
   using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
   using typename Base::GmemTiledCopyA;
   using typename Base::MainloopPipeline;
@@ -67,15 +120,30 @@ struct NestedFp16Mainloop : Base {
   using typename Base::TmaElementA;
   using KernelSchedule = typename Base::DispatchPolicy::Schedule;
   static constexpr bool kPingpong = cute::is_base_of_v<cutlass::gemm::KernelTmaWarpSpecializedPingpong, KernelSchedule>;
-  // kMergeToSmem: the same MMA with both operands from shared memory (the same accumulator layout)
+  // kTransformWarp: the same MMA with both operands from shared memory (the same accumulator layout)
   using TiledMma = cute::conditional_t<
-      kMergeToSmem,
+      kTransform,
       decltype(make_tiled_mma(GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, TileShape, GMMA::Major::K,
                                                    GMMA::Major::K>(),
-                              Layout<Shape<Int<kPingpong ? 1 : 2>, _1, _1>>{})),
+                              Layout<Shape<_2, _1, _1>>{})),
       typename Base::TiledMma>;
-  // The rebuilt FP16 tiles: two per consumer warpgroup (pingpong: each warpgroup owns its tiles)
-  static constexpr int kMergedTiles = kPingpong ? 4 : 2;
+  static_assert(!kTransform || !kPingpong, "the producer warpgroup's weights feed the cooperative schedule");
+  static constexpr int kMergedTiles = 3;
+  // kTransformWarp: the ring of kMergedTiles FP16 tiles between the producer warpgroup and both
+  // consumer warpgroups, on named barriers (user ids; CUTLASS's are reserved below them): tile j's
+  // "full" (kFullBarrier + j: the producer warps arrive, the consumers sync) and "empty"
+  // (kEmptyBarrier + j: the consumers arrive once their WGMMAs on it are done, the producer warps
+  // sync). Three tiles: a k tile's weights are rebuilt while the two before it are in the tensor cores
+  // (two measured the same: docs/perf.md session 30).
+  static constexpr uint32_t kFullBarrier = 0, kEmptyBarrier = kMergedTiles;
+  static constexpr uint32_t kRingThreads = 3 * cutlass::NumThreadsPerWarpGroup;  // the CTA
+  // merge_k_tile's addressing: 64 K per stage, the planes in the 64-byte swizzle, one stage after another
+  static_assert(size<2>(TileShape{}) == 64 &&
+                    cute::is_same_v<SmemLayoutA, decltype(tile_to_shape(
+                                                     GMMA::Layout_K_SW64_Atom<uint8_t>{},
+                                                     make_shape(size<0>(TileShape{}), _64{},
+                                                                Int<Base::DispatchPolicy::Stages>{})))>,
+                "the byte planes' shared-memory layout merge_k_tile assumes");
   using SmemLayoutMerged = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{},
                                                   make_shape(size<0>(TileShape{}), size<2>(TileShape{}),
                                                              Int<kMergedTiles>{})));
@@ -90,7 +158,7 @@ struct NestedFp16Mainloop : Base {
       CUTE_ALIGNAS(Base::SmemAlignmentB)
       cute::ArrayEngine<typename TiledMma::ValTypeB, cute::cosize_v<SmemLayoutB>> smem_B;
       CUTE_ALIGNAS(1024)
-      cute::ArrayEngine<cutlass::half_t, kMergeToSmem ? cute::cosize_v<SmemLayoutMerged> : 8> smem_merged;
+      cute::ArrayEngine<cutlass::half_t, kTransform ? cute::cosize_v<SmemLayoutMerged> : 8> smem_merged;
     } tensors;
     using PipelineStorage = typename MainloopPipeline::SharedStorage;
     PipelineStorage pipeline;
@@ -193,6 +261,12 @@ struct NestedFp16Mainloop : Base {
         mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_local_block_id.y, Int<0>{}));
     }
 
+    // kTransformWarp: this warp also rebuilds part 0 of each k tile's rows (transform), kLag k tiles
+    // behind its loads (a stage is freed once its k tile's weights are rebuilt and used, so the
+    // loads may run at most Stages - 2 k tiles ahead of this warp's own merges)
+    constexpr int kLag = Base::DispatchPolicy::Stages - 2;
+    PipelineState full(smem_pipe_write.index(), smem_pipe_write.phase() ^ 1, smem_pipe_write.count());
+    int lagging = 0;
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(smem_pipe_write);
@@ -205,101 +279,112 @@ struct NestedFp16Mainloop : Base {
       }
       ++k_tile_iter;
       ++smem_pipe_write;
+      if constexpr (kTransform) {
+        if (++lagging > kLag) {
+          merge_part(pipeline, full, 0, thread_idx, shared_tensors);
+          ++full;
+          --lagging;
+        }
+      }
     }
+    if constexpr (kTransform) {
+      for (; lagging > 0; --lagging) {
+        merge_part(pipeline, full, 0, thread_idx, shared_tensors);
+        ++full;
+      }
+    }
+  }
+
+  // kTransformWarp, producer warp `part` = 1..3 (TransformKernel; warp 0 runs load): its quarter of
+  // each k tile's rows rebuilt as the stages land. `smem_pipe_write`: the producer's pipeline state.
+  CUTLASS_DEVICE void transform(MainloopPipeline pipeline, PipelineState smem_pipe_write, int k_tile_count, int part,
+                                int lane, TensorStorage& shared_tensors) {
+    if constexpr (kTransform) {
+      // the stage's full barrier as a consumer sees it (a consumer's phase is the producer's flipped)
+      PipelineState full(smem_pipe_write.index(), smem_pipe_write.phase() ^ 1, smem_pipe_write.count());
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (; k_tile_count > 0; --k_tile_count) {
+        merge_part(pipeline, full, part, lane, shared_tensors);
+        ++full;
+      }
+    }
+  }
+
+  // kTransformWarp: rows [part kRows / 4, + kRows / 4) of k tile `full.count()` (the count of k tiles
+  // so far over the work tiles: the ring's position) rebuilt by one warp of the producer warpgroup
+  // into the ring's tile, once the consumers are done with its previous k tile there and the TMA
+  // loads have landed; then fenced for WGMMA's async proxy and announced.
+  CUTLASS_DEVICE void merge_part(MainloopPipeline& pipeline, PipelineState const& full, int part, int lane,
+                                 TensorStorage& shared_tensors) {
+    constexpr int kRows = size<0>(TileShape{}), kPart = kRows / 4;
+    const uint32_t t = full.count(), j = t % kMergedTiles;
+    if (t >= kMergedTiles) cutlass::arch::NamedBarrier::sync(kRingThreads, kEmptyBarrier + j);  // its last k tile done
+    pipeline.consumer_wait(full);
+    const uint32_t stage = full.index(), rows = part * kPart;
+    merge_k_tile<kPart>(lane, cute::cast_smem_ptr_to_uint(shared_tensors.smem_A.begin()) + (stage * kRows + rows) * 64,
+                        cute::cast_smem_ptr_to_uint(shared_tensors.smem_L.begin()) + (stage * kRows + rows) * 64,
+                        cute::cast_smem_ptr_to_uint(shared_tensors.smem_merged.begin()) + (j * kRows + rows) * 128);
+    cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, visible to WGMMA
+    cutlass::arch::NamedBarrier::arrive(kRingThreads, kFullBarrier + j);
   }
 
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
                           int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& params) {
-    if constexpr (kMergeToSmem)
-      mma_shared(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
+    if constexpr (kTransform)
+      mma_transformed(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
     else
       mma_registers(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
   }
 
-  // Consumer, kMergeToSmem (see the struct's comment). Per k tile t: issue its WGMMAs (merged tile
-  // t % 2, activations of stage t), then wait for stage t + 1, wait until only tile t's WGMMAs are in
-  // flight (tile t - 1's are done: its stage is released and its merged tile reusable), rebuild
-  // stage t + 1's weights into merged tile (t + 1) % 2, fence them for the async proxy, sync the
-  // warpgroup. The last stage is released by mma_tail, as in the base.
+  // Consumer, kTransformWarp: CUTLASS's SS k loop (one k tile of WGMMAs in flight) on the ring's FP16
+  // tiles as the producer warpgroup fills them; a stage and its ring tile freed once the k tile's
+  // WGMMAs are done (the last stage by mma_tail).
   template <class FrgTensorC>
-  CUTLASS_DEVICE void mma_shared(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
-                                 int k_tile_count, int thread_idx, TensorStorage& shared_tensors) {
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.begin()), SmemLayoutA{});  // (BLK_N,BLK_K,PIPE)
-    Tensor sL = make_tensor(make_smem_ptr(shared_tensors.smem_L.begin()), SmemLayoutA{});
+  CUTLASS_DEVICE void mma_transformed(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                                      int k_tile_count, int thread_idx, TensorStorage& shared_tensors) {
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.begin()), SmemLayoutB{});
     Tensor sW = make_tensor(make_smem_ptr(shared_tensors.smem_merged.begin()), SmemLayoutMerged{});
-
     constexpr int MmaWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
     Layout warp_group_thread_layout = make_layout(Int<MmaWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
     int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
-    int wg_thread = thread_idx % cutlass::NumThreadsPerWarpGroup;
-
     TiledMma tiled_mma;
     auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
-    Tensor tCrW = thread_mma.make_fragment_A(thread_mma.partition_A(sW));  // (MMA,MMA_M,MMA_K,TILES)
+    Tensor tCrW = thread_mma.make_fragment_A(thread_mma.partition_A(sW));  // (MMA,MMA_M,MMA_K,RING)
     Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
-
-    // This warpgroup's 64 rows of the weight tile (pingpong: the whole tile) and merged tiles.
-    constexpr int kK = size<2>(TileShape{});
-    constexpr int kWords = 64 * kK / 4;  // 4 weights per word
-    static_assert(kWords % cutlass::NumThreadsPerWarpGroup == 0);
-    const int row0 = kPingpong ? 0 : 64 * warp_group_idx;
-    const int tile0 = kPingpong ? 2 * warp_group_idx : 0;
-    const uint32_t barrier_id = static_cast<uint32_t>(warp_group_idx);
-    auto merge_tile = [&](int stage, int tile) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kWords / cutlass::NumThreadsPerWarpGroup; ++i) {
-        int word = i * cutlass::NumThreadsPerWarpGroup + wg_thread;
-        int row = row0 + word / (kK / 4), k = 4 * (word % (kK / 4));
-        // 4 consecutive K stay together in both swizzles (16-byte units)
-        uint32_t u = *reinterpret_cast<const uint32_t*>(&sA(row, k, stage));
-        uint32_t l = *reinterpret_cast<const uint32_t*>(&sL(row, k, stage));
-        uint2 w;
-        jaxlp::nestedfp_merge4(u, l, w.x, w.y);
-        *reinterpret_cast<uint2*>(&sW(row, k, tile)) = w;
-      }
-      cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, visible to WGMMA
-      cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier_id);
-    };
 
     PipelineState smem_pipe_release = smem_pipe_read;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(accum);
-    {
-      auto token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, token);
-      merge_tile(smem_pipe_read.index(), tile0);
-    }
     CUTLASS_PRAGMA_NO_UNROLL
-    for (int t = 0; t < k_tile_count; ++t) {
-      int read_stage = smem_pipe_read.index();
+    for (int k = 0; k < k_tile_count; ++k) {
+      const int read_stage = smem_pipe_read.index();
+      const uint32_t j = smem_pipe_read.count() % kMergedTiles;  // the ring's tile of this k tile
+      auto token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, token);  // the activations' TMA load
+      cutlass::arch::NamedBarrier::sync(kRingThreads, kFullBarrier + j);  // the weights
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
       for (int k_block = 0; k_block < size<2>(tCrW); ++k_block) {
-        cute::gemm(tiled_mma, tCrW(_, _, k_block, tile0 + (t & 1)), tCrB(_, _, k_block, read_stage), accum);
+        cute::gemm(tiled_mma, tCrW(_, _, k_block, j), tCrB(_, _, k_block, read_stage), accum);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the previous k tile's WGMMAs are done: its stage and ring tile are free
       warpgroup_fence_operand(accum);
-      ++smem_pipe_read;
-      if (t + 1 < k_tile_count) {
-        auto token = pipeline.consumer_try_wait(smem_pipe_read);
-        pipeline.consumer_wait(smem_pipe_read, token);
-        warpgroup_wait<1>();
-        if (t > 0) {
-          pipeline.consumer_release(smem_pipe_release);
-          ++smem_pipe_release;
-        }
-        merge_tile(smem_pipe_read.index(), tile0 + ((t + 1) & 1));
+      if (k > 0) {
+        pipeline.consumer_release(smem_pipe_release);
+        cutlass::arch::NamedBarrier::arrive(kRingThreads, kEmptyBarrier + (j + kMergedTiles - 1) % kMergedTiles);
+        ++smem_pipe_release;
       }
+      ++smem_pipe_read;
     }
-    if (k_tile_count > 1) {  // the next-to-last stage; mma_tail releases the last
-      warpgroup_wait<1>();
-      pipeline.consumer_release(smem_pipe_release);
-    }
+    // the last k tile's ring tile (its stage: mma_tail's)
+    warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
+    if (k_tile_count > 0)
+      cutlass::arch::NamedBarrier::arrive(kRingThreads, kEmptyBarrier + (smem_pipe_read.count() - 1) % kMergedTiles);
   }
 
   // Consumer, registers: the base's RS k loop (cutlass_rs_loop.cuh: k-block b + 2's bytes copied to
@@ -360,10 +445,134 @@ struct NestedFp16Mainloop : Base {
   }
 };
 
+// CUTLASS's cooperative warp-specialized kernel (`Base`: GemmUniversal, persistent tile scheduler,
+// no cluster, no C) with every warp of the producer warpgroup rebuilding weights for a
+// NestedFp16Mainloop<., kTransformWarp>: warp 0 issues the TMA loads (the mainloop's `load`, which
+// also rebuilds part 0), warps 1-3 rebuild parts 1-3 (`transform`); CUTLASS's kernel leaves warps 1
+// and 2 idle here and gives the producer warpgroup 40 registers a thread, this one 56 (the consumers
+// 224 instead of 232). The consumer warpgroups and the epilogue are CUTLASS's, unchanged.
+template <class Base>
+struct TransformKernel : Base {
+  using typename Base::Params;
+  using typename Base::SharedStorage;
+  using typename Base::CollectiveMainloop;
+  using typename Base::CollectiveEpilogue;
+  using typename Base::TileScheduler;
+  using typename Base::TileShape;
+  using typename Base::TiledMma;
+  using typename Base::ClusterShape;
+  using MainloopPipeline = typename CollectiveMainloop::MainloopPipeline;
+  using PipelineState = typename CollectiveMainloop::PipelineState;
+  using EpiLoadPipeline = typename CollectiveEpilogue::LoadPipeline;
+  using EpiStorePipeline = typename CollectiveEpilogue::StorePipeline;
+  static constexpr uint32_t kLoadRegisters = 56, kMmaRegisters = 224;
+  static_assert(Base::NumMMAThreads == 256 && size(ClusterShape{}) == 1 && !TileScheduler::IsDynamicPersistent);
+  static_assert(std::is_void_v<typename CollectiveEpilogue::ElementC>, "no C: the epilogue loads nothing");
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
+    using namespace cute;
+    SharedStorage& shared_storage = *reinterpret_cast<SharedStorage*>(smem_buf);
+    const int thread_idx = int(threadIdx.x), lane_idx = cutlass::canonical_lane_idx();
+    const int warp_idx = cutlass::canonical_warp_idx_sync(), warp_group = cutlass::canonical_warp_group_idx();
+    const int warp_in_group = warp_idx % cutlass::NumWarpsPerWarpGroup;
+    const int mma_thread_idx = thread_idx % Base::NumMMAThreads;
+    if (warp_idx == 0 && cute::elect_one_sync()) {
+      CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
+      CollectiveEpilogue::prefetch_tma_descriptors(params.epilogue);
+    }
+
+    typename MainloopPipeline::Params mainloop_pipeline_params;
+    if (warp_group == 0 && warp_in_group == 0)
+      mainloop_pipeline_params.role = MainloopPipeline::ThreadCategory::Producer;
+    if (warp_group > 0) mainloop_pipeline_params.role = MainloopPipeline::ThreadCategory::Consumer;
+    mainloop_pipeline_params.is_leader = thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
+    mainloop_pipeline_params.num_consumers = Base::NumMMAThreads;
+    mainloop_pipeline_params.num_producers = CollectiveMainloop::NumProducerThreadEvents;
+    mainloop_pipeline_params.transaction_bytes = params.mainloop.tma_transaction_bytes;
+    MainloopPipeline mainloop_pipeline(shared_storage.pipelines.mainloop, mainloop_pipeline_params, ClusterShape{});
+
+    typename EpiLoadPipeline::Params epi_load_pipeline_params;
+    if (warp_group > 0) epi_load_pipeline_params.role = EpiLoadPipeline::ThreadCategory::Consumer;
+    epi_load_pipeline_params.dst_blockid = cute::block_rank_in_cluster();
+    epi_load_pipeline_params.producer_arv_count = cutlass::NumThreadsPerWarp;
+    epi_load_pipeline_params.consumer_arv_count = Base::NumMMAThreads;
+    if constexpr (CollectiveEpilogue::RequiresTransactionBytes)
+      epi_load_pipeline_params.transaction_bytes = params.epilogue.tma_transaction_bytes;
+    EpiLoadPipeline epi_load_pipeline(shared_storage.pipelines.epi_load, epi_load_pipeline_params);
+    typename EpiStorePipeline::Params epi_store_pipeline_params;
+    epi_store_pipeline_params.always_wait = true;
+    EpiStorePipeline epi_store_pipeline(epi_store_pipeline_params);
+
+    __syncthreads();  // the pipelines' barriers initialized, for every warp
+
+    auto problem_shape_MNKL = append<4>(params.problem_shape, Int<1>{});
+    TiledMma tiled_mma;
+    auto blk_shape = TileShape{};
+    TileScheduler scheduler{params.scheduler};
+    CollectiveMainloop collective_mainloop;
+    auto load_inputs = collective_mainloop.load_init(problem_shape_MNKL, params.mainloop);
+    Tensor gA_mkl = get<0>(load_inputs);
+    Tensor gB_nkl = get<1>(load_inputs);
+    auto tile_coord = [&](auto const& work) {
+      auto m_coord = idx2crd(work.M_idx, shape<2>(gA_mkl));
+      auto n_coord = idx2crd(work.N_idx, shape<2>(gB_nkl));
+      auto l_coord = idx2crd(work.L_idx, shape<4>(gB_nkl));
+      return make_coord(m_coord, n_coord, _, l_coord);
+    };
+    auto work_tile_info = scheduler.initial_work_tile_info(ClusterShape{});
+
+    if (warp_group == 0) {  // the producer warpgroup: loads (warp 0) and weights (all four)
+      cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
+      PipelineState state = cutlass::make_producer_start_state<MainloopPipeline>();
+      while (work_tile_info.is_valid()) {
+        auto k_tile_count = TileScheduler::get_work_k_tile_count(work_tile_info, problem_shape_MNKL, blk_shape);
+        auto k_tile_start = TileScheduler::get_work_k_tile_start(work_tile_info);
+        auto k_tile_iter = cute::make_coord_iterator(idx2crd(k_tile_start, shape<3>(gA_mkl)), shape<3>(gA_mkl));
+        if (warp_in_group == 0)
+          collective_mainloop.load(params.mainloop, mainloop_pipeline, state, load_inputs, tile_coord(work_tile_info),
+                                   k_tile_iter, k_tile_count, lane_idx, 0, shared_storage.tensors.mainloop);
+        else
+          collective_mainloop.transform(mainloop_pipeline, state, k_tile_count, warp_in_group, lane_idx,
+                                        shared_storage.tensors.mainloop);
+        state.advance(k_tile_count);
+        work_tile_info = get<0>(scheduler.fetch_next_work(work_tile_info));
+      }
+      if (warp_in_group == 0) collective_mainloop.load_tail(mainloop_pipeline, state);
+    } else {  // the consumer warpgroups, as CUTLASS's cooperative kernel
+      cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();
+      CollectiveEpilogue collective_epilogue(params.epilogue, shared_storage.tensors.epilogue);
+      PipelineState mainloop_pipe_consumer_state;
+      typename CollectiveEpilogue::LoadPipelineState epi_load_pipe_consumer_state;
+      auto epi_store_pipe_producer_state = cutlass::make_producer_start_state<EpiStorePipeline>();
+      bool do_store_tail = false;
+      while (work_tile_info.is_valid()) {
+        auto blk_coord = tile_coord(work_tile_info);
+        auto k_tile_count = TileScheduler::get_work_k_tile_count(work_tile_info, problem_shape_MNKL, blk_shape);
+        auto accumulators = partition_fragment_C(tiled_mma, take<0, 2>(blk_shape));
+        collective_mainloop.mma(mainloop_pipeline, mainloop_pipe_consumer_state, accumulators, k_tile_count,
+                                mma_thread_idx, shared_storage.tensors.mainloop, params.mainloop);
+        collective_mainloop.mma_tail(mainloop_pipeline, mainloop_pipe_consumer_state, k_tile_count);
+        mainloop_pipe_consumer_state.advance(k_tile_count);
+        auto [epi_load_next, epi_store_next] = collective_epilogue.store(
+            epi_load_pipeline, epi_load_pipe_consumer_state, epi_store_pipeline, epi_store_pipe_producer_state,
+            problem_shape_MNKL, blk_shape, blk_coord, accumulators, tiled_mma, mma_thread_idx,
+            shared_storage.tensors.epilogue, work_tile_info.reduction_subtile_idx());
+        epi_load_pipe_consumer_state = epi_load_next;
+        epi_store_pipe_producer_state = epi_store_next;
+        do_store_tail = true;
+        work_tile_info = get<0>(scheduler.fetch_next_work(work_tile_info));
+      }
+      if (do_store_tail)
+        collective_epilogue.store_tail(epi_load_pipeline, epi_load_pipe_consumer_state, epi_store_pipeline,
+                                       epi_store_pipe_producer_state);
+    }
+  }
+};
+
 // The GEMM: tile features x tokens x 64 K per CTA (pingpong: per consumer warpgroup), `Stages`
 // shared-memory stages of three tiles each, the weights merged into registers or shared memory.
 template <class KernelSchedule, class EpilogueSchedule, int kTileN, int kTileM, int kClusterN, int kClusterM,
-          int kStages, class Scheduler, bool kMergeToSmem>
+          int kStages, class Scheduler, Merge kMerge>
 struct NestedFp16Gemm {
   using TileShape = Shape<Int<kTileN>, Int<kTileM>, _64>;
   using ClusterShape = Shape<Int<kClusterN>, Int<kClusterM>, _1>;
@@ -386,9 +595,10 @@ struct NestedFp16Gemm {
       typename Built::TiledMma, typename Built::GmemTiledCopyA, typename Built::SmemLayoutAtomA,
       typename Built::SmemCopyAtomA, cute::identity, typename Built::GmemTiledCopyB, typename Built::SmemLayoutAtomB,
       typename Built::SmemCopyAtomB, cute::identity>;
-  using Mainloop = NestedFp16Mainloop<BaseMainloop, kMergeToSmem>;
-  using Kernel =
+  using Mainloop = NestedFp16Mainloop<BaseMainloop, kMerge>;
+  using CutlassKernel =
       cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, CollectiveEpilogue, Scheduler>;
+  using Kernel = cute::conditional_t<kMerge == Merge::kTransformWarp, TransformKernel<CutlassKernel>, CutlassKernel>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(sizeof(typename Kernel::SharedStorage) <= 227 * 1024, "too many stages for shared memory");
 
@@ -473,11 +683,11 @@ ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scra
   case INDEX:                  \
     return NestedFp16Gemm<__VA_ARGS__>::run(stream, scratch, x, upper, lower, y, m, n, k, sms);
   switch (config) {
-    JAXLP_CASE(0, Cooperative, CooperativeEpilogue, 128, 128, 1, 1, 5, PersistentScheduler, false)
-    JAXLP_CASE(1, Pingpong, PingpongEpilogue, 64, 128, 1, 1, 6, PersistentScheduler, false)
-    JAXLP_CASE(2, Cooperative, CooperativeEpilogue, 128, 64, 1, 1, 7, PersistentScheduler, false)
-    JAXLP_CASE(3, Cooperative, CooperativeEpilogue, 128, 128, 1, 1, 5, StreamKScheduler, false)
-    JAXLP_CASE(4, Cooperative, CooperativeEpilogue, 128, 256, 1, 1, 3, PersistentScheduler, true)
+    JAXLP_CASE(0, Cooperative, CooperativeEpilogue, 128, 128, 1, 1, 5, PersistentScheduler, Merge::kRegisters)
+    JAXLP_CASE(1, Pingpong, PingpongEpilogue, 64, 128, 1, 1, 6, PersistentScheduler, Merge::kRegisters)
+    JAXLP_CASE(2, Cooperative, CooperativeEpilogue, 128, 64, 1, 1, 7, PersistentScheduler, Merge::kRegisters)
+    JAXLP_CASE(3, Cooperative, CooperativeEpilogue, 128, 128, 1, 1, 5, StreamKScheduler, Merge::kRegisters)
+    JAXLP_CASE(4, Cooperative, CooperativeEpilogue, 128, 256, 1, 1, 3, PersistentScheduler, Merge::kTransformWarp)
     default:
       return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                         "jaxlp cutlass nestedfp gemm: unknown config " + std::to_string(config));

@@ -39,19 +39,27 @@ def test_configs_match_the_kernels_dispatch():
 def test_nestedfp_configs_match_the_kernels_dispatch():
     text = (build.SOURCE_DIR / "cutlass_nestedfp_gemm.cu").read_text()
     cases = re.findall(r"JAXLP_CASE\((\d+), (\w+), \w+, (\d+), (\d+), (\d+), (\d+), (\d+), (\w+)Scheduler, "
-                       r"(true|false)\)", text)
+                       r"Merge::k(\w+)\)", text)
     assert len(cases) == len(cutlass_gemm.NESTEDFP_CONFIGS)
-    for (index, schedule, tn, tm, cn, cm, stages, scheduler, shared), (name, cfg) in zip(
+    merges = {"Registers": "registers", "TransformWarp": "transform"}
+    for (index, schedule, tn, tm, cn, cm, stages, scheduler, merge), (name, cfg) in zip(
             cases, cutlass_gemm.NESTEDFP_CONFIGS.items()):
         assert int(index) == list(cutlass_gemm.NESTEDFP_CONFIGS).index(name)
         got = (schedule.lower(), (int(tn), int(tm)), (int(cn), int(cm)), int(stages), scheduler.lower(),
-               "shared" if shared == "true" else "registers")
+               merges[merge])
         assert got == tuple(cfg), name
-        assert name.endswith("s") == (cfg.merge == "shared"), name
+        assert name.endswith("t") == (cfg.merge == "transform"), name
         assert name.startswith({"pingpong": "pp", "cooperative": "co"}[cfg.schedule] + str(cfg.tile[0]))
         assert ("sk" in name) == (cfg.scheduler == "streamk"), name
-    for m in (1, 64, 65, 1024, 1025, 4096):
+    for m in (1, 64, 65, 768, 769, 1024, 1025, 4096):
         assert cutlass_gemm.nestedfp_default_config(m, 4096, 4096) in cutlass_gemm.NESTEDFP_CONFIGS
+    transform = cutlass_gemm.TRANSFORM_MIN_TOKENS
+    assert cutlass_gemm.nestedfp_default_config(transform + 1, 4096, 14336) == "co128x256t"  # 128 tiles
+    assert cutlass_gemm.nestedfp_default_config(transform, 4096, 4096) != "co128x256t"
+    # 6144 x 4096: 384 tiles of 128 x 256 at 2048 tokens fill three waves of 132 SMs, 192 at 1024 do not
+    assert cutlass_gemm.nestedfp_default_config(2048, 6144, 4096) == "co128x256t"
+    assert cutlass_gemm.nestedfp_default_config(1024, 6144, 4096) == "co128"
+    assert cutlass_gemm.nestedfp_default_config(1024, 6144, 4096, num_sms=96) == "co128x256t"  # 2 waves
 
 
 def test_nestedfp_operands_are_checked():
