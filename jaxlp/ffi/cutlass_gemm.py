@@ -25,10 +25,11 @@ consumer warpgroups rebuild each k-block's FP16 weights in registers while the p
 runs and feed them as WGMMA's register operand (weights on its M, tokens on its N); FP16 out, FP32
 sums. :data:`NESTEDFP_CONFIGS` names its kernels (``co``/``pp``, tile features x tokens, ``c<N><M>``
 a cluster, ``sk`` stream-K). ``t``: the producer warpgroup rebuilds the weights instead, each of its
-four warps a quarter of each k tile's rows into FP16 tiles in shared memory (a ring of three, on
-named barriers; warp 0 also issues the TMA loads), and the consumer warpgroups run CUTLASS's plain
-SS k loop on them (``cutlass_nestedfp_gemm.cu``'s ``TransformKernel``): 0.81-0.83x XLA's FP16 dot at
-2048 tokens where the register design reaches 0.67-0.77x (docs/perf.md session 30).
+four warps a quarter of each k tile's rows into an FP16 tile in shared memory over the stage's own
+byte planes (announced on named barriers; warp 0 also issues the TMA loads), and the consumer
+warpgroups run CUTLASS's plain SS k loop on it (``cutlass_nestedfp_gemm.cu``'s ``TransformKernel``):
+0.82-0.87x XLA's FP16 dot at 1024-4096 tokens where the register design reaches 0.63-0.70x
+(docs/perf.md session 30).
 
 :func:`fireq_matmul` (``cutlass_fireq_gemm.cu``): FireQ's W4A8 product, ``(x8 @ e4m3(q * s).T) *
 token_scale[:, None]``, on CUTLASS's mixed-input mainloop in its lookup-table mode: each k-block's
@@ -98,8 +99,9 @@ class NestedFPConfig(NamedTuple):
     the schedule, the CTA tile (weight rows x tokens, 64 K per step; pingpong: each consumer
     warpgroup's), the cluster (weight rows x tokens), shared-memory stages, the tile scheduler and
     where the weights are rebuilt: ``registers`` (WGMMA's register operand, per k-block, by the
-    consumer warpgroups) or ``transform`` (FP16 tiles in shared memory, a ring of three, by the
-    producer warpgroup's four warps; the consumers run CUTLASS's plain SS k loop on them)."""
+    consumer warpgroups) or ``transform`` (each stage's FP16 tile in shared memory, over its byte
+    planes, by the producer warpgroup's four warps; the consumers run CUTLASS's plain SS k loop on
+    it)."""
 
     schedule: str
     tile: tuple[int, int]
@@ -117,7 +119,7 @@ NESTEDFP_CONFIGS: dict[str, NestedFPConfig] = {
     "pp64": NestedFPConfig("pingpong", (64, 128), (1, 1), 6, "persistent", "registers"),
     "co128x64": NestedFPConfig("cooperative", (128, 64), (1, 1), 7, "persistent", "registers"),
     "co128sk": NestedFPConfig("cooperative", (128, 128), (1, 1), 5, "streamk", "registers"),
-    "co128x256t": NestedFPConfig("cooperative", (128, 256), (1, 1), 3, "persistent", "transform"),
+    "co128x256t": NestedFPConfig("cooperative", (128, 256), (1, 1), 4, "persistent", "transform"),
 }
 
 
@@ -220,29 +222,31 @@ def fp8_matmul(x8: jax.Array, w8: jax.Array, token_scale: jax.Array, channel_sca
                 config=list(CONFIGS).index(config), promote_k=promote_k)
 
 
-# Tokens past which the transform kernel is the default (H100, docs/perf.md session 30, us at 768 /
-# 1024 tokens: 6144 x 4096 112.5 / 108.0 against Pallas's 112.3 / 110.8 and co128's 96.9 / 98.1;
-# 28672 x 4096 342.1 / 387.9 against 338.8 / 406.7; 4096 x 14336 183.1 / 189.0 against 174.5 / 191.6).
-TRANSFORM_MIN_TOKENS = 768
-# ... and where its tiles fill the last wave of SMs to this fraction (H100, session 30: at 1536 tokens
-# 6144 x 4096, 4096 x 14336 and 4096 x 4096, 288 / 192 / 192 tiles on 132 SMs, 163.2 / 358.3 / 107.2
-# us against co128's 160.8 / 340.8 / 99.7; at 2048, 384 / 256 / 256 tiles, 168.2 / 377.6 / 113.1
-# against 199.3 / 468.7 / 134.1).
-TRANSFORM_MIN_WAVE_FILL = 0.85
+# The transform kernel (co128x256t) is the default from TRANSFORM_MIN_TOKENS tokens on where its
+# 128 x 256 tiles keep at least TRANSFORM_MIN_FILL of their token rows and SM slots busy (the share of
+# the last 256-token tile's rows that hold tokens times the share of the last wave of SMs that has a
+# tile): at full fill it is ~1.25x the stream-K register kernel (co128sk), whose own fill stays near
+# 0.9. H100, docs/perf.md session 30, us: at 512 tokens 6144 x 4096 / 28672 x 4096 (fill 0.73 / 0.85)
+# 49.3 / 205.4 against co128sk's 56.5 / 229.2; at 640, 28672 x 4096 (0.71) 310.4 against 288.7; at
+# 768, 4096 x 14336 / 4096 x 4096 (0.73) 162.2 / 49.4 against 169.6 / 55.7, 6144 x 4096 (0.55) 100.9
+# against 78.2. Below 512 tokens it was not measured.
+TRANSFORM_MIN_TOKENS = 512
+TRANSFORM_MIN_FILL = 0.72
 
 
 def nestedfp_default_config(m: int, n: int | None = None, k: int | None = None, *, num_sms: int = 132) -> str:
     """The NestedFP16 kernel for ``m`` tokens (``n`` weight rows, ``k`` inputs): the fastest of the
-    sweeps in docs/perf.md (H200 session 27, H100 session 30). Past :data:`TRANSFORM_MIN_TOKENS` the
-    producer warpgroup's merges (``co128x256t``) where its 128 x 256 tiles fill their last wave of SMs
-    to at least :data:`TRANSFORM_MIN_WAVE_FILL`, else the register design's 128 x 128 tiles (H100:
-    6144 x 4096 at 1024 tokens, 192 tiles on 132 SMs, 109.2 us against 99.8); below it stream-K on
-    long K (4096 x 14336 at M = 32..512: 1.0-1.6x the best persistent tiles), 64-token tiles up to 64
-    tokens, 64 x 128 pingpong tiles up to 256 tokens where 128 x 128 tiles would not give half the SMs
-    one, else stream-K 128 x 128 tiles."""
-    if m > TRANSFORM_MIN_TOKENS:
-        tiles = -(-(n or 1 << 20) // 128) * -(-m // 256)
-        return "co128x256t" if tiles / (-(-tiles // num_sms) * num_sms) >= TRANSFORM_MIN_WAVE_FILL else "co128"
+    sweeps in docs/perf.md (H200 session 27, H100 session 30). From :data:`TRANSFORM_MIN_TOKENS` on the
+    producer warpgroup's merges (``co128x256t``) where its tiles' fill reaches :data:`TRANSFORM_MIN_FILL`;
+    else stream-K on long K (4096 x 14336 at M = 32..512: 1.0-1.6x the best persistent tiles), 64-token
+    tiles up to 64 tokens, 64 x 128 pingpong tiles up to 256 tokens where 128 x 128 tiles would not
+    give half the SMs one, else stream-K 128 x 128 tiles."""
+    if m >= TRANSFORM_MIN_TOKENS:
+        token_tiles = -(-m // 256)
+        tiles = -(-(n or 1 << 20) // 128) * token_tiles
+        fill = m / (256 * token_tiles) * tiles / (-(-tiles // num_sms) * num_sms)
+        if fill >= TRANSFORM_MIN_FILL:
+            return "co128x256t"
     if (k or 0) >= 8192:
         return "co128sk"
     if m <= 64:

@@ -20,10 +20,10 @@
 //
 // The other design, for many tokens (`Merge::kTransformWarp`, `TransformKernel`): the producer
 // warpgroup, whose warps CUTLASS's kernel leaves idle but for the TMA one, rebuilds each stage's weight
-// tile (a quarter of its rows per warp) into a ring of FP16 tiles in shared memory, in the layout
-// WGMMA reads, and the consumer warpgroups run CUTLASS's plain SS k loop on them: no conversion on the
-// WGMMA's critical path (H100, 2048 tokens: 0.81-0.83x XLA's FP16 dot, the register design 0.67-0.77x;
-// docs/perf.md session 30).
+// tile (a quarter of its rows per warp) into an FP16 tile in the layout WGMMA reads, over the stage's
+// own byte planes, and the consumer warpgroups run CUTLASS's plain SS k loop on it: no conversion on
+// the WGMMA's critical path, and as many stages as plain FP16 tiles take (H100, 1024-4096 tokens:
+// 0.82-0.87x XLA's FP16 dot, the register design 0.63-0.70x; docs/perf.md session 30).
 //
 // `JaxlpCutlassFp16Gemm`: the same GEMM on plain FP16 weights through CUTLASS's own mainloop (both
 // operands from shared memory), the benchmarks' baseline for what the byte planes cost.
@@ -64,37 +64,6 @@ __device__ __forceinline__ void st_shared_v4(uint32_t at, const uint32_t* v) {
                : "memory");
 }
 
-// Rows [0, kRows) of one 64-K tile rebuilt by a warp from the byte planes at shared-memory byte
-// addresses `upper`, `lower` (their row 0: 64-byte rows in CUTLASS's 64-byte swizzle, 16-byte unit
-// bits 4-5 ^= bits 7-8) into the FP16 tile at `tile` (128-byte rows in the 128-byte swizzle WGMMA
-// reads, bits 4-6 ^= bits 7-9); the addresses are 1024-byte aligned but for multiples of 8 rows. In
-// step i lane q takes row 8 i + q / 4, K 16 (q % 4) .. + 15: one 16-byte load per plane, four
-// merges, two 16-byte stores; the swizzle terms are the lane's own, each step an immediate offset.
-// (cute's tensors address shared memory through 64-bit generic pointers here: generic loads and
-// stores, 1.7x the instructions.)
-template <int kRows>
-__device__ __forceinline__ void merge_k_tile(int lane, uint32_t upper, uint32_t lower, uint32_t tile) {
-  static_assert(kRows % 8 == 0, "whole steps of 8 rows");
-  const int q = lane >> 2, c = lane & 3;
-  const uint32_t plane = (q * 64 + 16 * c) ^ (((q >> 1) & 3) << 4);
-  const uint32_t fp16 = (q * 128 + 32 * c) ^ ((q & 7) << 4);  // its second 16 bytes: unit 2 c + 1, bit 4 flipped
-  uint32_t u[4], l[4];
-  ld_shared_v4(upper + plane, u);
-  ld_shared_v4(lower + plane, l);
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < kRows / 8; ++i) {  // step i + 1's loads before step i's stores (the asm keeps this order)
-    uint32_t w[8];
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < 4; ++j) jaxlp::nestedfp_merge4(u[j], l[j], w[2 * j], w[2 * j + 1]);
-    if (i + 1 < kRows / 8) {
-      ld_shared_v4(upper + plane + (i + 1) * 512, u);
-      ld_shared_v4(lower + plane + (i + 1) * 512, l);
-    }
-    st_shared_v4(tile + fp16 + i * 1024, w);
-    st_shared_v4(tile + (fp16 ^ 16) + i * 1024, w + 4);
-  }
-}
-
 // Where the FP16 weights are rebuilt (see NestedFp16Mainloop).
 enum class Merge { kRegisters, kTransformWarp };
 
@@ -103,8 +72,8 @@ enum class Merge { kRegisters, kTransformWarp };
 //   kRegisters: into WGMMA's register operand per k-block by the consumer warpgroups (the
 //     mixed-input mainloop's design);
 //   kTransformWarp: by the producer warpgroup's four warps (TransformKernel: warp 0 also issues the
-//     TMA loads), a quarter of each k tile's rows each, into a ring of FP16 tiles; the consumers run
-//     CUTLASS's plain SS k loop on them (cooperative schedule only).
+//     TMA loads), a quarter of each k tile's rows each, into an FP16 tile over the stage's own byte
+//     planes; the consumers run CUTLASS's plain SS k loop on it (cooperative schedule only).
 template <class Base, Merge kMerge>
 struct NestedFp16Mainloop : Base {
   static constexpr bool kTransform = kMerge == Merge::kTransformWarp;
@@ -128,37 +97,38 @@ struct NestedFp16Mainloop : Base {
                               Layout<Shape<_2, _1, _1>>{})),
       typename Base::TiledMma>;
   static_assert(!kTransform || !kPingpong, "the producer warpgroup's weights feed the cooperative schedule");
-  static constexpr int kMergedTiles = 3;
-  // kTransformWarp: the ring of kMergedTiles FP16 tiles between the producer warpgroup and both
-  // consumer warpgroups, on named barriers (user ids; CUTLASS's are reserved below them): tile j's
-  // "full" (kFullBarrier + j: the producer warps arrive, the consumers sync) and "empty"
-  // (kEmptyBarrier + j: the consumers arrive once their WGMMAs on it are done, the producer warps
-  // sync). Three tiles: a k tile's weights are rebuilt while the two before it are in the tensor cores
-  // (two measured the same: docs/perf.md session 30).
-  static constexpr uint32_t kFullBarrier = 0, kEmptyBarrier = kMergedTiles;
-  static constexpr uint32_t kRingThreads = 3 * cutlass::NumThreadsPerWarpGroup;  // the CTA
-  // merge_k_tile's addressing: 64 K per stage, the planes in the 64-byte swizzle, one stage after another
+  // kTransformWarp: a stage's 16 KB hold its upper plane, then its lower one (SmemLayoutPlanes' tiles
+  // 2 s and 2 s + 1, A's layout: 64-byte rows in the 64-byte swizzle), and the producer warps rebuild
+  // the stage's FP16 tile over them (SmemLayoutRebuilt's tile s: 128-byte rows in the 128-byte
+  // swizzle WGMMA reads), announced on named barrier kStageBarrier + s (user ids; CUTLASS's are
+  // reserved below them): the producer warps arrive, the consumers sync. The rebuilt tile takes no
+  // shared memory of its own, so the stages are as many as for plain FP16 tiles.
+  static constexpr int kStages = Base::DispatchPolicy::Stages;
+  static constexpr uint32_t kStageBarrier = 0, kProducerBarrier = 7;  // the latter: the producer warpgroup's
+  static constexpr uint32_t kStageThreads = 3 * cutlass::NumThreadsPerWarpGroup;  // the CTA
+  static_assert(!kTransform || kStages <= 7, "one named barrier per stage");
   static_assert(size<2>(TileShape{}) == 64 &&
-                    cute::is_same_v<SmemLayoutA, decltype(tile_to_shape(
-                                                     GMMA::Layout_K_SW64_Atom<uint8_t>{},
-                                                     make_shape(size<0>(TileShape{}), _64{},
-                                                                Int<Base::DispatchPolicy::Stages>{})))>,
-                "the byte planes' shared-memory layout merge_k_tile assumes");
-  using SmemLayoutMerged = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{},
-                                                  make_shape(size<0>(TileShape{}), size<2>(TileShape{}),
-                                                             Int<kMergedTiles>{})));
+                    cute::is_same_v<SmemLayoutA, decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<uint8_t>{},
+                                                                        make_shape(size<0>(TileShape{}), _64{},
+                                                                                   Int<kStages>{})))>,
+                "the byte planes' shared-memory layout merge_stage assumes");
+  using SmemLayoutPlanes = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<uint8_t>{},
+                                                  make_shape(size<0>(TileShape{}), _64{}, Int<2 * kStages>{})));
+  using SmemLayoutRebuilt = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{},
+                                                   make_shape(size<0>(TileShape{}), _64{}, Int<kStages>{})));
   static_assert(cute::is_same_v<typename Base::RealSwappedElementA, uint8_t> && !Base::SwapAB,
                 "A must be the uint8 upper plane, not swapped");
   static_assert(Base::KernelConversionMode == cutlass::detail::ConversionMode::DirectConvert);
 
   struct SharedStorage {
     struct TensorStorage {
-      CUTE_ALIGNAS(Base::SmemAlignmentA) cute::ArrayEngine<uint8_t, cute::cosize_v<SmemLayoutA>> smem_A;  // upper
-      CUTE_ALIGNAS(Base::SmemAlignmentA) cute::ArrayEngine<uint8_t, cute::cosize_v<SmemLayoutA>> smem_L;  // lower
+      // upper (kTransformWarp: both planes, then the FP16 tile over them)
+      CUTE_ALIGNAS(1024)
+      cute::ArrayEngine<uint8_t, cute::cosize_v<cute::conditional_t<kTransform, SmemLayoutPlanes, SmemLayoutA>>> smem_A;
+      CUTE_ALIGNAS(Base::SmemAlignmentA)
+      cute::ArrayEngine<uint8_t, kTransform ? 16 : cute::cosize_v<SmemLayoutA>> smem_L;  // lower
       CUTE_ALIGNAS(Base::SmemAlignmentB)
       cute::ArrayEngine<typename TiledMma::ValTypeB, cute::cosize_v<SmemLayoutB>> smem_B;
-      CUTE_ALIGNAS(1024)
-      cute::ArrayEngine<cutlass::half_t, kTransform ? cute::cosize_v<SmemLayoutMerged> : 8> smem_merged;
     } tensors;
     using PipelineStorage = typename MainloopPipeline::SharedStorage;
     PipelineStorage pipeline;
@@ -229,10 +199,11 @@ struct NestedFp16Mainloop : Base {
                            cute::tuple<Ts...> const& load_inputs, BlockCoord const& blk_coord,
                            KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
                            uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
-    Tensor sA = as_position_independent_swizzle_tensor(
-        make_tensor(make_smem_ptr(shared_tensors.smem_A.begin()), SmemLayoutA{}));
-    Tensor sL = as_position_independent_swizzle_tensor(
-        make_tensor(make_smem_ptr(shared_tensors.smem_L.begin()), SmemLayoutA{}));
+    Tensor sA = as_position_independent_swizzle_tensor(make_tensor(
+        make_smem_ptr(shared_tensors.smem_A.begin()), cute::conditional_t<kTransform, SmemLayoutPlanes, SmemLayoutA>{}));
+    Tensor sL = as_position_independent_swizzle_tensor(make_tensor(
+        make_smem_ptr(kTransform ? shared_tensors.smem_A.begin() : shared_tensors.smem_L.begin()),
+        cute::conditional_t<kTransform, SmemLayoutPlanes, SmemLayoutA>{}));
     Tensor sB = as_position_independent_swizzle_tensor(
         make_tensor(make_smem_ptr(shared_tensors.smem_B.begin()), SmemLayoutB{}));
 
@@ -261,7 +232,7 @@ struct NestedFp16Mainloop : Base {
         mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_local_block_id.y, Int<0>{}));
     }
 
-    // kTransformWarp: this warp also rebuilds part 0 of each k tile's rows (transform), kLag k tiles
+    // kTransformWarp: this warp also rebuilds part 0 of each k tile's rows (merge_stage), kLag k tiles
     // behind its loads (a stage is freed once its k tile's weights are rebuilt and used, so the
     // loads may run at most Stages - 2 k tiles ahead of this warp's own merges)
     constexpr int kLag = Base::DispatchPolicy::Stages - 2;
@@ -273,15 +244,16 @@ struct NestedFp16Mainloop : Base {
       auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
       int stage = smem_pipe_write.index();
       if (cute::elect_one_sync()) {
-        copy(params.tma_load_a.with(*tma_barrier, mcast_mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
-        copy(params.tma_load_l.with(*tma_barrier, mcast_mask_a), tLgL(_, _, _, *k_tile_iter), tLsL(_, _, _, stage));
+        const int upper_at = kTransform ? 2 * stage : stage, lower_at = kTransform ? 2 * stage + 1 : stage;
+        copy(params.tma_load_a.with(*tma_barrier, mcast_mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, upper_at));
+        copy(params.tma_load_l.with(*tma_barrier, mcast_mask_a), tLgL(_, _, _, *k_tile_iter), tLsL(_, _, _, lower_at));
         copy(params.tma_load_b.with(*tma_barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
       }
       ++k_tile_iter;
       ++smem_pipe_write;
       if constexpr (kTransform) {
         if (++lagging > kLag) {
-          merge_part(pipeline, full, 0, thread_idx, shared_tensors);
+          merge_stage(pipeline, full, 0, thread_idx, shared_tensors);
           ++full;
           --lagging;
         }
@@ -289,7 +261,7 @@ struct NestedFp16Mainloop : Base {
     }
     if constexpr (kTransform) {
       for (; lagging > 0; --lagging) {
-        merge_part(pipeline, full, 0, thread_idx, shared_tensors);
+        merge_stage(pipeline, full, 0, thread_idx, shared_tensors);
         ++full;
       }
     }
@@ -304,28 +276,47 @@ struct NestedFp16Mainloop : Base {
       PipelineState full(smem_pipe_write.index(), smem_pipe_write.phase() ^ 1, smem_pipe_write.count());
       CUTLASS_PRAGMA_NO_UNROLL
       for (; k_tile_count > 0; --k_tile_count) {
-        merge_part(pipeline, full, part, lane, shared_tensors);
+        merge_stage(pipeline, full, part, lane, shared_tensors);
         ++full;
       }
     }
   }
 
-  // kTransformWarp: rows [part kRows / 4, + kRows / 4) of k tile `full.count()` (the count of k tiles
-  // so far over the work tiles: the ring's position) rebuilt by one warp of the producer warpgroup
-  // into the ring's tile, once the consumers are done with its previous k tile there and the TMA
-  // loads have landed; then fenced for WGMMA's async proxy and announced.
-  CUTLASS_DEVICE void merge_part(MainloopPipeline& pipeline, PipelineState const& full, int part, int lane,
-                                 TensorStorage& shared_tensors) {
-    constexpr int kRows = size<0>(TileShape{}), kPart = kRows / 4;
-    const uint32_t t = full.count(), j = t % kMergedTiles;
-    if (t >= kMergedTiles) cutlass::arch::NamedBarrier::sync(kRingThreads, kEmptyBarrier + j);  // its last k tile done
+  // kTransformWarp: stage `full.index()`'s weights rebuilt over its own planes by the four producer
+  // warps, rows [part kRows / 4, + kRows / 4) each: every warp loads its rows of both planes first (in
+  // step i lane q: row 8 i + q / 4, K 16 (q % 4) .. + 15, one 16-byte load per plane; the swizzle terms
+  // are the lane's own), the warpgroup syncs, then each writes its FP16 rows (over planes the others
+  // have read; four merges, two 16-byte stores per step), fences them for WGMMA's async proxy and
+  // announces the stage. Shared memory by 32-bit addresses: cute's tensors address it through 64-bit
+  // generic pointers here (generic loads and stores, 1.7x the instructions).
+  CUTLASS_DEVICE void merge_stage(MainloopPipeline& pipeline, PipelineState const& full, int part, int lane,
+                                     TensorStorage& shared_tensors) {
+    constexpr int kRows = size<0>(TileShape{}), kSteps = kRows / 4 / 8;
     pipeline.consumer_wait(full);
-    const uint32_t stage = full.index(), rows = part * kPart;
-    merge_k_tile<kPart>(lane, cute::cast_smem_ptr_to_uint(shared_tensors.smem_A.begin()) + (stage * kRows + rows) * 64,
-                        cute::cast_smem_ptr_to_uint(shared_tensors.smem_L.begin()) + (stage * kRows + rows) * 64,
-                        cute::cast_smem_ptr_to_uint(shared_tensors.smem_merged.begin()) + (j * kRows + rows) * 128);
+    const uint32_t stage = full.index();
+    const uint32_t base = cute::cast_smem_ptr_to_uint(shared_tensors.smem_A.begin()) + stage * (kRows * 128);
+    const int q = lane >> 2, c = lane & 3;
+    const uint32_t plane = (q * 64 + 16 * c) ^ (((q >> 1) & 3) << 4);
+    const uint32_t fp16 = (q * 128 + 32 * c) ^ ((q & 7) << 4);
+    uint32_t u[kSteps][4], l[kSteps][4];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kSteps; ++i) {
+      const uint32_t row = part * (kRows / 4) + 8 * i;
+      ld_shared_v4(base + row * 64 + plane, u[i]);
+      ld_shared_v4(base + kRows * 64 + row * 64 + plane, l[i]);
+    }
+    cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kProducerBarrier);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kSteps; ++i) {
+      uint32_t w[8];
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < 4; ++j) jaxlp::nestedfp_merge4(u[i][j], l[i][j], w[2 * j], w[2 * j + 1]);
+      const uint32_t row = part * (kRows / 4) + 8 * i;
+      st_shared_v4(base + row * 128 + fp16, w);
+      st_shared_v4(base + row * 128 + (fp16 ^ 16), w + 4);
+    }
     cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, visible to WGMMA
-    cutlass::arch::NamedBarrier::arrive(kRingThreads, kFullBarrier + j);
+    cutlass::arch::NamedBarrier::arrive(kStageThreads, kStageBarrier + stage);
   }
 
   template <class FrgTensorC>
@@ -337,20 +328,21 @@ struct NestedFp16Mainloop : Base {
       mma_registers(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors);
   }
 
-  // Consumer, kTransformWarp: CUTLASS's SS k loop (one k tile of WGMMAs in flight) on the ring's FP16
-  // tiles as the producer warpgroup fills them; a stage and its ring tile freed once the k tile's
-  // WGMMAs are done (the last stage by mma_tail).
+  // Consumer, kTransformWarp: CUTLASS's SS k loop (one k tile of WGMMAs in flight) on each stage's
+  // FP16 tile once the producer warpgroup has rebuilt it; a stage freed once the next k tile's WGMMAs
+  // are issued and its own are done (the last stage by mma_tail).
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma_transformed(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
                                       int k_tile_count, int thread_idx, TensorStorage& shared_tensors) {
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.begin()), SmemLayoutB{});
-    Tensor sW = make_tensor(make_smem_ptr(shared_tensors.smem_merged.begin()), SmemLayoutMerged{});
+    Tensor sW = make_tensor(make_smem_ptr(reinterpret_cast<cutlass::half_t*>(shared_tensors.smem_A.begin())),
+                            SmemLayoutRebuilt{});
     constexpr int MmaWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
     Layout warp_group_thread_layout = make_layout(Int<MmaWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
     int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
     TiledMma tiled_mma;
     auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
-    Tensor tCrW = thread_mma.make_fragment_A(thread_mma.partition_A(sW));  // (MMA,MMA_M,MMA_K,RING)
+    Tensor tCrW = thread_mma.make_fragment_A(thread_mma.partition_A(sW));  // (MMA,MMA_M,MMA_K,PIPE)
     Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
 
     PipelineState smem_pipe_release = smem_pipe_read;
@@ -359,32 +351,26 @@ struct NestedFp16Mainloop : Base {
     CUTLASS_PRAGMA_NO_UNROLL
     for (int k = 0; k < k_tile_count; ++k) {
       const int read_stage = smem_pipe_read.index();
-      const uint32_t j = smem_pipe_read.count() % kMergedTiles;  // the ring's tile of this k tile
       auto token = pipeline.consumer_try_wait(smem_pipe_read);
       pipeline.consumer_wait(smem_pipe_read, token);  // the activations' TMA load
-      cutlass::arch::NamedBarrier::sync(kRingThreads, kFullBarrier + j);  // the weights
+      cutlass::arch::NamedBarrier::sync(kStageThreads, kStageBarrier + read_stage);  // the rebuilt weights
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
       for (int k_block = 0; k_block < size<2>(tCrW); ++k_block) {
-        cute::gemm(tiled_mma, tCrW(_, _, k_block, j), tCrB(_, _, k_block, read_stage), accum);
+        cute::gemm(tiled_mma, tCrW(_, _, k_block, read_stage), tCrB(_, _, k_block, read_stage), accum);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
-      warpgroup_wait<1>();  // the previous k tile's WGMMAs are done: its stage and ring tile are free
+      warpgroup_wait<1>();  // the previous k tile's WGMMAs are done: its stage is free
       warpgroup_fence_operand(accum);
       if (k > 0) {
         pipeline.consumer_release(smem_pipe_release);
-        cutlass::arch::NamedBarrier::arrive(kRingThreads, kEmptyBarrier + (j + kMergedTiles - 1) % kMergedTiles);
         ++smem_pipe_release;
       }
       ++smem_pipe_read;
     }
-    // the last k tile's ring tile (its stage: mma_tail's)
-    warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
-    if (k_tile_count > 0)
-      cutlass::arch::NamedBarrier::arrive(kRingThreads, kEmptyBarrier + (smem_pipe_read.count() - 1) % kMergedTiles);
   }
 
   // Consumer, registers: the base's RS k loop (cutlass_rs_loop.cuh: k-block b + 2's bytes copied to
@@ -598,7 +584,7 @@ struct NestedFp16Gemm {
   using Mainloop = NestedFp16Mainloop<BaseMainloop, kMerge>;
   using CutlassKernel =
       cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, CollectiveEpilogue, Scheduler>;
-  using Kernel = cute::conditional_t<kMerge == Merge::kTransformWarp, TransformKernel<CutlassKernel>, CutlassKernel>;
+  using Kernel = cute::conditional_t<kMerge != Merge::kRegisters, TransformKernel<CutlassKernel>, CutlassKernel>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(sizeof(typename Kernel::SharedStorage) <= 227 * 1024, "too many stages for shared memory");
 
@@ -687,7 +673,7 @@ ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scra
     JAXLP_CASE(1, Pingpong, PingpongEpilogue, 64, 128, 1, 1, 6, PersistentScheduler, Merge::kRegisters)
     JAXLP_CASE(2, Cooperative, CooperativeEpilogue, 128, 64, 1, 1, 7, PersistentScheduler, Merge::kRegisters)
     JAXLP_CASE(3, Cooperative, CooperativeEpilogue, 128, 128, 1, 1, 5, StreamKScheduler, Merge::kRegisters)
-    JAXLP_CASE(4, Cooperative, CooperativeEpilogue, 128, 256, 1, 1, 3, PersistentScheduler, Merge::kTransformWarp)
+    JAXLP_CASE(4, Cooperative, CooperativeEpilogue, 128, 256, 1, 1, 4, PersistentScheduler, Merge::kTransformWarp)
     default:
       return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                         "jaxlp cutlass nestedfp gemm: unknown config " + std::to_string(config));

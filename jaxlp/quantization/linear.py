@@ -87,9 +87,8 @@ def _nvfp4_why_not(layer, x):
 KERNELS: Mapping[str, Kernel] = MappingProxyType({
     nvfp4_dispatch.IMPLEMENTATION: Kernel(_nvfp4_why_not, nvfp4_dispatch.nvfp4_matmul),
     nestedfp_dispatch.IMPLEMENTATION: Kernel(nestedfp_dispatch.why_not, nestedfp_dispatch.matmul),
-    # NestedFP's FP16 mode past 8 tokens: CUTLASS up to 512, then Pallas (and shapes off CUTLASS's rows)
-    nestedfp_gemm.CUTLASS_IMPLEMENTATION: Kernel(nestedfp_gemm.why_not_cutlass, nestedfp_gemm.matmul_cutlass,
-                                                 nestedfp_gemm.auto_declines_cutlass),
+    # NestedFP's FP16 mode past 8 tokens: CUTLASS, then Pallas (shapes off CUTLASS's rows, no CUTLASS library)
+    nestedfp_gemm.CUTLASS_IMPLEMENTATION: Kernel(nestedfp_gemm.why_not_cutlass, nestedfp_gemm.matmul_cutlass),
     nestedfp_gemm.IMPLEMENTATION: Kernel(nestedfp_gemm.why_not, nestedfp_gemm.matmul),
     # NestedFP8 past 64 tokens, W8A8 (CUTLASS), then past 8 tokens and up to 64 (Pallas)
     fp8_gemm.CUTLASS_IMPLEMENTATION: Kernel(fp8_gemm.why_not_cutlass, fp8_gemm.matmul_cutlass,

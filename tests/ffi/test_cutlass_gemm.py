@@ -54,12 +54,15 @@ def test_nestedfp_configs_match_the_kernels_dispatch():
     for m in (1, 64, 65, 768, 769, 1024, 1025, 4096):
         assert cutlass_gemm.nestedfp_default_config(m, 4096, 4096) in cutlass_gemm.NESTEDFP_CONFIGS
     transform = cutlass_gemm.TRANSFORM_MIN_TOKENS
-    assert cutlass_gemm.nestedfp_default_config(transform + 1, 4096, 14336) == "co128x256t"  # 128 tiles
-    assert cutlass_gemm.nestedfp_default_config(transform, 4096, 4096) != "co128x256t"
-    # 6144 x 4096: 384 tiles of 128 x 256 at 2048 tokens fill three waves of 132 SMs, 192 at 1024 do not
+    assert cutlass_gemm.nestedfp_default_config(transform, 28672, 4096) == "co128x256t"  # 448 tiles
+    assert cutlass_gemm.nestedfp_default_config(transform - 1, 28672, 4096) != "co128x256t"
+    # 6144 x 4096: 384 tiles of 128 x 256 at 2048 tokens fill three waves of 132 SMs, 144 at 768 do not
     assert cutlass_gemm.nestedfp_default_config(2048, 6144, 4096) == "co128x256t"
-    assert cutlass_gemm.nestedfp_default_config(1024, 6144, 4096) == "co128"
-    assert cutlass_gemm.nestedfp_default_config(1024, 6144, 4096, num_sms=96) == "co128x256t"  # 2 waves
+    assert cutlass_gemm.nestedfp_default_config(768, 6144, 4096) == "co128sk"
+    assert cutlass_gemm.nestedfp_default_config(768, 6144, 4096, num_sms=72) == "co128x256t"  # 2 waves
+    # 28672 x 4096 at 640 tokens: 672 tiles fill 0.85 of their last wave, but only 640 / 768 token rows
+    assert cutlass_gemm.nestedfp_default_config(640, 28672, 4096) == "co128sk"
+    assert cutlass_gemm.nestedfp_default_config(768, 28672, 4096) == "co128x256t"
 
 
 def test_nestedfp_operands_are_checked():
