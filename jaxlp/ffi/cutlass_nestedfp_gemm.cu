@@ -199,11 +199,11 @@ struct NestedFp16Mainloop : Base {
                            cute::tuple<Ts...> const& load_inputs, BlockCoord const& blk_coord,
                            KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
                            uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
-    Tensor sA = as_position_independent_swizzle_tensor(make_tensor(
-        make_smem_ptr(shared_tensors.smem_A.begin()), cute::conditional_t<kTransform, SmemLayoutPlanes, SmemLayoutA>{}));
+    using PlanesLayout = cute::conditional_t<kTransform, SmemLayoutPlanes, SmemLayoutA>;  // kTransformWarp: both
+    Tensor sA = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(shared_tensors.smem_A.begin()), PlanesLayout{}));
     Tensor sL = as_position_independent_swizzle_tensor(make_tensor(
-        make_smem_ptr(kTransform ? shared_tensors.smem_A.begin() : shared_tensors.smem_L.begin()),
-        cute::conditional_t<kTransform, SmemLayoutPlanes, SmemLayoutA>{}));
+        make_smem_ptr(kTransform ? shared_tensors.smem_A.begin() : shared_tensors.smem_L.begin()), PlanesLayout{}));
     Tensor sB = as_position_independent_swizzle_tensor(
         make_tensor(make_smem_ptr(shared_tensors.smem_B.begin()), SmemLayoutB{}));
 

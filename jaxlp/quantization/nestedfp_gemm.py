@@ -8,7 +8,7 @@ of 8), any number of tokens.
 :func:`jaxlp.ffi.cutlass_gemm.nestedfp_default_config` picks the kernel: past 512 tokens mostly the
 one whose producer warpgroup rebuilds the weights), the Pallas kernel where CUTLASS does not take the
 shape, both before XLA's merge-then-dot (:mod:`jaxlp.quantization.native_dot`), though still behind
-XLA's FP16 dot on plain FP16 weights (0.65-0.9x, 0.84-0.87x past 512 tokens where the tiles fill the
+XLA's FP16 dot on plain FP16 weights (0.65-0.9x, 0.81-0.87x past 512 tokens where the tiles fill the
 GPU; docs/perf.md sessions 18, 27 and 30).
 """
 
