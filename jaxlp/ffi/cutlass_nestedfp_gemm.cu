@@ -290,7 +290,7 @@ struct NestedFp16Mainloop : Base {
   // announces the stage. Shared memory by 32-bit addresses: cute's tensors address it through 64-bit
   // generic pointers here (generic loads and stores, 1.7x the instructions).
   CUTLASS_DEVICE void merge_stage(MainloopPipeline& pipeline, PipelineState const& full, int part, int lane,
-                                     TensorStorage& shared_tensors) {
+                                  TensorStorage& shared_tensors) {
     constexpr int kRows = size<0>(TileShape{}), kSteps = kRows / 4 / 8;
     pipeline.consumer_wait(full);
     const uint32_t stage = full.index();
