@@ -234,10 +234,10 @@ struct NestedFp16Mainloop : Base {
 
     // kTransformWarp: this warp also rebuilds part 0 of each k tile's rows (merge_stage), kLag k tiles
     // behind its loads (a stage is freed once its k tile's weights are rebuilt and used, so the
-    // loads may run at most Stages - 2 k tiles ahead of this warp's own merges)
-    constexpr int kLag = Base::DispatchPolicy::Stages - 2;
+    // loads may run at most Stages - 2 k tiles ahead of this warp's own merges). `full` is the next k
+    // tile to rebuild: its count trails smem_pipe_write's by the k tiles loaded but not yet rebuilt.
+    constexpr uint32_t kLag = Base::DispatchPolicy::Stages - 2;
     PipelineState full(smem_pipe_write.index(), smem_pipe_write.phase() ^ 1, smem_pipe_write.count());
-    int lagging = 0;
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(smem_pipe_write);
@@ -252,18 +252,15 @@ struct NestedFp16Mainloop : Base {
       ++k_tile_iter;
       ++smem_pipe_write;
       if constexpr (kTransform) {
-        if (++lagging > kLag) {
+        if (smem_pipe_write.count() - full.count() > kLag) {
           merge_stage(pipeline, full, 0, thread_idx, shared_tensors);
           ++full;
-          --lagging;
         }
       }
     }
     if constexpr (kTransform) {
-      for (; lagging > 0; --lagging) {
+      for (; full.count() != smem_pipe_write.count(); ++full)
         merge_stage(pipeline, full, 0, thread_idx, shared_tensors);
-        ++full;
-      }
     }
   }
 
