@@ -178,8 +178,10 @@ class GemvConfig:
         return None
 
 
+BLOCK_FP4_TARGET = "jaxlp_block_fp4_matmul"  # the "pipe" kernel on MXFP4 / DialectFP4 weights (jaxlp.ffi.block_fp4)
 _library = build.Library(
-    LIBRARY, {GEMV_TARGET: "JaxlpNvfp4Gemv", MATMUL_TARGET: "JaxlpNvfp4Matmul", QUANTIZE_TARGET: "JaxlpNvfp4Quantize"}
+    LIBRARY, {GEMV_TARGET: "JaxlpNvfp4Gemv", MATMUL_TARGET: "JaxlpNvfp4Matmul", QUANTIZE_TARGET: "JaxlpNvfp4Quantize",
+              BLOCK_FP4_TARGET: "JaxlpBlockFp4Matmul"}
 )
 on_gpu = build.on_gpu
 

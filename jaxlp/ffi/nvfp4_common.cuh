@@ -161,6 +161,53 @@ __device__ __forceinline__ void act_pairs(const uint4& v, uint32_t (&b)[4]) {
   b[3] = prmt(v.y, v.w, 0x7632u);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Table decode of MXFP4 and DialectFP4 (WeightFormat kFmtMxfp4, kFmtDialect)
+
+// A block's magnitude table: the BF16 patterns of its 8 magnitudes in half units (integers 0..15,
+// exact in BF16), split into bytes: tab[0] = low bytes of entries 0..3 (entry i in byte i), tab[1]
+// = low bytes of entries 4..7, tab[2] / tab[3] = the high bytes. MXFP4's is E2M1's {0, 0.5, 1, 1.5,
+// 2, 3, 4, 6} = {0, 1, 2, 3, 4, 6, 8, 12} half units.
+__device__ __forceinline__ void e2m1_table(uint32_t (&tab)[4]) {
+  tab[0] = 0x40008000u;  // low bytes of 0, 1.0, 2.0, 3.0 (BF16 0x0000, 0x3F80, 0x4000, 0x4040)
+  tab[1] = 0x4000C080u;  // low bytes of 4.0, 6.0, 8.0, 12.0 (0x4080, 0x40C0, 0x4100, 0x4140)
+  tab[2] = 0x40403F00u;
+  tab[3] = 0x41414040u;
+}
+
+// Eight codes of a 32-bit word (code j = sign << 3 | index in bits 4j..4j+3) -> four BF16x2 pairs in
+// natural order {c0, c1}, {c2, c3}, {c4, c5}, {c6, c7}: each table[index] * scale with the code's sign.
+// PRMT looks up four bytes at once (its selector nibbles are the indices, sign bits masked off); the
+// signs go to bit 7 of the high bytes; two more PRMTs interleave low and high bytes into pairs.
+__device__ __forceinline__ void decode_word_lut(uint32_t w, const uint32_t (&tab)[4], uint32_t scale2,
+                                                uint32_t (&pair)[4]) {
+  const uint32_t sel_a = w & 0x7777u, sel_b = (w >> 16) & 0x7777u;
+  const uint32_t lo_a = prmt(tab[0], tab[1], sel_a), lo_b = prmt(tab[0], tab[1], sel_b);
+  uint32_t hi_a = prmt(tab[2], tab[3], sel_a), hi_b = prmt(tab[2], tab[3], sel_b);
+  // Bytes {b0, b0, b1, b1} of w (resp. {b2, b2, b3, b3}): the sign of code 2i is bit 3 of byte 2i
+  // shifted to bit 7, the sign of code 2i+1 is already bit 7 of byte 2i+1.
+  const uint32_t ya = prmt(w, 0u, 0x1100u), yb = prmt(w, 0u, 0x3322u);
+  hi_a |= (((ya << 4) & 0x00800080u) | (ya & 0x80008000u));
+  hi_b |= (((yb << 4) & 0x00800080u) | (yb & 0x80008000u));
+  pair[0] = hmul2_bf16(prmt(lo_a, hi_a, 0x5140u), scale2);
+  pair[1] = hmul2_bf16(prmt(lo_a, hi_a, 0x7362u), scale2);
+  pair[2] = hmul2_bf16(prmt(lo_b, hi_b, 0x5140u), scale2);
+  pair[3] = hmul2_bf16(prmt(lo_b, hi_b, 0x7362u), scale2);
+}
+
+// The BF16x2 {s, s} of an MXFP4 block's E8M0 byte b: s = 2^(b - 127) / 2 (the table is in half
+// units), subnormal for b < 2 (BF16 keeps them).
+__device__ __forceinline__ uint32_t mxfp4_scale2(uint32_t b) {
+  const uint32_t s = b >= 2u ? (b - 1u) << 7 : 0x40u >> (1u - b);
+  return s | (s << 16);
+}
+
+// The BF16x2 {s, s} of a DialectFP4 block's exponent code c (0..31): s = 2^(c - 18) / 2, normal.
+__device__ __forceinline__ uint32_t dialect_scale2(uint32_t c) {
+  const uint32_t s = (c + 108u) << 7;
+  return s | (s << 16);
+}
+
 using jaxlp::cp_async16;  // shared-memory copies: async_copy.cuh
 using jaxlp::cp_async4;
 using jaxlp::cp_async_commit;

@@ -2,7 +2,8 @@
 //
 //   y[m, n] = sum_k act(x)[m, k] * W[n, k]
 //
-// Four kernels (the dispatch table picks one per (M, N, K), see nvfp4_dispatch.py):
+// Four kernels (the dispatch table picks one per (M, N, K), see nvfp4_dispatch.py); "pipe" also
+// runs MXFP4 and DialectFP4 weights (handler JaxlpBlockFp4Matmul, jaxlp.ffi.block_fp4):
 // - gemv_kernel ("regs", M <= 32, any K % 16 == 0): nvfp4_gemv.cu; FP16 tensor cores, a staging
 //   kernel per call. Handler JaxlpNvfp4Gemv.
 // - pipe_kernel ("pipe", M <= 32, K % 64 == 0): cp.async ring per warp, persistent clusters with
@@ -267,7 +268,96 @@ ffi::Error MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8
   return ffi::Error::Success();
 }
 
+// The "pipe" (kernel = 1) and "gemm" (kernel = 2) kernels on MXFP4 or DialectFP4 weights
+// (jaxlp.ffi.block_fp4): BF16 x, W4A16 (W4A4 callers pass the activations already quantized and
+// decoded, exact in BF16); BF16 or FP32 y. "pipe" reads the scale bytes [N, K/32] and the dialect ids
+// [N, K/64]; "gemm" one packed metadata word per (row, 64 k) in place of the scales, [N, K/16] bytes.
+ffi::Error BlockFp4MatmulImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> codes,
+                              ffi::Buffer<ffi::U8> scales, ffi::Buffer<ffi::U8> dialects, ffi::Buffer<ffi::U8> tables,
+                              ffi::Result<ffi::AnyBuffer> y, int64_t format, int64_t kernel, int64_t rows_per_warp,
+                              int64_t split, int64_t block_m, int64_t block_n) {
+  const auto xd = x.dimensions();
+  const auto cd = codes.dimensions();
+  const auto sd = scales.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2) return bad("x, codes and scales must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = cd[0];
+  if (format != kFmtMxfp4 && format != kFmtDialect) return bad("format must be 1 (MXFP4) or 2 (DialectFP4)");
+  if (kernel != kPipe && kernel != kGemm) return bad("kernel must be 1 (pipe) or 2 (gemm)");
+  if (M < 1 || (kernel == kPipe && M > kMaxM)) return bad("M (tokens) out of range: " + std::to_string(M));
+  if (K < 128 || K % 128) return bad("K must be a positive multiple of 128, got " + std::to_string(K));
+  if (N < 1) return bad("N must be positive");
+  if (K > (int64_t(1) << 30) || N > (int64_t(1) << 30) || N * K > (int64_t(1) << 40))
+    return bad("N and K must be below 2^30");
+  if (cd[1] != K / 2) return bad("codes must be [N, K/2]");
+  if (kernel == kPipe && (sd[0] != N || sd[1] != K / 32)) return bad("block scales / exponents must be [N, K/32]");
+  if (kernel == kGemm && (sd[0] != N || sd[1] != K / 16)) return bad("the gemm's metadata must be [N, K/16] bytes");
+  if (kernel == kPipe && format == kFmtDialect) {
+    const auto dd = dialects.dimensions();
+    if (dd.size() != 2 || dd[0] != N || dd[1] != K / 64) return bad("dialect ids must be [N, K/64]");
+  }
+  if (format == kFmtDialect && tables.element_count() != 256) return bad("the dialect tables must be [16, 16] bytes");
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != M || yd[1] != N) return bad("output must be [M, N]");
+  if (rows_per_warp != 1 && rows_per_warp != 2) return bad("rows_per_warp must be 1 or 2");
+  if (split != 1 && split != 2 && split != 4) return bad("split must be 1, 2 or 4");
+  if (block_m != 64 && block_m != 128) return bad("block_m must be 64 or 128");
+  if (block_n != 64 && block_n != 128) return bad("block_n must be 64 or 128");
+  if (kernel == kGemm && K / 64 < split) return bad("split-K needs at least 64 * split values of K");
+  if (M > (int64_t(1) << 30) || M * K > (int64_t(1) << 40)) return bad("M must be below 2^30");
+  PipeParams p = {};
+  p.wdata = codes.typed_data();
+  p.wscale = scales.typed_data();
+  p.wdialect = dialects.typed_data();
+  p.tables = tables.typed_data();
+  p.x = reinterpret_cast<const __nv_bfloat16*>(x.untyped_data());
+  p.y = y->untyped_data();
+  p.M = static_cast<int>(M);
+  p.N = static_cast<int>(N);
+  p.K = static_cast<int>(K);
+  const bool ids_misaligned = kernel == kPipe && reinterpret_cast<uintptr_t>(p.wdialect) % 4;
+  const bool dialect_misaligned =
+      format == kFmtDialect && (ids_misaligned || reinterpret_cast<uintptr_t>(p.tables) % 16);
+  if (reinterpret_cast<uintptr_t>(p.wdata) % 16 || reinterpret_cast<uintptr_t>(p.wscale) % 4 ||
+      reinterpret_cast<uintptr_t>(p.x) % 16 || dialect_misaligned)
+    return bad("buffers must be 16-byte aligned (scales and dialect ids 4-byte)");
+  const int fmt = static_cast<int>(format), rows = static_cast<int>(rows_per_warp), sp = static_cast<int>(split);
+  const int bm = static_cast<int>(block_m), bn = static_cast<int>(block_n);
+  cudaError_t e;
+  switch (y->element_type()) {
+    case ffi::DataType::BF16:
+      e = kernel == kPipe ? run_pipe_block_fp4<__nv_bfloat16>(stream, p, fmt, rows, sp)
+                          : run_gemm_block_fp4<__nv_bfloat16>(stream, p, fmt, bm, bn, sp);
+      break;
+    case ffi::DataType::F32:
+      e = kernel == kPipe ? run_pipe_block_fp4<float>(stream, p, fmt, rows, sp)
+                          : run_gemm_block_fp4<float>(stream, p, fmt, bm, bn, sp);
+      break;
+    default:
+      return bad("the output must be bfloat16 or float32");
+  }
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(e, "block fp4 matmul launch");
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxlp_nvfp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpBlockFp4Matmul, jaxlp_nvfp4::BlockFp4MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // E8M0 scales / exponent codes [N, K/32]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // DialectFP4: dialect ids [N, K/64]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // DialectFP4: tables [16, 16]
+                                  .Ret<ffi::AnyBuffer>()          // y [M, N], bfloat16 or float32
+                                  .Attr<int64_t>("format")        // 1: MXFP4, 2: DialectFP4
+                                  .Attr<int64_t>("kernel")        // 1: pipe, 2: gemm
+                                  .Attr<int64_t>("rows_per_warp")
+                                  .Attr<int64_t>("split")
+                                  .Attr<int64_t>("block_m")
+                                  .Attr<int64_t>("block_n"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpNvfp4Gemv, jaxlp_nvfp4::GemvImpl,
                               ffi::Ffi::Bind()

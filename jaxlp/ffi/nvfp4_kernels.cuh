@@ -18,6 +18,16 @@ constexpr int kMaxM = 32;
 
 enum ActMode : int { kA16 = 0, kA4 = 1, kProbe = 2 };  // kProbe: W4A16 staging, weights loaded, no math
 
+// The weight formats of pipe_kernel's BF16 decode ("pipe"). Every one stores E2M1-like codes, two per
+// byte (even k in the low nibble); they differ in the block decode:
+// kNvfp4: E2M1 codes, E4M3 scales per 16 (wscale [N, K/16]) and the tensor scale g_w.
+// kMxfp4: E2M1 codes, E8M0 scales per 32 (wscale [N, K/32]: 2^(byte - 127)).
+// kDialect: DialectFP4 (BlockDialect): sign + 3-bit index per code into the 8 magnitudes (half units)
+//   of the block's dialect (wdialect [N, K/64], two 4-bit ids per byte, block 2i in the low nibble),
+//   times 2^(byte - 18) per 32 (wscale [N, K/32], the 5-bit exponent codes).
+// MXFP4 and DialectFP4 decode by a table lookup (decode_word_lut), MXFP4's table being E2M1's.
+enum WeightFormat : int { kFmtNvfp4 = 0, kFmtMxfp4 = 1, kFmtDialect = 2 };
+
 // Parameters of gemv_kernel (nvfp4_gemv.cu); the FP16 staging kernels (nvfp4_quantize.cu) write its
 // x_eff and xs.
 struct GemvParams {
@@ -46,6 +56,8 @@ struct PipeParams {
   void* y;                          // [M, N]
   int M, N, K, Kp, tiles, chunks;
   int xg_amax;  // 1: xg holds the activations' calibrated amax (see act_scale)
+  const uint8_t* wdialect;  // kFmtDialect: dialect ids [N, K/64], two per byte
+  const uint8_t* tables;    // kFmtDialect: [16][16] bytes, dialect_tables() of the formatbook
 };
 
 // Variants of the M <= 8 GEMVs (GemvConfig fields; 0 / 1 = the kernel's default):
@@ -81,6 +93,10 @@ cudaError_t run_regs(cudaStream_t stream, int mode, const GemvParams& p, int row
 // the x_eff / xs workspaces of g that stage_f16 just wrote.
 template <typename T>
 cudaError_t run_pipe(cudaStream_t stream, const PipeParams& p, int rows, int split, bool pdl);
+// The "pipe" kernel on MXFP4 (fmt = kFmtMxfp4) or DialectFP4 (kFmtDialect) weights and BF16 p.x
+// (W4A16, or activations already quantized and decoded to BF16); no tensor scales. T: the output.
+template <typename T>
+cudaError_t run_pipe_block_fp4(cudaStream_t stream, const PipeParams& p, int fmt, int rows, int split);
 template <typename T>
 cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int rows, int split, bool pdl,
                        GemvVariant v);
@@ -88,5 +104,9 @@ cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int r
 // nvfp4_gemm.cu: gemm_kernel with block_n x block_m CTA tiles, split-K over `split` CTAs, on p.x.
 template <typename T>
 cudaError_t run_gemm(cudaStream_t stream, const PipeParams& p, int block_m, int block_n, int split, bool pdl);
+// The same on MXFP4 / DialectFP4 weights (fmt), p.wscale holding the packed per-stage metadata.
+template <typename T>
+cudaError_t run_gemm_block_fp4(cudaStream_t stream, const PipeParams& p, int fmt, int block_m, int block_n,
+                               int split);
 
 }  // namespace jaxlp_nvfp4

@@ -1,4 +1,5 @@
-// pipe_kernel: the small-M GEMV with a cp.async ring, BF16 tensor cores and no staging for W4A16.
+// pipe_kernel: the small-M GEMV with a cp.async ring, BF16 tensor cores and no staging for W4A16,
+// for NVFP4 and (FMT, WeightFormat in nvfp4_kernels.cuh) MXFP4 and DialectFP4 weights.
 //
 // A cluster of C CTAs (8 warps each) owns tiles of 16*R output rows, persistently: cluster i takes
 // tiles i, i + clusters, ... Its C*8 warps split K by interleaved 256-k chunks (warp w of CTA r takes
@@ -16,6 +17,14 @@
 //
 // The same ring and clusters also run the regs GEMV's arithmetic on its staged FP16 x_eff ("pipe16",
 // handler JaxlpNvfp4Gemv); see PipeDecode. Argument checks and handlers: nvfp4_ffi.cu.
+//
+// MXFP4 and DialectFP4 ("pipe" with FMT != kFmtNvfp4, handler JaxlpBlockFp4Matmul): a stage's 16
+// metadata bytes per row hold the chunk's 8 block scales (E8M0) or exponent codes, and for DialectFP4
+// its 4 bytes of dialect ids. Thread (g, t) takes blocks 2t and 2t+1 of the chunk (its two 32-k
+// halves) and decodes each 8-code word by table lookup (decode_word_lut: the block's 8 magnitudes as
+// BF16, the dialect's table read from shared memory) into natural-order pairs, so the activations
+// enter the MMA as loaded. Every product is exact (BF16 holds every magnitude times every scale of
+// both formats); no tensor scale. Needs K % 128 == 0.
 
 #include <algorithm>
 
@@ -159,10 +168,84 @@ __device__ __forceinline__ void pipe_item_f16(const PipeParams& p, const uint8_t
   }
 }
 
+// DialectFP4: the formatbook's 16 tables (decode_word_lut's layout, from p.tables) in shared memory.
+template <int FMT>
+__device__ __forceinline__ const uint4* load_dialect_tables(const PipeParams& p) {
+  if constexpr (FMT == kFmtDialect) {
+    __shared__ uint4 tables[16];
+    if (threadIdx.x < 16) tables[threadIdx.x] = reinterpret_cast<const uint4*>(p.tables)[threadIdx.x];
+    __syncthreads();
+    return tables;
+  } else {
+    return nullptr;
+  }
+}
+
+// One (tile, chunk) item of pipe_kernel on MXFP4 or DialectFP4 weights (FMT): thread (g, t) takes
+// k [k0, k0 + 64) = blocks 2t and 2t+1 of the chunk, of rows g and g+8 of each 16-row tile,
+// decodes them by table lookup (decode_word_lut) and multiplies them with the BF16 activations of
+// 8 tokens as loaded (natural-order pairs on both sides).
+template <int R, int NT, int FMT>
+__device__ __forceinline__ void pipe_item_lut(const PipeParams& p, const uint8_t* st, int kData, int g, int t,
+                                              int k0, bool kval, const uint4* dialect_tab, int tile,
+                                              float (&acc)[R][NT][4]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint4 x[NT][4];  // token 8*nt + g, k [k0 + 32*half + 8w, +8)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int tok = nt * 8 + g;
+      const __nv_bfloat16* src = p.x + static_cast<int64_t>(tok) * p.K + k0 + 32 * half;
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        x[nt][w] = (kval && tok < p.M) ? ld_act_nc_v4(src + 8 * w) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int rt = 0; rt < R; ++rt) {
+      uint4 wv[2];
+      uint32_t tab[2][4], scale2[2];  // [row g / g+8]: the block's table and BF16x2 scale
+      int dialect_shift[2];           // where the row's dialect ids start in its 8 staged bytes (0 or 2)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = rt * 16 + g + 8 * h;
+        dialect_shift[h] = static_cast<int>((min(tile * 16 * R + row, p.N - 1) * int64_t(p.K / 64)) & 2);
+        wv[h] = *reinterpret_cast<const uint4*>(st + row * 128 + (((2 * t + half) ^ g) << 4));
+        const uint8_t* meta = st + kData + row * 16;
+        const uint32_t e = meta[2 * t + half];
+        if constexpr (FMT == kFmtMxfp4) {
+          scale2[h] = mxfp4_scale2(e);
+          e2m1_table(tab[h]);
+        } else {
+          scale2[h] = dialect_scale2(e);
+          const uint4 tv = dialect_tab[(meta[8 + dialect_shift[h] + t] >> (4 * half)) & 0xFu];
+          tab[h][0] = tv.x;
+          tab[h][1] = tv.y;
+          tab[h][2] = tv.z;
+          tab[h][3] = tv.w;
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        uint32_t r0[4], r1[4];
+        decode_word_lut(word_of(wv[0], w), tab[0], scale2[0], r0);
+        decode_word_lut(word_of(wv[1], w), tab[1], scale2[1], r1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint4 xv = x[nt][w];
+          mma_16816_bf16(acc[rt][nt], r0[0], r1[0], r0[1], r1[1], xv.x, xv.y);
+          mma_16816_bf16(acc[rt][nt], r0[2], r1[2], r0[3], r1[3], xv.z, xv.w);
+        }
+      }
+    }
+  }
+}
+
 // S: ring stages per warp (S - 1 items in flight); ACC: MMA chains per item (kDecF16).
-template <int R, int NT, int C, typename TOut, int DEC = kDecBF16, int S = kPipeStagesDec<R, DEC>, int ACC = 1>
+template <int R, int NT, int C, typename TOut, int DEC = kDecBF16, int S = kPipeStagesDec<R, DEC>, int ACC = 1,
+          int FMT = kFmtNvfp4>
 __global__ void __launch_bounds__(256, (kPipeMinBlocks<R, DEC, S>)) pipe_kernel(const PipeParams p) {
   static_assert(S >= 2, "the ring needs at least 2 stages");
+  static_assert(FMT == kFmtNvfp4 || DEC == kDecBF16, "MXFP4 and DialectFP4 run the BF16 decode");
   constexpr int kStage = kPipeStageBytes<R>;
   constexpr int kData = R * 16 * 128;
   constexpr int kRed = kPipeRedFloats<R, NT>;
@@ -176,7 +259,8 @@ __global__ void __launch_bounds__(256, (kPipeMinBlocks<R, DEC, S>)) pipe_kernel(
   const int wq = rank * kPipeWarps + warp;  // this warp's index among the cluster's warps
   constexpr int kWarpsPerTile = C * kPipeWarps;
   const int nc = wq < p.chunks ? (p.chunks - wq + kWarpsPerTile - 1) / kWarpsPerTile : 0;  // chunks per tile
-  const int64_t row_bytes = p.K / 2, row_scales = p.K / 16;
+  const int64_t row_bytes = p.K / 2, row_scales = p.K / (FMT == kFmtNvfp4 ? 16 : 32), row_ids = p.K / 64;
+  const uint4* dialect_tab = load_dialect_tables<FMT>(p);
 
   // The item stream: (tile index i: tile = cluster + i * clusters, chunk index j: chunk = wq + j * C*8).
   int it_i = 0, it_j = 0;  // next item to issue
@@ -193,13 +277,36 @@ __global__ void __launch_bounds__(256, (kPipeMinBlocks<R, DEC, S>)) pipe_kernel(
       const uint8_t* src = p.wdata + r * row_bytes + (ok ? c * 128 + cu * 16 : 0);
       cp_async16(smem_addr(st + row * 128 + ((cu ^ (row & 7)) << 4)), src, ok ? 16u : 0u);
     }
+    if constexpr (FMT == kFmtNvfp4) {
 #pragma unroll
-    for (int q = 0; q < 2 * R; ++q) {  // 16R rows x 4 units of 4 scale bytes
-      const int u = lane + 32 * q, row = u >> 2, cu = u & 3;
-      const int r = min(base + row, p.N - 1);
-      const bool ok = c * kChunkK + cu * 64 < p.K;
-      const uint8_t* src = p.wscale + r * row_scales + (ok ? c * 16 + cu * 4 : 0);
-      cp_async4(smem_addr(st + kData + row * 16 + cu * 4), src, ok ? 4u : 0u);
+      for (int q = 0; q < 2 * R; ++q) {  // 16R rows x 4 units of 4 scale bytes
+        const int u = lane + 32 * q, row = u >> 2, cu = u & 3;
+        const int r = min(base + row, p.N - 1);
+        const bool ok = c * kChunkK + cu * 64 < p.K;
+        const uint8_t* src = p.wscale + r * row_scales + (ok ? c * 16 + cu * 4 : 0);
+        cp_async4(smem_addr(st + kData + row * 16 + cu * 4), src, ok ? 4u : 0u);
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < R; ++q) {  // 16R rows x 2 units of 4 scale bytes (8 blocks of 32)
+        const int u = lane + 32 * q, row = u >> 1, cu = u & 1;
+        const int r = min(base + row, p.N - 1);
+        const bool ok = c * kChunkK + cu * 128 < p.K;
+        const uint8_t* src = p.wscale + r * row_scales + (ok ? c * 8 + cu * 4 : 0);
+        cp_async4(smem_addr(st + kData + row * 16 + cu * 4), src, ok ? 4u : 0u);
+      }
+      if constexpr (FMT == kFmtDialect) {
+        // 16R rows x the 4-byte-aligned 8 bytes holding the chunk's (up to) 4 bytes of dialect ids, which
+        // start 2 bytes in where K % 256 == 128 and the row is odd (dialect_shift); none past the array.
+        for (int u = lane; u < 32 * R; u += 32) {
+          const int row = u >> 1, cu = u & 1;
+          const int r = min(base + row, p.N - 1);
+          const int64_t at = ((r * row_ids + c * 4) & ~int64_t(3)) + 4 * cu;
+          const int64_t left = p.N * row_ids - at;
+          const uint32_t bytes = left >= 4 ? 4u : left > 0 ? static_cast<uint32_t>(left) : 0u;
+          cp_async4(smem_addr(st + kData + row * 16 + 8 + 4 * cu), p.wdialect + (bytes ? at : 0), bytes);
+        }
+      }
     }
     if (++it_j == nc) {
       it_j = 0;
@@ -238,7 +345,8 @@ __global__ void __launch_bounds__(256, (kPipeMinBlocks<R, DEC, S>)) pipe_kernel(
   prefetch_x(0);
   prefetch_x(1);
 
-  const float gscale = *p.wg * 128.0f * (p.xg != nullptr ? act_scale(p.xg, p.xg_amax) : 1.0f);
+  const float gscale =
+      FMT == kFmtNvfp4 ? *p.wg * 128.0f * (p.xg != nullptr ? act_scale(p.xg, p.xg_amax) : 1.0f) : 1.0f;
   TOut* y = static_cast<TOut*>(p.y);
   int item = 0, slot = 0;
   for (int ti = 0; ti < my_tiles; ++ti) {
@@ -268,7 +376,9 @@ __global__ void __launch_bounds__(256, (kPipeMinBlocks<R, DEC, S>)) pipe_kernel(
       const int c = wq + j * kWarpsPerTile;
       const int k0 = c * kChunkK + 64 * t;
       const bool kval = k0 < p.K;
-      if constexpr (DEC == kDecProbe) {
+      if constexpr (FMT != kFmtNvfp4) {
+        pipe_item_lut<R, NT, FMT>(p, st, kData, g, t, k0, kval, dialect_tab, tile, acc);
+      } else if constexpr (DEC == kDecProbe) {
         pipe_item_probe<R, NT>(st, kData, g, t, acc);
       } else if constexpr (DEC == kDecF16) {
         pipe_item_f16<R, NT, ACC>(p, st, kData, g, t, c, k0, kval, acc);
@@ -356,9 +466,9 @@ __global__ void __launch_bounds__(256, (kPipeMinBlocks<R, DEC, S>)) pipe_kernel(
 // ---------------------------------------------------------------------------------------------
 // Host side
 
-template <int R, int NT, int C, typename T, int DEC, int S = kPipeStagesDec<R, DEC>, int ACC = 1>
+template <int R, int NT, int C, typename T, int DEC, int S = kPipeStagesDec<R, DEC>, int ACC = 1, int FMT = kFmtNvfp4>
 cudaError_t launch_pipe(cudaStream_t stream, PipeParams p, bool pdl) {
-  const void* kernel = reinterpret_cast<const void*>(pipe_kernel<R, NT, C, T, DEC, S, ACC>);
+  const void* kernel = reinterpret_cast<const void*>(pipe_kernel<R, NT, C, T, DEC, S, ACC, FMT>);
   constexpr int smem = kPipeSmemBytes<R, NT, S>;
   int max_ctas = 0;
   cudaError_t e = resident_ctas(kernel, smem, C, &max_ctas);
@@ -366,8 +476,8 @@ cudaError_t launch_pipe(cudaStream_t stream, PipeParams p, bool pdl) {
   p.tiles = (p.N + 16 * R - 1) / (16 * R);
   p.chunks = (p.K + kChunkK - 1) / kChunkK;
   const int clusters = std::max(1, std::min(p.tiles, max_ctas / C));
-  return jaxlp::launch_kernel(pipe_kernel<R, NT, C, T, DEC, S, ACC>, dim3(clusters * C), dim3(256), smem, stream, C,
-                              pdl, p);
+  return jaxlp::launch_kernel(pipe_kernel<R, NT, C, T, DEC, S, ACC, FMT>, dim3(clusters * C), dim3(256), smem, stream,
+                              C, pdl, p);
 }
 
 // S == 0: the default ring (then ACC == 1, any M <= 32); otherwise M <= 8 (checked by the handler).
@@ -399,6 +509,33 @@ cudaError_t launch_pipe_cfg(cudaStream_t stream, const PipeParams& p, int rows, 
 template <typename T>
 cudaError_t run_pipe(cudaStream_t stream, const PipeParams& p, int rows, int split, bool pdl) {
   return launch_pipe_cfg<T>(stream, p, rows, split, pdl);
+}
+
+template <int R, int C, int FMT, typename TOut>
+cudaError_t launch_block_fp4_nt(cudaStream_t stream, const PipeParams& p) {
+  const int nt = (p.M + 7) / 8;
+  constexpr int S = kPipeStages<R>;
+  if (nt == 1) return launch_pipe<R, 1, C, TOut, kDecBF16, S, 1, FMT>(stream, p, false);
+  if (nt == 2) return launch_pipe<R, 2, C, TOut, kDecBF16, S, 1, FMT>(stream, p, false);
+  return launch_pipe<R, 4, C, TOut, kDecBF16, S, 1, FMT>(stream, p, false);
+}
+
+template <int FMT, typename TOut>
+cudaError_t launch_block_fp4(cudaStream_t stream, const PipeParams& p, int rows, int split) {
+  if (rows == 1) {
+    if (split == 1) return launch_block_fp4_nt<1, 1, FMT, TOut>(stream, p);
+    if (split == 2) return launch_block_fp4_nt<1, 2, FMT, TOut>(stream, p);
+    return launch_block_fp4_nt<1, 4, FMT, TOut>(stream, p);
+  }
+  if (split == 1) return launch_block_fp4_nt<2, 1, FMT, TOut>(stream, p);
+  if (split == 2) return launch_block_fp4_nt<2, 2, FMT, TOut>(stream, p);
+  return launch_block_fp4_nt<2, 4, FMT, TOut>(stream, p);
+}
+
+template <typename TOut>
+cudaError_t run_pipe_block_fp4(cudaStream_t stream, const PipeParams& p, int fmt, int rows, int split) {
+  return fmt == kFmtMxfp4 ? launch_block_fp4<kFmtMxfp4, TOut>(stream, p, rows, split)
+                          : launch_block_fp4<kFmtDialect, TOut>(stream, p, rows, split);
 }
 
 // pipe16: pipe_kernel with the FP16 decode on the x_eff / xs workspaces that run_gemv's staging kernel
@@ -433,6 +570,8 @@ cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int r
 
 template cudaError_t run_pipe<__nv_bfloat16>(cudaStream_t, const PipeParams&, int, int, bool);
 template cudaError_t run_pipe<float>(cudaStream_t, const PipeParams&, int, int, bool);
+template cudaError_t run_pipe_block_fp4<__nv_bfloat16>(cudaStream_t, const PipeParams&, int, int, int);
+template cudaError_t run_pipe_block_fp4<float>(cudaStream_t, const PipeParams&, int, int, int);
 template cudaError_t run_pipe16<__nv_bfloat16>(cudaStream_t, int, const GemvParams&, int, int, bool, GemvVariant);
 template cudaError_t run_pipe16<float>(cudaStream_t, int, const GemvParams&, int, int, bool, GemvVariant);
 
