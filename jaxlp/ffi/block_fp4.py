@@ -13,8 +13,11 @@ block decode by table lookup in registers (``decode_word_lut`` in ``nvfp4_common
 DialectFP4), held as BF16 patterns in half units (:func:`magnitude_tables`), and the block's
 power-of-two scale multiplies it in BF16. Every ``magnitude * scale`` of both formats is exact in
 BF16 and every product with a BF16 activation is exact in FP32, so the kernel equals the float64
-product of the dequantized operands up to FP32 summation order. W4A4 callers quantize the
-activations first and pass their dequantized values, exact in BF16 (``activations.fake_quantize``).
+product of the dequantized operands up to FP32 summation order. W4A4 (``activation="mxfp4"`` or
+``"dialect_fp4"``): a staging kernel first quantizes ``x`` per 32-element block exactly as
+:func:`jaxlp.quantization.activations.fake_quantize` does (DialectFP4: two-stage selection with the
+default formatbook) and writes the decoded values (exact in BF16) to a workspace; the matmul starts
+behind it with programmatic dependent launch.
 
 Shapes: ``K % 128 == 0`` (whole 4-byte words of block scales per 128 k), block size 32, BF16 ``x``.
 :func:`why_not` says which rule a call breaks. The gemm reads the scales and dialect ids packed per
@@ -38,6 +41,7 @@ from jaxlp.formats.dialect_fp4 import DialectFP4Array
 from jaxlp.formats.mxfp4 import MXFP4Array
 
 TARGET = ffi_nvfp4.BLOCK_FP4_TARGET
+DECODE_TARGET = ffi_nvfp4.BLOCK_FP4_DECODE_TARGET
 FORMATS = {"mxfp4": 1, "dialect_fp4": 2}  # the kernel's WeightFormat
 K_MULTIPLE = 128
 BLOCK_SIZE = 32
@@ -100,6 +104,15 @@ def magnitude_tables(formatbook) -> np.ndarray:
     return np.concatenate([lo[:, :4], lo[:, 4:], hi[:, :4], hi[:, 4:]], axis=1)
 
 
+def selection_tables(formatbook=dialect_fp4.DEFAULT_FORMATBOOK) -> np.ndarray:
+    """float32 ``[168]``: the two-stage selection's tables for the staging kernel: the formatbook
+    ``[16, 8]`` (half units), the beneficial ranges ``[16, 2]`` (half-open, +-inf at the ends) and the
+    pairs' shared maxima ``[8]``."""
+    book = np.asarray(dialect_fp4.as_formatbook(formatbook), np.float32)
+    ranges = dialect_fp4.beneficial_ranges(formatbook).astype(np.float32)
+    return np.concatenate([book.ravel(), ranges.ravel(), book[0::2, -1]])
+
+
 def gemm_metadata(w) -> jax.Array:
     """The gemm's per-stage metadata of ``w``: uint8 ``[N, K/16]``, per (row, 64-k stage) the scale
     bytes of its two 32-blocks (E8M0 / exponent codes), their dialect-id byte (0 for MXFP4), a zero."""
@@ -136,6 +149,11 @@ def _tables(formatbook) -> np.ndarray:
     return magnitude_tables(formatbook)
 
 
+@functools.lru_cache(maxsize=None)
+def _selection_tables() -> np.ndarray:
+    return selection_tables()
+
+
 def _operands(w) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(codes, scale bytes, dialect ids, tables) of ``w`` as the custom call takes them."""
     if isinstance(w, MXFP4Array):
@@ -145,10 +163,25 @@ def _operands(w) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     return w.codes, w.exponents, w.dialect_pairs, jnp.asarray(_tables(w.formatbook))
 
 
+def decode(w: MXFP4Array | DialectFP4Array) -> jax.Array:
+    """``w`` decoded to BF16 ``[N, K]`` by a CUDA kernel (the GEMV's table decode, exact): equal to
+    ``w.dequantize(jnp.bfloat16)``. Any K multiple of 32, block size 32."""
+    fmt = getattr(w, "format", None)
+    if fmt not in FORMATS or len(w.shape) != 2 or w.block_size != BLOCK_SIZE:
+        raise ValueError(f"block_fp4.decode: takes 2-D {tuple(FORMATS)} arrays in blocks of {BLOCK_SIZE}, got "
+                         f"{fmt!r} {getattr(w, 'shape', None)}")
+    codes, scales, dialects, tables = _operands(w)
+    if ffi_nvfp4.on_gpu():
+        ffi_nvfp4.load()
+    call = jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct(tuple(w.shape), jnp.bfloat16))
+    return call(codes, scales, dialects, tables, format=FORMATS[fmt])
+
+
 def matmul(x: jax.Array, w: MXFP4Array | DialectFP4Array, *, config: Config = Config(),
-           out_dtype=jnp.bfloat16) -> jax.Array:
-    """``x [M, K] @ dequant(w).T`` through the kernel: ``[M, N]`` in ``out_dtype`` (bfloat16 or
-    float32), the FP32 sums rounded once (module doc)."""
+           out_dtype=jnp.bfloat16, activation: str | None = None) -> jax.Array:
+    """``act(x) [M, K] @ dequant(w).T`` through the kernel: ``[M, N]`` in ``out_dtype`` (bfloat16 or
+    float32), the FP32 sums rounded once; ``activation``: None (W4A16), ``"mxfp4"`` or
+    ``"dialect_fp4"`` (W4A4, quantized in the call; module doc)."""
     if x.ndim != 2:
         raise ValueError(f"block_fp4.matmul: x must be 2-D [M, K], got shape {x.shape}")
     if len(w.shape) == 2 and x.shape[1] != w.shape[1]:
@@ -156,6 +189,8 @@ def matmul(x: jax.Array, w: MXFP4Array | DialectFP4Array, *, config: Config = Co
     reason = why_not(w, x.shape[0], x.dtype, config)
     if reason is not None:
         raise ValueError(f"block_fp4.matmul: {reason}")
+    if activation is not None and activation not in FORMATS:
+        raise ValueError(f"block_fp4.matmul: activation must be None or one of {tuple(FORMATS)}, got {activation!r}")
     if jnp.dtype(out_dtype) not in OUT_DTYPES:
         raise ValueError(f"block_fp4.matmul: out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}")
     codes, scales, dialects, tables = _operands(w)
@@ -163,8 +198,13 @@ def matmul(x: jax.Array, w: MXFP4Array | DialectFP4Array, *, config: Config = Co
         scales = gemm_metadata(w)
     if ffi_nvfp4.on_gpu():
         ffi_nvfp4.load()
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), out_dtype))
-    return call(x, codes, scales, dialects, tables, format=FORMATS[w.format], kernel=KERNELS[config.kernel],
+    workspace = x.shape if activation is not None else (1, 8)
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), out_dtype),
+                                     jax.ShapeDtypeStruct(workspace, jnp.bfloat16)))
+    sel = jnp.asarray(_selection_tables() if activation == "dialect_fp4" else np.zeros(1, np.float32))
+    y, _ = call(x, codes, scales, dialects, tables, sel, format=FORMATS[w.format],
+                act=0 if activation is None else FORMATS[activation], kernel=KERNELS[config.kernel],
                 rows_per_warp=config.rows_per_warp, split=config.split, block_m=config.block_m, block_n=config.block_n)
+    return y
 
 

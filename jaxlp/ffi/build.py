@@ -36,6 +36,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
         "nvfp4_gemv.cu",  # gemv_kernel: the "regs" GEMV
         "nvfp4_gemm.cu",  # gemm_kernel: the mma.sync GEMM
         "nvfp4_quantize.cu",  # activation staging kernels and the standalone quantizer
+        "block_fp4_decode.cu",  # MXFP4 / DialectFP4 weights decoded to BF16 (jaxlp.ffi.block_fp4)
         "nvfp4_ffi.cu",  # argument checks, dispatch and the XLA FFI handlers
     ),
     "sampling": ("sampling.cu",),  # the fused sampling kernels and their handlers (jaxlp.ffi.sampling)

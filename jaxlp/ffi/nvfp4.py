@@ -178,10 +178,11 @@ class GemvConfig:
         return None
 
 
-BLOCK_FP4_TARGET = "jaxlp_block_fp4_matmul"  # the "pipe" kernel on MXFP4 / DialectFP4 weights (jaxlp.ffi.block_fp4)
+BLOCK_FP4_TARGET = "jaxlp_block_fp4_matmul"  # the kernels on MXFP4 / DialectFP4 weights (jaxlp.ffi.block_fp4)
+BLOCK_FP4_DECODE_TARGET = "jaxlp_block_fp4_decode"
 _library = build.Library(
     LIBRARY, {GEMV_TARGET: "JaxlpNvfp4Gemv", MATMUL_TARGET: "JaxlpNvfp4Matmul", QUANTIZE_TARGET: "JaxlpNvfp4Quantize",
-              BLOCK_FP4_TARGET: "JaxlpBlockFp4Matmul"}
+              BLOCK_FP4_TARGET: "JaxlpBlockFp4Matmul", BLOCK_FP4_DECODE_TARGET: "JaxlpBlockFp4Decode"}
 )
 on_gpu = build.on_gpu
 

@@ -269,13 +269,16 @@ ffi::Error MatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8
 }
 
 // The "pipe" (kernel = 1) and "gemm" (kernel = 2) kernels on MXFP4 or DialectFP4 weights
-// (jaxlp.ffi.block_fp4): BF16 x, W4A16 (W4A4 callers pass the activations already quantized and
-// decoded, exact in BF16); BF16 or FP32 y. "pipe" reads the scale bytes [N, K/32] and the dialect ids
-// [N, K/64]; "gemm" one packed metadata word per (row, 64 k) in place of the scales, [N, K/16] bytes.
+// (jaxlp.ffi.block_fp4): BF16 x; BF16 or FP32 y. "pipe" reads the scale bytes [N, K/32] and the
+// dialect ids [N, K/64]; "gemm" one packed metadata word per (row, 64 k) in place of the scales,
+// [N, K/16] bytes. act = 0: W4A16; act = kFmtMxfp4 / kFmtDialect: W4A4, x first quantized into the BF16
+// x_eff workspace [M, K] by stage_block_fp4 (the selection tables `sel`, 168 floats, for DialectFP4),
+// the GEMV launched after it with programmatic dependent launch.
 ffi::Error BlockFp4MatmulImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> codes,
                               ffi::Buffer<ffi::U8> scales, ffi::Buffer<ffi::U8> dialects, ffi::Buffer<ffi::U8> tables,
-                              ffi::Result<ffi::AnyBuffer> y, int64_t format, int64_t kernel, int64_t rows_per_warp,
-                              int64_t split, int64_t block_m, int64_t block_n) {
+                              ffi::Buffer<ffi::F32> sel, ffi::Result<ffi::AnyBuffer> y,
+                              ffi::Result<ffi::Buffer<ffi::BF16>> xeff, int64_t format, int64_t act, int64_t kernel,
+                              int64_t rows_per_warp, int64_t split, int64_t block_m, int64_t block_n) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
   const auto sd = scales.dimensions();
@@ -283,6 +286,7 @@ ffi::Error BlockFp4MatmulImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi
   const int64_t M = xd[0], K = xd[1], N = cd[0];
   if (format != kFmtMxfp4 && format != kFmtDialect) return bad("format must be 1 (MXFP4) or 2 (DialectFP4)");
   if (kernel != kPipe && kernel != kGemm) return bad("kernel must be 1 (pipe) or 2 (gemm)");
+  if (act != 0 && act != kFmtMxfp4 && act != kFmtDialect) return bad("act must be 0, 1 (MXFP4) or 2 (DialectFP4)");
   if (M < 1 || (kernel == kPipe && M > kMaxM)) return bad("M (tokens) out of range: " + std::to_string(M));
   if (K < 128 || K % 128) return bad("K must be a positive multiple of 128, got " + std::to_string(K));
   if (N < 1) return bad("N must be positive");
@@ -296,6 +300,9 @@ ffi::Error BlockFp4MatmulImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi
     if (dd.size() != 2 || dd[0] != N || dd[1] != K / 64) return bad("dialect ids must be [N, K/64]");
   }
   if (format == kFmtDialect && tables.element_count() != 256) return bad("the dialect tables must be [16, 16] bytes");
+  if (act == kFmtDialect && sel.element_count() != 168) return bad("the selection tables must be 168 floats");
+  const auto ed = xeff->dimensions();
+  if (act != 0 && (ed.size() != 2 || ed[0] != M || ed[1] != K)) return bad("the x_eff workspace must be [M, K]");
   const auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != M || yd[1] != N) return bad("output must be [M, N]");
   if (rows_per_warp != 1 && rows_per_warp != 2) return bad("rows_per_warp must be 1 or 2");
@@ -318,29 +325,77 @@ ffi::Error BlockFp4MatmulImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi
   const bool dialect_misaligned =
       format == kFmtDialect && (ids_misaligned || reinterpret_cast<uintptr_t>(p.tables) % 16);
   if (reinterpret_cast<uintptr_t>(p.wdata) % 16 || reinterpret_cast<uintptr_t>(p.wscale) % 4 ||
-      reinterpret_cast<uintptr_t>(p.x) % 16 || dialect_misaligned)
+      reinterpret_cast<uintptr_t>(p.x) % 16 || reinterpret_cast<uintptr_t>(xeff->untyped_data()) % 16 ||
+      dialect_misaligned)
     return bad("buffers must be 16-byte aligned (scales and dialect ids 4-byte)");
   const int fmt = static_cast<int>(format), rows = static_cast<int>(rows_per_warp), sp = static_cast<int>(split);
   const int bm = static_cast<int>(block_m), bn = static_cast<int>(block_n);
-  cudaError_t e;
-  switch (y->element_type()) {
-    case ffi::DataType::BF16:
-      e = kernel == kPipe ? run_pipe_block_fp4<__nv_bfloat16>(stream, p, fmt, rows, sp)
-                          : run_gemm_block_fp4<__nv_bfloat16>(stream, p, fmt, bm, bn, sp);
-      break;
-    case ffi::DataType::F32:
-      e = kernel == kPipe ? run_pipe_block_fp4<float>(stream, p, fmt, rows, sp)
-                          : run_gemm_block_fp4<float>(stream, p, fmt, bm, bn, sp);
-      break;
-    default:
-      return bad("the output must be bfloat16 or float32");
+  if (y->element_type() != ffi::DataType::BF16 && y->element_type() != ffi::DataType::F32)
+    return bad("the output must be bfloat16 or float32");
+  cudaError_t e = cudaSuccess;
+  if (act != 0) {
+    __nv_bfloat16* ws = reinterpret_cast<__nv_bfloat16*>(xeff->untyped_data());
+    e = stage_block_fp4(stream, static_cast<int>(act), p.x, sel.typed_data(), ws, p.M, p.K);
+    p.x = ws;
+  }
+  // PDL behind the staging kernel for the GEMV only: the GEMM's 64-row tilings ran 1.7x slower with it
+  // (docs/perf.md "Session 31").
+  const bool pdl = act != 0 && kernel == kPipe;
+  if (e == cudaSuccess) {
+    if (y->element_type() == ffi::DataType::BF16) {
+      e = kernel == kPipe ? run_pipe_block_fp4<__nv_bfloat16>(stream, p, fmt, rows, sp, pdl)
+                          : run_gemm_block_fp4<__nv_bfloat16>(stream, p, fmt, bm, bn, sp, pdl);
+    } else {
+      e = kernel == kPipe ? run_pipe_block_fp4<float>(stream, p, fmt, rows, sp, pdl)
+                          : run_gemm_block_fp4<float>(stream, p, fmt, bm, bn, sp, pdl);
+    }
   }
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(e, "block fp4 matmul launch");
   return ffi::Error::Success();
 }
 
+// MXFP4 / DialectFP4 weights decoded to BF16 (decode_block_fp4 in block_fp4_decode.cu).
+ffi::Error BlockFp4DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> scales,
+                              ffi::Buffer<ffi::U8> dialects, ffi::Buffer<ffi::U8> tables,
+                              ffi::Result<ffi::Buffer<ffi::BF16>> out, int64_t format) {
+  const auto cd = codes.dimensions();
+  const auto sd = scales.dimensions();
+  if (cd.size() != 2 || sd.size() != 2) return bad("codes and scales must be 2-D");
+  const int64_t N = cd[0], K = 2 * cd[1];
+  if (format != kFmtMxfp4 && format != kFmtDialect) return bad("format must be 1 (MXFP4) or 2 (DialectFP4)");
+  if (K < 32 || K % 32) return bad("K must be a positive multiple of 32, got " + std::to_string(K));
+  if (sd[0] != N || sd[1] != K / 32) return bad("block scales / exponents must be [N, K/32]");
+  if (format == kFmtDialect) {
+    const auto dd = dialects.dimensions();
+    if (dd.size() != 2 || dd[0] != N || dd[1] != (K / 32 + 1) / 2) return bad("dialect ids must be [N, ceil(K/64)]");
+    if (tables.element_count() != 256) return bad("the dialect tables must be [16, 16] bytes");
+    if (reinterpret_cast<uintptr_t>(tables.typed_data()) % 16) return bad("the tables must be 16-byte aligned");
+  }
+  const auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != N || od[1] != K) return bad("output must be [N, K]");
+  if (reinterpret_cast<uintptr_t>(codes.typed_data()) % 16 || reinterpret_cast<uintptr_t>(out->untyped_data()) % 16)
+    return bad("codes and output must be 16-byte aligned");
+  if (N * K == 0) return ffi::Error::Success();
+  cudaError_t e = decode_block_fp4(stream, static_cast<int>(format), codes.typed_data(), scales.typed_data(),
+                                   dialects.typed_data(), tables.typed_data(),
+                                   reinterpret_cast<__nv_bfloat16*>(out->untyped_data()), N, K);
+  if (e != cudaSuccess) return cuda_error(e, "block fp4 decode launch");
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxlp_nvfp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpBlockFp4Decode, jaxlp_nvfp4::BlockFp4DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes [N, K/2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // E8M0 scales / exponent codes [N, K/32]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // DialectFP4: dialect ids [N, ceil(K/64)]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // DialectFP4: tables [16, 16]
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // [N, K]
+                                  .Attr<int64_t>("format"),       // 1: MXFP4, 2: DialectFP4
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpBlockFp4Matmul, jaxlp_nvfp4::BlockFp4MatmulImpl,
                               ffi::Ffi::Bind()
@@ -350,8 +405,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpBlockFp4Matmul, jaxlp_nvfp4::BlockFp4MatmulIm
                                   .Arg<ffi::Buffer<ffi::U8>>()    // E8M0 scales / exponent codes [N, K/32]
                                   .Arg<ffi::Buffer<ffi::U8>>()    // DialectFP4: dialect ids [N, K/64]
                                   .Arg<ffi::Buffer<ffi::U8>>()    // DialectFP4: tables [16, 16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // W4A4 DialectFP4: selection tables [168]
                                   .Ret<ffi::AnyBuffer>()          // y [M, N], bfloat16 or float32
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // W4A4: x_eff [M, K], else [1, 8]
                                   .Attr<int64_t>("format")        // 1: MXFP4, 2: DialectFP4
+                                  .Attr<int64_t>("act")           // 0: none, 1: MXFP4, 2: DialectFP4
                                   .Attr<int64_t>("kernel")        // 1: pipe, 2: gemm
                                   .Attr<int64_t>("rows_per_warp")
                                   .Attr<int64_t>("split")

@@ -251,14 +251,14 @@ cudaError_t run_gemm(cudaStream_t stream, const PipeParams& p, int block_m, int 
 
 template <typename T>
 cudaError_t run_gemm_block_fp4(cudaStream_t stream, const PipeParams& p, int fmt, int block_m, int block_n,
-                               int split) {
-  return fmt == kFmtMxfp4 ? run_gemm_fmt<T, kFmtMxfp4>(stream, p, block_m, block_n, split, false)
-                          : run_gemm_fmt<T, kFmtDialect>(stream, p, block_m, block_n, split, false);
+                               int split, bool pdl) {
+  return fmt == kFmtMxfp4 ? run_gemm_fmt<T, kFmtMxfp4>(stream, p, block_m, block_n, split, pdl)
+                          : run_gemm_fmt<T, kFmtDialect>(stream, p, block_m, block_n, split, pdl);
 }
 
 template cudaError_t run_gemm<__nv_bfloat16>(cudaStream_t, const PipeParams&, int, int, int, bool);
 template cudaError_t run_gemm<float>(cudaStream_t, const PipeParams&, int, int, int, bool);
-template cudaError_t run_gemm_block_fp4<__nv_bfloat16>(cudaStream_t, const PipeParams&, int, int, int, int);
-template cudaError_t run_gemm_block_fp4<float>(cudaStream_t, const PipeParams&, int, int, int, int);
+template cudaError_t run_gemm_block_fp4<__nv_bfloat16>(cudaStream_t, const PipeParams&, int, int, int, int, bool);
+template cudaError_t run_gemm_block_fp4<float>(cudaStream_t, const PipeParams&, int, int, int, int, bool);
 
 }  // namespace jaxlp_nvfp4

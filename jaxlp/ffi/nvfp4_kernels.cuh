@@ -94,9 +94,10 @@ cudaError_t run_regs(cudaStream_t stream, int mode, const GemvParams& p, int row
 template <typename T>
 cudaError_t run_pipe(cudaStream_t stream, const PipeParams& p, int rows, int split, bool pdl);
 // The "pipe" kernel on MXFP4 (fmt = kFmtMxfp4) or DialectFP4 (kFmtDialect) weights and BF16 p.x
-// (W4A16, or activations already quantized and decoded to BF16); no tensor scales. T: the output.
+// (W4A16, or the x_eff of stage_block_fp4); no tensor scales. T: the output. pdl: launched after
+// the staging kernel with programmatic dependent launch.
 template <typename T>
-cudaError_t run_pipe_block_fp4(cudaStream_t stream, const PipeParams& p, int fmt, int rows, int split);
+cudaError_t run_pipe_block_fp4(cudaStream_t stream, const PipeParams& p, int fmt, int rows, int split, bool pdl);
 template <typename T>
 cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int rows, int split, bool pdl,
                        GemvVariant v);
@@ -107,6 +108,15 @@ cudaError_t run_gemm(cudaStream_t stream, const PipeParams& p, int block_m, int 
 // The same on MXFP4 / DialectFP4 weights (fmt), p.wscale holding the packed per-stage metadata.
 template <typename T>
 cudaError_t run_gemm_block_fp4(cudaStream_t stream, const PipeParams& p, int fmt, int block_m, int block_n,
-                               int split);
+                               int split, bool pdl);
+// nvfp4_quantize.cu: W4A4 of the MXFP4 / DialectFP4 matmuls: x [M, K] quantized per 32-element block in
+// the act_fmt format (kFmtMxfp4, kFmtDialect: two-stage selection with the tables `sel`) and written
+// decoded to the BF16 x_eff [M, K]. The launch's error.
+cudaError_t stage_block_fp4(cudaStream_t stream, int act_fmt, const __nv_bfloat16* x, const float* sel,
+                            __nv_bfloat16* xeff, int M, int K);
+// block_fp4_decode.cu: MXFP4 / DialectFP4 weights [n, k] (codes, scale bytes [n, k/32], dialect ids
+// [n, k/64], tables) decoded to BF16 `out` [n, k], exact. The launch's error.
+cudaError_t decode_block_fp4(cudaStream_t stream, int fmt, const uint8_t* codes, const uint8_t* scales,
+                             const uint8_t* dialects, const uint8_t* tables, __nv_bfloat16* out, int64_t n, int64_t k);
 
 }  // namespace jaxlp_nvfp4

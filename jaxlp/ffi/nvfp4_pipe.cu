@@ -512,30 +512,30 @@ cudaError_t run_pipe(cudaStream_t stream, const PipeParams& p, int rows, int spl
 }
 
 template <int R, int C, int FMT, typename TOut>
-cudaError_t launch_block_fp4_nt(cudaStream_t stream, const PipeParams& p) {
+cudaError_t launch_block_fp4_nt(cudaStream_t stream, const PipeParams& p, bool pdl) {
   const int nt = (p.M + 7) / 8;
   constexpr int S = kPipeStages<R>;
-  if (nt == 1) return launch_pipe<R, 1, C, TOut, kDecBF16, S, 1, FMT>(stream, p, false);
-  if (nt == 2) return launch_pipe<R, 2, C, TOut, kDecBF16, S, 1, FMT>(stream, p, false);
-  return launch_pipe<R, 4, C, TOut, kDecBF16, S, 1, FMT>(stream, p, false);
+  if (nt == 1) return launch_pipe<R, 1, C, TOut, kDecBF16, S, 1, FMT>(stream, p, pdl);
+  if (nt == 2) return launch_pipe<R, 2, C, TOut, kDecBF16, S, 1, FMT>(stream, p, pdl);
+  return launch_pipe<R, 4, C, TOut, kDecBF16, S, 1, FMT>(stream, p, pdl);
 }
 
 template <int FMT, typename TOut>
-cudaError_t launch_block_fp4(cudaStream_t stream, const PipeParams& p, int rows, int split) {
+cudaError_t launch_block_fp4(cudaStream_t stream, const PipeParams& p, int rows, int split, bool pdl) {
   if (rows == 1) {
-    if (split == 1) return launch_block_fp4_nt<1, 1, FMT, TOut>(stream, p);
-    if (split == 2) return launch_block_fp4_nt<1, 2, FMT, TOut>(stream, p);
-    return launch_block_fp4_nt<1, 4, FMT, TOut>(stream, p);
+    if (split == 1) return launch_block_fp4_nt<1, 1, FMT, TOut>(stream, p, pdl);
+    if (split == 2) return launch_block_fp4_nt<1, 2, FMT, TOut>(stream, p, pdl);
+    return launch_block_fp4_nt<1, 4, FMT, TOut>(stream, p, pdl);
   }
-  if (split == 1) return launch_block_fp4_nt<2, 1, FMT, TOut>(stream, p);
-  if (split == 2) return launch_block_fp4_nt<2, 2, FMT, TOut>(stream, p);
-  return launch_block_fp4_nt<2, 4, FMT, TOut>(stream, p);
+  if (split == 1) return launch_block_fp4_nt<2, 1, FMT, TOut>(stream, p, pdl);
+  if (split == 2) return launch_block_fp4_nt<2, 2, FMT, TOut>(stream, p, pdl);
+  return launch_block_fp4_nt<2, 4, FMT, TOut>(stream, p, pdl);
 }
 
 template <typename TOut>
-cudaError_t run_pipe_block_fp4(cudaStream_t stream, const PipeParams& p, int fmt, int rows, int split) {
-  return fmt == kFmtMxfp4 ? launch_block_fp4<kFmtMxfp4, TOut>(stream, p, rows, split)
-                          : launch_block_fp4<kFmtDialect, TOut>(stream, p, rows, split);
+cudaError_t run_pipe_block_fp4(cudaStream_t stream, const PipeParams& p, int fmt, int rows, int split, bool pdl) {
+  return fmt == kFmtMxfp4 ? launch_block_fp4<kFmtMxfp4, TOut>(stream, p, rows, split, pdl)
+                          : launch_block_fp4<kFmtDialect, TOut>(stream, p, rows, split, pdl);
 }
 
 // pipe16: pipe_kernel with the FP16 decode on the x_eff / xs workspaces that run_gemv's staging kernel
@@ -570,8 +570,8 @@ cudaError_t run_pipe16(cudaStream_t stream, int mode, const GemvParams& g, int r
 
 template cudaError_t run_pipe<__nv_bfloat16>(cudaStream_t, const PipeParams&, int, int, bool);
 template cudaError_t run_pipe<float>(cudaStream_t, const PipeParams&, int, int, bool);
-template cudaError_t run_pipe_block_fp4<__nv_bfloat16>(cudaStream_t, const PipeParams&, int, int, int);
-template cudaError_t run_pipe_block_fp4<float>(cudaStream_t, const PipeParams&, int, int, int);
+template cudaError_t run_pipe_block_fp4<__nv_bfloat16>(cudaStream_t, const PipeParams&, int, int, int, bool);
+template cudaError_t run_pipe_block_fp4<float>(cudaStream_t, const PipeParams&, int, int, int, bool);
 template cudaError_t run_pipe16<__nv_bfloat16>(cudaStream_t, int, const GemvParams&, int, int, bool, GemvVariant);
 template cudaError_t run_pipe16<float>(cudaStream_t, int, const GemvParams&, int, int, bool, GemvVariant);
 

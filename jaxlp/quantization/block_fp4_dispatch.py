@@ -4,8 +4,9 @@
 takes it on a GPU) for MXFP4 and DialectFP4 weights in blocks of 32, with no activation quantizer
 (W4A16) or the weight's own (``"mxfp4"`` / ``"dialect_fp4"``, W4A4), and BF16 activations:
 
-- the activations of W4A4 are quantized and decoded by :func:`activations.fake_quantize` (XLA),
-  which is exact in BF16 for both formats (E2M1 or dialect magnitudes times a power of two);
+- W4A4 activations are quantized in the kernels' call (a staging kernel, bit-exact with
+  :func:`activations.fake_quantize`), or by ``fake_quantize`` itself before :func:`dequantize_dot`,
+  exact in BF16 for both formats (E2M1 or dialect magnitudes times a power of two);
 - :func:`jaxlp.ffi.block_fp4.matmul` with the launch of :func:`default_config`: NVFP4's ``"pipe"``
   GEMV up to :data:`PIPE_MAX_TOKENS` tokens, its ``"gemm"`` above, both decoding the weight blocks
   by table lookup in registers;
@@ -46,9 +47,11 @@ def default_config(tokens: int, n: int, k: int) -> block_fp4.Config | None:
 
 
 def dequantize_dot(x: jax.Array, w) -> jax.Array:
-    """``x [M, K] @ dequant(w).T`` as the weight decoded to BF16 (exact) and one XLA dot with FP32
-    accumulation: the path where :func:`default_config` gives None. FP32 ``[M, N]``."""
-    return jnp.einsum("mk,nk->mn", x, w.dequantize(jnp.bfloat16), preferred_element_type=jnp.float32)
+    """``x [M, K] @ dequant(w).T`` as the weight decoded to BF16 (exact: :func:`jaxlp.ffi.block_fp4.decode`
+    where the CUDA library is available, else ``w.dequantize``) and one XLA dot with FP32 accumulation:
+    the path where :func:`default_config` gives None. FP32 ``[M, N]``."""
+    wd = block_fp4.decode(w) if block_fp4.available() else w.dequantize(jnp.bfloat16)
+    return jnp.einsum("mk,nk->mn", x, wd, preferred_element_type=jnp.float32)
 
 
 def why_not(layer, x: jax.Array) -> str | None:
@@ -79,10 +82,13 @@ def matmul(layer, x: jax.Array, *, config: block_fp4.Config | None = None) -> ja
     w = layer.weight.get_value()
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if layer.activation is not None:
-        x2 = activations.fake_quantize(x2, layer.activation).astype(jnp.bfloat16)  # exact (module doc)
     config = config or default_config(x2.shape[0], *w.shape)
-    y = dequantize_dot(x2, w) if config is None else block_fp4.matmul(x2, w, config=config)
+    if config is not None:
+        y = block_fp4.matmul(x2, w, config=config, activation=layer.activation)
+    else:
+        if layer.activation is not None:
+            x2 = activations.fake_quantize(x2, layer.activation).astype(jnp.bfloat16)  # exact (module doc)
+        y = dequantize_dot(x2, w)
     if layer.out_scale != 1.0:
         y = y.astype(jnp.float32) * layer.out_scale
     return y.astype(x.dtype).reshape(*lead, w.shape[0])

@@ -188,6 +188,8 @@ def test_checks_name_the_problem():
         block_fp4.matmul(jnp.ones((40, 256), jnp.bfloat16), w)
     with pytest.raises(ValueError, match="out_dtype"):
         block_fp4.matmul(x, w, out_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="activation"):
+        block_fp4.matmul(x, w, activation="nvfp4")
     with pytest.raises(ValueError, match="split"):
         block_fp4.Config(split=3)
     with pytest.raises(ValueError, match="kernel"):
@@ -196,6 +198,14 @@ def test_checks_name_the_problem():
         assert block_fp4.Config.from_name(name).name == name
     with pytest.raises(ValueError, match="not a block_fp4 launch"):
         block_fp4.Config.from_name("R1KS8")
+
+
+def test_selection_tables_layout():
+    sel = block_fp4.selection_tables()
+    assert sel.shape == (168,) and sel.dtype == np.float32
+    np.testing.assert_array_equal(sel[:128].reshape(16, 8), dialect_fp4.FORMATBOOK)
+    np.testing.assert_array_equal(sel[128:160].reshape(16, 2), dialect_fp4.beneficial_ranges())
+    np.testing.assert_array_equal(sel[160:], [15, 14, 13, 12, 11, 10, 9, 8])  # the pairs' shared maxima
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "dialect_fp4"])
@@ -216,6 +226,14 @@ def test_gemm_metadata_packs_each_stage_in_one_word(fmt):
     assert not words[..., 3].any()
 
 
+def test_decode_checks_and_lowers():
+    w = dialect_fp4.quantize(jnp.ones((64, 96)))
+    text = jax.jit(block_fp4.decode).trace(w).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{block_fp4.DECODE_TARGET}" in text and "tensor<64x96xbf16>" in text
+    with pytest.raises(ValueError, match="blocks of 32"):
+        block_fp4.decode(mxfp4.quantize(jnp.ones((64, 96)), block_size=16))
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "dialect_fp4"])
 def test_lowers_to_the_custom_call(fmt):
     w = (mxfp4 if fmt == "mxfp4" else dialect_fp4).quantize(jnp.ones((64, 512)))
@@ -227,3 +245,6 @@ def test_lowers_to_the_custom_call(fmt):
     text = jax.jit(lambda x, w: block_fp4.matmul(x, w, config=gemm)).trace(jnp.zeros((300, 512), jnp.bfloat16),
                                                                            w).lower(lowering_platforms=("cuda",)).as_text()
     assert "kernel = 2 : i64" in text and "block_m = 128 : i64" in text and "tensor<64x32xui8>" in text
+    f = jax.jit(lambda x, w: block_fp4.matmul(x, w, activation="dialect_fp4"))
+    text = f.trace(jnp.zeros((5, 512), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "act = 2 : i64" in text and "tensor<168xf32>" in text and "tensor<5x512xbf16>)" in text

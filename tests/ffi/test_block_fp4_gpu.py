@@ -153,3 +153,81 @@ def test_dispatch_declines_what_it_cannot_run():
     layer = QuantizedLinear(mxfp4.quantize(jnp.ones((64, 256))), implementation="block_fp4_cuda")
     with pytest.raises(ValueError, match="bfloat16"):
         layer(jnp.ones((2, 256), jnp.float32))
+
+
+def staged_inputs(rng, m, k):
+    """Activations across magnitudes, a zero block, a block of equal values, ties of the roundings."""
+    x = rng.standard_normal((m, k)) * 2.0 ** rng.integers(-6, 6, (m, k // 32)).repeat(32, axis=1)
+    x[0, :32] = 0.0
+    x[-1, 32:64] = 1.5
+    x[0, 64:96] = np.linspace(-6, 6, 32)
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act", FORMATS)
+@pytest.mark.parametrize("m", [1, 7, 32, 64])
+def test_w4a4_staging_equals_the_reference_quantizer(fmt, act, m):
+    """The staged activations are fake_quantize's bit for bit: W4A4 through the kernel equals the same
+    kernel's W4A16 on the reference's quantized activations, bit for bit."""
+    from jaxlp.quantization.activations import fake_quantize
+
+    rng = np.random.default_rng(m)
+    q, x = weight(fmt, rng, 384, 1024), staged_inputs(rng, m, 1024)
+    xq = fake_quantize(x, act).astype(jnp.bfloat16)
+    configs = [GEMMS[1]] + ([block_fp4.Config()] if m <= block_fp4.MAX_M else [])
+    for config in configs:
+        got = block_fp4.matmul(x, q, config=config, activation=act, out_dtype=jnp.float32)
+        want = block_fp4.matmul(xq, q, config=config, out_dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("recipe", ["w4a16-mxfp4", "w4a16-dialect", "w4a4-mxfp4"])
+def test_reasoner_greedy_tokens_through_the_kernels(recipe):
+    """The shipped reasoner (K = 384, 896): the same greedy tokens through "auto" as through "xla"."""
+    from importlib.resources import files
+
+    import jaxlp
+    from jaxlp.quantization import quantize_model, set_implementation
+
+    model = jaxlp.from_pretrained(files("jaxlp") / "assets" / "reasoner", dtype=jnp.bfloat16)
+    qmodel = quantize_model(model, recipe)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 60, 40).tolist(), rng.integers(3, 60, 25).tolist()]
+    runs = []
+    for impl in ("xla", "auto"):
+        set_implementation(qmodel, impl)
+        runs.append(jaxlp.generate(qmodel, prompts, max_new_tokens=12, stop_tokens=[]).tokens)
+    np.testing.assert_array_equal(np.asarray(runs[0]), np.asarray(runs[1]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(3, 96), (300, 1024), (4096, 4096)])
+def test_decode_equals_dequantize(fmt, n, k):
+    q = weight(fmt, np.random.default_rng(n + k), n, k)
+    got = block_fp4.decode(q)
+    assert got.dtype == jnp.bfloat16 and got.shape == (n, k)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(q.dequantize(jnp.bfloat16), np.float32))
+
+
+def test_decode_of_every_dialect_exponent_and_scale():
+    rng = np.random.default_rng(17)
+    n, k = 512, 320
+    ids = rng.integers(0, 16, (n, k // 32), dtype=np.uint8)
+    exps = rng.integers(0, 32, (n, k // 32), dtype=np.uint8)
+    codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    q = DialectFP4Array(codes=jnp.asarray(codes), dialect_pairs=pack_dialects(jnp.asarray(ids)),
+                        exponents=jnp.asarray(exps), shape=(n, k))
+    nib = np.stack([codes & 0xF, codes >> 4], -1).reshape(n, k // 32, 32)
+    mag = dialect_fp4.FORMATBOOK.astype(np.float64)[ids[..., None], nib & 7] * np.exp2(exps[..., None] - 19.0)
+    want = np.where(nib >= 8, -mag, mag).reshape(n, k)
+    np.testing.assert_array_equal(np.asarray(block_fp4.decode(q), np.float64), want)
+    scales = np.repeat(np.arange(253, dtype=np.uint8)[None], 2, 0)  # every scale the quantizer writes
+    codes = rng.integers(0, 256, (2, 253 * 16), dtype=np.uint8)
+    q = MXFP4Array(data=jnp.asarray(codes), scale=jax.lax.bitcast_convert_type(jnp.asarray(scales),
+                                                                               jnp.float8_e8m0fnu), shape=(2, 8096))
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    nib = np.stack([codes & 0xF, codes >> 4], -1).reshape(2, 253, 32)
+    mag = e2m1[nib & 7] * np.exp2(scales[..., None].astype(np.float64) - 127)
+    want = np.where(nib >= 8, -mag, mag).reshape(2, 8096)
+    np.testing.assert_array_equal(np.asarray(block_fp4.decode(q), np.float64), want)

@@ -61,6 +61,8 @@ def test_source_lists():
         "JaxlpNvfp4Gemv",
         "JaxlpNvfp4Matmul",
         "JaxlpNvfp4Quantize",
+        "JaxlpBlockFp4Matmul",
+        "JaxlpBlockFp4Decode",
     }
     texts = [p.read_text() for p in build.sources(library.name)]
     for symbol in library.targets.values():
