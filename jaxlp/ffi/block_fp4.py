@@ -16,8 +16,8 @@ BF16 and every product with a BF16 activation is exact in FP32, so the kernel eq
 product of the dequantized operands up to FP32 summation order. W4A4 (``activation="mxfp4"`` or
 ``"dialect_fp4"``): a staging kernel first quantizes ``x`` per 32-element block exactly as
 :func:`jaxlp.quantization.activations.fake_quantize` does (DialectFP4: two-stage selection with the
-default formatbook) and writes the decoded values (exact in BF16) to a workspace; the matmul starts
-behind it with programmatic dependent launch.
+default formatbook; four threads per block) and writes the decoded values (exact in BF16) to a
+workspace; the GEMV starts behind it with programmatic dependent launch, the GEMM after it ends.
 
 Shapes: ``K % 128 == 0`` (whole 4-byte words of block scales per 128 k), block size 32, BF16 ``x``.
 :func:`why_not` says which rule a call breaks. The gemm reads the scales and dialect ids packed per

@@ -7,7 +7,7 @@
 //   bit-exact), written as the FP16 x_eff of the FP16 GEMVs, the BF16 x_eff of pipe_kernel and
 //   gemm_kernel, or as NVFP4 codes and scales (handler JaxlpNvfp4Quantize).
 // stage_block_fp4_kernel: W4A4 staging of the MXFP4 / DialectFP4 matmuls (handler JaxlpBlockFp4Matmul):
-//   BF16 x quantized per 32-element block as jaxlp.quantization.activations.fake_quantize does
+//   BF16 x quantized per 32-element block (4 threads each) as jaxlp.quantization.activations.fake_quantize does
 //   (MXFP4: the OCP rule; DialectFP4: two-stage selection) and written back decoded, as BF16 x_eff.
 
 #include "nvfp4_common.cuh"
@@ -221,8 +221,9 @@ __global__ void __launch_bounds__(256) stage_a4_kernel(const TIn* __restrict__ x
   }
 }
 
-// W4A4 of the MXFP4 / DialectFP4 matmuls: one thread per 32-element block of a token, x_eff [M, K]
-// BF16 = the block's values as jaxlp.formats quantizes and dequantizes them (exact in BF16):
+// W4A4 of the MXFP4 / DialectFP4 matmuls: four threads per 32-element block of a token (8 values each,
+// the block's maxima and DialectFP4's range counts reduced by shuffles), x_eff [M, K] BF16 = the block's
+// values as jaxlp.formats quantizes and dequantizes them (exact in BF16):
 // - MXFP4: e = clamp(floor(log2(amax)) - 2, -127, 127) from amax's FP32 exponent bits (zero and
 //   FP32-subnormal maxima: -127), codes e2m1_code(x * 2^-e), values e2m1 * 2^e;
 // - DialectFP4, two-stage selection (jaxlp.formats.dialect_fp4): exponent code c = clamp(floor(log2
@@ -231,51 +232,47 @@ __global__ void __launch_bounds__(256) stage_a4_kernel(const TIn* __restrict__ x
 //   the member with more h in its beneficial range (ties: even); each value is the nearest of the
 //   dialect's magnitudes (ties up) times 2^(e-1), with x's sign. `sel` holds the formatbook
 //   [16][8] (half units), the beneficial ranges [16][2] and the pairs' maxima [8], as floats.
+// Threads past the last block compute on the last block and store nothing (the shuffles need every lane).
 template <int FMT>
 __global__ void __launch_bounds__(256) stage_block_fp4_kernel(const __nv_bfloat16* __restrict__ x,
                                                               const float* __restrict__ sel,
                                                               __nv_bfloat16* __restrict__ xeff, int M, int K) {
   pdl_launch_dependents();
-  const int blocks = K / 32;
+  const int64_t all = static_cast<int64_t>(M) * (K / 32);
   const int64_t gid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (gid >= static_cast<int64_t>(M) * blocks) return;
-  const __nv_bfloat16* src = x + gid * 32;
-  float v[32];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float w[8];
-    load8(src + 8 * i, w);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[8 * i + j] = w[j];
-  }
+  const bool store = gid < 4 * all;
+  const int64_t at = store ? gid : 4 * all - 4 + (gid & 3);  // this thread's 8 values: x[8 at, +8)
+  float v[8];
+  load8(x + 8 * at, v);
   float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
   const int floor_log2 = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu) - 127;
-  uint32_t out[16];
+  float out[8];
   if constexpr (FMT == kFmtMxfp4) {
     const int e = min(max(floor_log2 - 2, -127), 127);
     const float down = exp2_int(-e), up = __uint_as_float(e >= -126 ? static_cast<uint32_t>(e + 127) << 23
                                                                      : 0x00400000u >> (-127 - e));
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float pair[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const uint32_t code = e2m1_code(v[2 * i + j] * down);
-        const float mag = e2m1_value(code & 7u) * up;
-        pair[j] = (code & 8u) ? -mag : mag;
-      }
-      const __nv_bfloat162 b = __floats2bfloat162_rn(pair[0], pair[1]);
-      out[i] = *reinterpret_cast<const uint32_t*>(&b);
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t code = e2m1_code(v[i] * down);
+      const float mag = e2m1_value(code & 7u) * up;
+      out[i] = (code & 8u) ? -mag : mag;
     }
   } else {
     const int code = amax >= 0x1p-16f ? min(max(floor_log2 + 16, 0), 31) : 0;
     const int e = code - 18;
     const float to_half = exp2_int(1 - e), scale = exp2_int(e - 1);
-    float hmax = 0.f;
+    float h[8], hmax = 0.f;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) hmax = fmaxf(hmax, fabsf(v[i]) * to_half);
+    for (int i = 0; i < 8; ++i) {
+      h[i] = fabsf(v[i]) * to_half;
+      hmax = fmaxf(hmax, h[i]);
+    }
+    hmax = fmaxf(hmax, __shfl_xor_sync(0xFFFFFFFFu, hmax, 1));
+    hmax = fmaxf(hmax, __shfl_xor_sync(0xFFFFFFFFu, hmax, 2));
     const float rounded = floorf(hmax + 0.5f);
     const float* book = sel;
     const float* ranges = sel + 128;
@@ -291,36 +288,34 @@ __global__ void __launch_bounds__(256) stage_block_fp4_kernel(const __nv_bfloat1
     }
     const float lo0 = ranges[4 * pair], hi0 = ranges[4 * pair + 1];  // the even member's range
     const float lo1 = ranges[4 * pair + 2], hi1 = ranges[4 * pair + 3];
-    int count0 = 0, count1 = 0;
+    int count = 0;  // even member's count in the low 16 bits, odd member's in the high 16
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const float h = fabsf(v[i]) * to_half;
-      count0 += (h >= lo0) & (h < hi0);
-      count1 += (h >= lo1) & (h < hi1);
+    for (int i = 0; i < 8; ++i) {
+      count += (h[i] >= lo0) & (h[i] < hi0);
+      count += ((h[i] >= lo1) & (h[i] < hi1)) << 16;
     }
-    const float* row = book + 8 * (count0 >= count1 ? 2 * pair : 2 * pair + 1);
+    count += __shfl_xor_sync(0xFFFFFFFFu, count, 1);
+    count += __shfl_xor_sync(0xFFFFFFFFu, count, 2);
+    const float* row = book + 8 * ((count & 0xFFFF) >= (count >> 16) ? 2 * pair : 2 * pair + 1);
     float mid[7];
 #pragma unroll
     for (int j = 0; j < 7; ++j) mid[j] = 0.5f * (row[j] + row[j + 1]);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float pair_v[2];
+    for (int i = 0; i < 8; ++i) {
+      float mag = row[0];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float xv = v[2 * i + j], h = fabsf(xv) * to_half;
-        float mag = row[0];
-#pragma unroll
-        for (int t = 0; t < 7; ++t) mag = h >= mid[t] ? row[t + 1] : mag;
-        mag *= scale;
-        pair_v[j] = (__float_as_uint(xv) >> 31) ? -mag : mag;
-      }
-      const __nv_bfloat162 b = __floats2bfloat162_rn(pair_v[0], pair_v[1]);
-      out[i] = *reinterpret_cast<const uint32_t*>(&b);
+      for (int t = 0; t < 7; ++t) mag = h[i] >= mid[t] ? row[t + 1] : mag;
+      mag *= scale;
+      out[i] = (__float_as_uint(v[i]) >> 31) ? -mag : mag;
     }
   }
-  uint4* dst = reinterpret_cast<uint4*>(xeff + gid * 32);
+  uint32_t word[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) dst[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(out[2 * i], out[2 * i + 1]);
+    word[i] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  if (store) reinterpret_cast<uint4*>(xeff)[gid] = make_uint4(word[0], word[1], word[2], word[3]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -329,7 +324,7 @@ __global__ void __launch_bounds__(256) stage_block_fp4_kernel(const __nv_bfloat1
 cudaError_t stage_block_fp4(cudaStream_t stream, int act_fmt, const __nv_bfloat16* x, const float* sel,
                             __nv_bfloat16* xeff, int M, int K) {
   const int threads = 256;
-  const int64_t n = int64_t(M) * (K / 32);
+  const int64_t n = int64_t(M) * (K / 32) * 4;  // four threads per block
   const unsigned grid = static_cast<unsigned>((n + threads - 1) / threads);
   if (act_fmt == kFmtMxfp4) {
     stage_block_fp4_kernel<kFmtMxfp4><<<grid, threads, 0, stream>>>(x, sel, xeff, M, K);
