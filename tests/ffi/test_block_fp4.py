@@ -242,8 +242,8 @@ def test_lowers_to_the_custom_call(fmt):
     assert f"stablehlo.custom_call @{block_fp4.TARGET}" in text and "tensor<3x64xf32>" in text
     assert f"format = {block_fp4.FORMATS[fmt]} : i64" in text and "split = 4 : i64" in text
     gemm = block_fp4.Config(kernel="gemm", block_n=64, block_m=128)
-    text = jax.jit(lambda x, w: block_fp4.matmul(x, w, config=gemm)).trace(jnp.zeros((300, 512), jnp.bfloat16),
-                                                                           w).lower(lowering_platforms=("cuda",)).as_text()
+    f = jax.jit(lambda x, w: block_fp4.matmul(x, w, config=gemm))
+    text = f.trace(jnp.zeros((300, 512), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
     assert "kernel = 2 : i64" in text and "block_m = 128 : i64" in text and "tensor<64x32xui8>" in text
     f = jax.jit(lambda x, w: block_fp4.matmul(x, w, activation="dialect_fp4"))
     text = f.trace(jnp.zeros((5, 512), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()

@@ -147,9 +147,9 @@ def test_dispatch_declines_what_it_cannot_run():
     w = mxfp4.quantize(jnp.ones((64, 192)))
     layer = QuantizedLinear(w, implementation="auto")
     assert "multiple of 128" in dispatch.why_not(layer, jnp.ones((2, 192), jnp.bfloat16))
-    y = layer(jnp.ones((2, 192), jnp.bfloat16))  # "auto" falls back to the reference
-    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(layer.reference(jnp.ones((2, 192),
-                                                                                             jnp.bfloat16)), np.float32))
+    x = jnp.ones((2, 192), jnp.bfloat16)
+    y = layer(x)  # "auto" falls back to the reference
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(layer.reference(x), np.float32))
     layer = QuantizedLinear(mxfp4.quantize(jnp.ones((64, 256))), implementation="block_fp4_cuda")
     with pytest.raises(ValueError, match="bfloat16"):
         layer(jnp.ones((2, 256), jnp.float32))
