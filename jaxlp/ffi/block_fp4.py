@@ -48,7 +48,6 @@ BLOCK_SIZE = 32
 MAX_M = ffi_nvfp4.MAX_M  # tokens of the "pipe" GEMV
 KERNELS = {"pipe": 1, "gemm": 2}
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-E2M1_HALF_UNITS = (0, 1, 2, 3, 4, 6, 8, 12)  # E2M1's magnitudes {0, 0.5, ..., 6} in half units
 
 available = ffi_nvfp4.available
 unavailable_reason = ffi_nvfp4.unavailable_reason
