@@ -20,8 +20,8 @@ FP8 sums, explicit only; ``"fireq_cuda"`` / ``"fireq_pallas"``: :mod:`jaxlp.quan
 through a CUDA GEMV for 1..16 tokens (32 on narrow layers where CUTLASS's is not) and Pallas FP8 WGMMA GEMMs, the INT4
 weight decoded to FP8 in registers or by a CUDA pass, ``"fireq_cutlass"`` a CUTLASS GEMM decoding it
 by a lookup table in registers, taken by ``"auto"`` from 17 to 1024 tokens); ``"block_fp4_cuda"``:
-:mod:`jaxlp.quantization.block_fp4_dispatch`, MXFP4 and DialectFP4 through the NVFP4 GEMV's ring with a
-table decode for 1..32 tokens and an exact BF16 dot above; ``"auto"``
+:mod:`jaxlp.quantization.block_fp4_dispatch`, MXFP4 and DialectFP4 through NVFP4's GEMV (1..16 tokens) and
+GEMM (17..64) with a table decode of the blocks, a CUDA decode to BF16 and XLA's dot above; ``"auto"``
 takes the first that supports the layer and the input, else ``"xla"``.
 
 Tensor parallelism (:func:`jaxlp.models.shard_model` calls :meth:`QuantizedLinear.set_parallel`):
@@ -102,7 +102,7 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({
                                                  auto_declines=fireq_kernels.auto_declines_cutlass),
     fireq_kernels.GEMV_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemv, fireq_kernels.matmul_gemv),
     fireq_kernels.GEMM_IMPLEMENTATION: Kernel(fireq_kernels.why_not_gemm, fireq_kernels.matmul_gemm),
-    # MXFP4 and DialectFP4: the FP4 GEMV for 1..32 tokens, an exact BF16 dot above
+    # MXFP4 and DialectFP4: NVFP4's GEMV to 16 tokens, its GEMM to 64, a CUDA decode and XLA's BF16 dot above
     block_fp4_dispatch.IMPLEMENTATION: Kernel(block_fp4_dispatch.why_not, block_fp4_dispatch.matmul),
     native_dot.IMPLEMENTATION: Kernel(native_dot.why_not, native_dot.matmul),
     fp8_gemm.FAST_IMPLEMENTATION: Kernel(fp8_gemm.why_not, fp8_gemm.matmul_fast),  # explicit: FP8 sums unpromoted
