@@ -25,7 +25,10 @@ BF16 in the same bytes; at most ``--max-slots``) or a fixed slot count (``--slot
 per recipe x cache: warmed up once (``Engine.warmup`` over the workload's prompt buckets: the
 decode program and one prefill per bucket; not timed), then every rate is run on it. Saturated
 throughput, Kitty's headline (tokens/s at a fixed cache memory), is ``--rates inf`` with
-``--cache-gib``: every request queued at once, the engine as full as its slots allow.
+``--cache-gib``: every request queued at once, the engine as full as its slots allow; its
+``saturated_tokens_per_s`` counts only the engine steps that begin and end with every slot
+busy (finished requests replaced by waiting ones, their prefills included), so the ramp-up and
+the last, partly filled wave of a run do not dilute it.
 
 Per run: TTFT (scheduled arrival -> first token) and TPOT (time per output token after the first)
 mean / p50 / p99 over requests; ITL p50 / p99 (gap between consecutive token deliveries of a
@@ -56,7 +59,7 @@ H100 (Qwen3-8B shape, 8 layers, random weights), a rate sweep at 64 slots, 1K-to
         --input-len 1024 --output-len 256 --len-jitter 0.25 --rates 1,2,4,8,inf --num-prompts 64 \\
         --out docs/bench_serving_h100_nvfp4.json
 
-NestedFP under an SLO (FP8 while the decode step misses 4 ms) against fixed FP16, per rate::
+NestedFP under an SLO (FP8 once an FP16 decode step misses 4 ms) against fixed FP16, per rate::
 
     python scripts/bench_serving.py --layers 8 --recipes nestedfp --kv-caches bf16 --slots 64 \\
         --precision fp16,slo:4 --input-len 1024 --output-len 256 --len-jitter 0.25 --rates 2,4,8,16,inf \\
@@ -171,7 +174,9 @@ def run_workload(engine: Engine, requests: list[dict], arrivals: np.ndarray, sam
     if engine.has_work():
         raise RuntimeError("the engine must be idle before a run")
     engine.step_seconds = collections.deque()  # every clean step of this run (the engine keeps the last 256)
-    engine.call_seconds.clear()  # an SLO policy starts each run unmeasured
+    engine.call_seconds.clear()
+    if isinstance(engine.precision, LatencyTarget):
+        engine.precision.reset()  # an SLO policy starts each run unmeasured
     counters = dict(engine.counters)
     compiled = engine.compilations
     deliveries: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
@@ -181,6 +186,7 @@ def run_workload(engine: Engine, requests: list[dict], arrivals: np.ndarray, sam
             deliveries[out.request_id].append((time.perf_counter(), len(out.token_ids)))
 
     submitted, running = [], []
+    trace = []  # after each step: (time, generated tokens so far, running slots)
     lag = 0.0
     n = len(requests)
     start = time.perf_counter()
@@ -198,6 +204,7 @@ def run_workload(engine: Engine, requests: list[dict], arrivals: np.ndarray, sam
         if engine.has_work():
             engine.step()
             running.append(engine.num_running)
+            trace.append((time.perf_counter(), engine.counters["generated_tokens"], running[-1]))
         elif i < n:
             time.sleep(max(0.0, float(arrivals[i]) - (time.perf_counter() - start)))
     end = max(r.finished_at for r in submitted)
@@ -213,11 +220,15 @@ def run_workload(engine: Engine, requests: list[dict], arrivals: np.ndarray, sam
     reasons = collections.Counter(r.finish_reason for r in submitted)
     ttft, tpot, itl_s = stats_ms(r.ttft for r in submitted), stats_ms(r.tpot for r in submitted), stats_ms(itl)
     steps = list(engine.step_seconds)
+    full = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(trace, trace[1:]) if a[2] == b[2] == engine.slots]
+    saturated_s = sum(dt for dt, _ in full)
     return dict(
         num_requests=n, completed=len(done), finish_reasons=dict(reasons), duration_s=duration,
         input_tokens=in_tokens, output_tokens=out_tokens,
         output_tokens_per_s=out_tokens / duration, total_tokens_per_s=(in_tokens + out_tokens) / duration,
         requests_per_s=len(done) / duration,
+        saturated_s=saturated_s,
+        saturated_tokens_per_s=sum(n for _, n in full) / saturated_s if saturated_s > 0 else None,
         ttft_mean_ms=ttft["mean"], ttft_p50_ms=ttft["p50"], ttft_p99_ms=ttft["p99"],
         tpot_mean_ms=tpot["mean"], tpot_p50_ms=tpot["p50"], tpot_p99_ms=tpot["p99"],
         itl_mean_ms=itl_s["mean"], itl_p50_ms=itl_s["p50"], itl_p99_ms=itl_s["p99"],
@@ -279,7 +290,7 @@ def apply_recipe(model, recipe: str, implementation: str):
 def parse_precision(spec: str):
     """An engine precision policy from ``--precision``'s items: ``none`` (no policy), ``fp16`` /
     ``fp8`` (one mode throughout), ``auto`` (:class:`LoadThreshold`: FP8 while more requests run
-    or wait than half the slots) or ``slo:MS`` (:class:`LatencyTarget`: FP8 while the decode step
+    or wait than half the slots) or ``slo:MS`` (:class:`LatencyTarget`: FP8 once an FP16 decode step
     misses MS milliseconds)."""
     if spec in ("none", "fp16", "fp8"):
         return None if spec == "none" else spec
@@ -297,7 +308,8 @@ def make_engine(model, cache: str, args, max_len: int, precision=None) -> Engine
     budget = None if args.cache_gib is None else int(args.cache_gib * 2**30)
     slots = args.slots if args.slots is not None else args.max_slots
     return Engine(model, kv_cache=cache, max_len=max_len, slots=slots, cache_budget_bytes=budget, precision=precision,
-                  steps_per_call=args.steps_per_call, max_waiting=max(1024, args.num_prompts))
+                  steps_per_call=args.steps_per_call, max_waiting=max(1024, args.num_prompts),
+                  overlap=not args.no_overlap)
 
 
 # ---------------------------------------------------------------- output
@@ -342,12 +354,11 @@ def fmt(v, spec=".1f"):
 
 
 def print_table(runs: list[dict], header: str) -> None:
-    base = {(run_label(r), r["rate"]): r["output_tokens_per_s"] for r in runs
-            if r["kv_cache"] == "bf16" and "output_tokens_per_s" in r}
+    base = {(run_label(r), r["rate"]): r for r in runs if r["kv_cache"] == "bf16" and "output_tokens_per_s" in r}
     print(f"\n## {header}")
     cols = (f"{'recipe':12s} {'kv cache':10s} {'rate':>5s} {'slots':>5s} {'cache MiB':>9s} {'ttft p50':>9s} "
             f"{'ttft p99':>9s} {'tpot p50':>9s} {'tpot p99':>9s} {'step ms':>8s} {'out tok/s':>9s} {'x bf16':>6s} "
-            f"{'req/s':>6s} {'dur s':>6s} {'compiles':>8s}")
+            f"{'sat tok/s':>9s} {'x bf16':>6s} {'req/s':>6s} {'dur s':>6s} {'compiles':>8s}")
     print(cols)
     for r in runs:
         head = f"{run_label(r):12s} {r['kv_cache']:10s} {str(r['rate']):>5s}"
@@ -359,14 +370,16 @@ def print_table(runs: list[dict], header: str) -> None:
         if "output_tokens_per_s" not in r:
             print(f"{head} {r.get('error', r.get('skipped', ''))[:100]}")
             continue
-        ref = base.get((run_label(r), r["rate"]))
-        x = f"{r['output_tokens_per_s'] / ref:.2f}" if ref else "-"
+        ref = base.get((run_label(r), r["rate"]), {})
+        ratio = lambda key: (f"{r[key] / ref[key]:.2f}" if r.get(key) and ref.get(key) else "-")  # noqa: E731
         print(f"{head} {r['slots']:5d} {r['cache_bytes'] / 2**20:9.2f} {fmt(r['ttft_p50_ms']):>9s} "
               f"{fmt(r['ttft_p99_ms']):>9s} {fmt(r['tpot_p50_ms'], '.2f'):>9s} {fmt(r['tpot_p99_ms'], '.2f'):>9s} "
-              f"{fmt(r['step_mean_ms'], '.2f'):>8s} {r['output_tokens_per_s']:9.1f} {x:>6s} "
+              f"{fmt(r['step_mean_ms'], '.2f'):>8s} {r['output_tokens_per_s']:9.1f} {ratio('output_tokens_per_s'):>6s} "
+              f"{fmt(r.get('saturated_tokens_per_s')):>9s} {ratio('saturated_tokens_per_s'):>6s} "
               f"{r['requests_per_s']:6.2f} {r['duration_s']:6.2f} {r['compilations_after_warmup']:8d}"
               + (f"  fp8 {r['fp8_decode_calls']}/{r['decode_calls']} calls" if r.get("fp8_decode_calls") else ""))
-    print("(ms; x bf16: output tokens/s over the bf16 cache's at the same recipe, precision policy and rate)")
+    print("(ms; x bf16: output tokens/s over the bf16 cache's at the same recipe, precision policy and rate; "
+          "sat: over the steps with every slot busy)")
 
 
 # ---------------------------------------------------------------- main
@@ -403,9 +416,12 @@ def main(argv=None):
                     help="positions per slot (default: longest prompt + longest output)")
     ap.add_argument("--steps-per-call", type=int, default=None, help="decode steps per device call (default 4)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip runs that start after this many seconds")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="the engine waits for each decode call's tokens before dispatching the next "
+                         "(Engine(overlap=False))")
     ap.add_argument("--precision", default="none",
                     help="comma-separated NestedFP precision policies, an engine each (recipes with NestedFP layers): "
-                         "none, fp16, fp8, auto (FP8 past half the slots' load), slo:MS (FP8 while the step misses MS)")
+                         "none, fp16, fp8, auto (FP8 past half the slots' load), slo:MS (FP8 once an FP16 step misses MS)")
     ap.add_argument("--generate-baseline", action="store_true",
                     help="also time jaxlp.generate's decode step at each engine's slot count (the engine-overhead "
                          "goal: its decode step against generate's, same batch and formats)")
@@ -447,7 +463,8 @@ def main(argv=None):
               "workload": dict(num_prompts=args.num_prompts, input_len=list(in_range), output_len=list(out_range),
                                burstiness=args.burstiness, sampler=args.sampler, seed=args.seed, ignore_eos=True,
                                prompt_buckets=buckets),
-              "max_len": max_len, "steps_per_call": args.steps_per_call, "cache_gib": args.cache_gib,
+              "max_len": max_len, "steps_per_call": args.steps_per_call, "overlap": not args.no_overlap,
+              "cache_gib": args.cache_gib,
               "max_slots": args.max_slots, "fixed_slots": args.slots, "runs": []}
     runs = result["runs"]
 

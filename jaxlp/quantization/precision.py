@@ -13,8 +13,9 @@ Policies say when to use FP8:
   exceed ``fraction`` of ``max_tokens`` (``generate``: the rows still running per decode step,
   the prompt tokens for the prefill; ``max_tokens`` defaults to the batch size). Its fields
   are traced: changing them does not recompile.
-- :class:`LatencyTarget`, for a loop that times its steps (a server): FP8 while the measured
-  step time misses ``target_ms``, back to FP16 once a step takes under ``recover`` times it.
+- :class:`LatencyTarget`, for a loop that times its steps (a server): FP8 once a measured FP16
+  step misses ``target_ms``, back to FP16 once the FP16 step predicted from the FP8 ones would
+  take under ``recover`` times it.
 """
 
 from __future__ import annotations
@@ -56,26 +57,45 @@ class LoadThreshold:
 
 @dataclasses.dataclass
 class LatencyTarget:
-    """Host-side SLO rule: FP8 while steps miss ``target_ms``; FP16 again after a step under
-    ``recover * target_ms`` (hysteresis: FP8 steps are faster, so the FP16 step they replace
-    would be slower than the one measured)."""
+    """Host-side SLO rule: FP8 once an FP16 step misses ``target_ms``; FP16 again once the FP16
+    step predicted from an FP8 one would take under ``recover * target_ms``. The prediction is
+    the FP8 step's time x the ratio of the two modes' mean step times (exponential averages over
+    the steps of each mode, the newest weighted ``smoothing``): an FP8 step that merely meets the
+    target says little of the FP16 step it replaced, which may be twice as slow (64 slots on the
+    H100, docs/perf.md session 32). Before any FP16 step was measured, the FP8 step's own time
+    stands for it."""
 
     target_ms: float
-    recover: float = 0.6
+    recover: float = 0.9
+    smoothing: float = 0.2
     fp8: bool = False
+    mean_ms: dict = dataclasses.field(default_factory=dict)  # {"fp16": ms, "fp8": ms}: the modes' averages
 
     def __post_init__(self):
         if not self.target_ms > 0:
             raise ValueError(f"LatencyTarget: target_ms must be > 0, got {self.target_ms}")
         if not 0.0 < self.recover <= 1.0:
             raise ValueError(f"LatencyTarget: recover must be in (0, 1], got {self.recover}")
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ValueError(f"LatencyTarget: smoothing must be in (0, 1], got {self.smoothing}")
 
-    def update(self, step_ms: float) -> bool:
-        """Record a step's time; returns whether the next step runs FP8."""
-        if step_ms > self.target_ms:
-            self.fp8 = True
-        elif step_ms < self.recover * self.target_ms:
-            self.fp8 = False
+    def reset(self) -> None:
+        """Forget the measurements: FP16 next, no mode averages."""
+        self.fp8 = False
+        self.mean_ms.clear()
+
+    def update(self, step_ms: float, fp8: bool | None = None) -> bool:
+        """Record a step's time (``fp8``: the mode it ran in; None: the policy's current mode,
+        right for a loop that measures each step before choosing the next); returns whether the
+        next step runs FP8."""
+        mode = "fp8" if (self.fp8 if fp8 is None else fp8) else "fp16"
+        old = self.mean_ms.get(mode)
+        self.mean_ms[mode] = step_ms if old is None else old + self.smoothing * (step_ms - old)
+        if mode == "fp16":
+            self.fp8 = step_ms > self.target_ms
+        else:
+            ratio = self.mean_ms["fp16"] / self.mean_ms["fp8"] if "fp16" in self.mean_ms else 1.0
+            self.fp8 = step_ms * ratio >= self.recover * self.target_ms
         return self.fp8
 
 

@@ -8,17 +8,29 @@ program, both taking the device state as a donated argument:
 * **prefill** (one per prompt bucket, the next power of two >= 16): one request's prompt on
   a fresh one-row cache (flash prefill attention), the row written into its slot, the last
   position's logits kept for the first token, the slot's sampler settings and state set.
-* **decode** (two): ``steps_per_call`` steps of every slot (``lax.scan``): sample each running
-  row's token from its logits with its own settings, seed and step
+* **decode** (two, or four with a NestedFP precision policy: one per mode): ``steps_per_call``
+  steps of every slot (``lax.scan``): sample each running row's token from its logits with its
+  own settings, seed and step
   (:class:`jaxlp.sampling.rows.RowSampler`), stop it on a stop token, its token budget or a
   non-finite logit, feed the token back at the row's next position. Idle slots compute on
   position 0 of their own row and emit nothing. One program serves calls whose running rows
-  are all greedy (the argmax alone), the other any mix of samplers.
+  are all greedy (the argmax alone), the other any mix of samplers. A precision policy picks
+  the FP16 or the FP8 program on the host before each call.
 
 Between decode calls the host (:meth:`Engine.step`) retires finished and cancelled requests
 (their slots are free at once), admits waiting ones (a prefill each), detokenizes, checks stop
-strings and calls each request's listener with what it produced. So after warm-up (the two
+strings and calls each request's listener with what it produced. So after warm-up (the
 decode programs, one prefill per bucket) nothing recompiles, whatever the mix of requests.
+
+With ``overlap`` (the default) the host keeps one decode call in flight: a step dispatches the
+next call before it waits for the previous one's tokens, so the GPU runs the next call while the
+host hands out the last one's tokens and dispatches (without it the GPU idles for that host
+time at every call). A row that finished in the call in flight is inactive on the device, so the
+next call emits nothing for it; the host leaves rows out of a call that are certain to have
+finished (their token budget is reached by the calls in flight) and gives their slots to waiting
+requests at once (the prefill runs after the call in flight, on the same stream). Tokens still
+reach the host one call after they were dispatched, so a request's tokens and finish are the
+same either way; what changes is that cancellations and new requests act from the next call.
 
 Same tokens: a request gets exactly the token ids ``jaxlp.generate`` gives it alone with the
 same sampler and seed (its prefill has the same shapes; each decode row is independent; the
@@ -30,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import threading
 import time
@@ -96,6 +107,20 @@ class Output:
     finish_reason: str | None = None
 
 
+@dataclasses.dataclass
+class _Call:
+    """A decode call dispatched and not yet read: its outputs (device arrays), the request of
+    each slot it ran (None: the slot emitted nothing), when it was dispatched, whether prefills
+    were dispatched just before it, and its precision mode."""
+
+    tokens: jax.Array
+    reasons: jax.Array
+    rows: list
+    dispatched: float
+    after_prefill: bool
+    fp8: bool  # its NestedFP mode
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """A request's whole life (host side). ``token_ids``: every generated id (a stop token
@@ -120,6 +145,13 @@ class Request:
     _sent: int = 0
     _row: dict | None = None
     _greedy: bool = True  # its sampler always takes the argmax (RowSampler.is_greedy)
+    _steps_in_flight: int = 0  # decode steps dispatched for it whose tokens the host has not read
+
+    @property
+    def _surely_done(self) -> bool:
+        """Finished, or certain to finish within the calls in flight: a running row emits one
+        token per step until it stops, so these steps reach its token budget if nothing else."""
+        return self.finished or len(self.token_ids) + self._steps_in_flight >= self.params.max_tokens
 
     @property
     def finished(self) -> bool:
@@ -203,20 +235,18 @@ def _prefill_program(graphdef, params, state, tokens, length, slot, row, use_fp8
     return new
 
 
-def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, graphdef_fp8=None, greedy=False):
+def _decode_program(graphdef, params, state, alive, *, steps, sampler, greedy=False):
     """``steps`` decode steps of every slot: ``(state, tokens [B, steps], reasons [B, steps])``;
     a token is -1 where the row emitted none, a reason is RUNNING until the row's last token.
     ``greedy``: every running row is greedy (:meth:`RowSampler.sample`'s argmax-only path).
-    With a precision choice (``graphdef_fp8``), the one ``use_fp8`` of the call picks between two
-    whole loops (one conditional per call, not per step: a per-step one cost 5-38% of an 8-layer
-    step on the H100, docs/perf.md session 19). ``graphdef``, ``graphdef_fp8``: :func:`static_key` wrappers."""
-    graphdef, graphdef_fp8 = _value(graphdef), _value(graphdef_fp8)
+    ``graphdef``: a :func:`static_key` wrapper; with a NestedFP precision policy the host picks
+    the FP16 or the FP8 graph definition per call, one program each (a ``lax.cond`` between
+    two whole loops inside one program cost 1.5 ms a step at 64 slots x 1.6K positions on the
+    H100, docs/perf.md session 32: the state, cache included, crossed the conditional)."""
+    graphdef = _value(graphdef)
     state = dict(state, active=state["active"] & alive)
 
-    def loop(model_graphdef):
-        return jax.lax.scan(functools.partial(body, model_graphdef), state, None, length=steps)
-
-    def body(model_graphdef, s, _):
+    def body(s, _):
         running = s["active"]
         bad = ~jnp.all(jnp.isfinite(s["logits"]), axis=-1)
         out = sampler.sample(s["settings"], s["sampler_state"], s["logits"], s["generated"], greedy=greedy)
@@ -231,23 +261,20 @@ def _decode_program(graphdef, params, state, alive, use_fp8, *, steps, sampler, 
         # of their own row (garbage in a free slot, overwritten by the next prefill).
         position = jnp.where(active, s["position"], 0)
 
-        model = nnx.merge(model_graphdef, params)
+        model = nnx.merge(graphdef, params)
         hidden, cache = model.forward(out.tokens[:, None], position[:, None], s["cache"])
         logits = model.logits(hidden[:, 0])
         new = dict(s, cache=cache, logits=logits, generated=generated, active=active,
                    position=s["position"] + emit, sampler_state=out.state)
         return new, (jnp.where(emit, out.tokens, -1), reason)
 
-    if graphdef_fp8 is None:
-        state, (tokens, reasons) = loop(graphdef)
-    else:
-        state, (tokens, reasons) = jax.lax.cond(use_fp8, lambda: loop(graphdef_fp8), lambda: loop(graphdef))
+    state, (tokens, reasons) = jax.lax.scan(body, state, None, length=steps)
     return state, tokens.T, reasons.T
 
 
 _prefill_jit = jax.jit(_prefill_program, static_argnames=("graphdef", "cache_format", "max_len", "sampler", "batched",
                                                          "graphdef_fp8"), donate_argnames=("state",))
-_decode_jit = jax.jit(_decode_program, static_argnames=("graphdef", "steps", "sampler", "graphdef_fp8", "greedy"),
+_decode_jit = jax.jit(_decode_program, static_argnames=("graphdef", "steps", "sampler", "greedy"),
                       donate_argnames=("state",))
 
 
@@ -263,9 +290,12 @@ class Engine:
     raises :class:`QueueFullError`; ``max_stop_tokens``: stop ids per request.
     ``precision`` (NestedFP models, :mod:`jaxlp.quantization.precision`): ``"fp16"`` / ``"fp8"``,
     a ``LoadThreshold`` (FP8 while running plus waiting requests exceed ``fraction`` of
-    ``max_tokens``, default the slot count) or a ``LatencyTarget`` (FP8 while the measured
-    decode step misses the TPOT target); the policy is asked before every device call, and both
-    modes live in the same compiled programs (switching compiles nothing).
+    ``max_tokens``, default the slot count) or a ``LatencyTarget`` (FP8 once a measured FP16
+    decode step misses the TPOT target, FP16 again once the FP16 step predicted from the FP8
+    ones would meet it; it is updated with every call read, in that call's mode); the policy is asked before every device call, which
+    runs the decode program of its mode (:meth:`warmup` compiles both: switching compiles nothing).
+    ``overlap``: keep one decode call in flight while the host handles the previous one's tokens
+    (module doc); False waits for each call's tokens before the next dispatch.
 
     Thread safety: :meth:`submit` and :meth:`cancel` may be called from any thread; :meth:`step`
     from one thread at a time (see :class:`jaxlp.serving.EngineLoop`).
@@ -274,7 +304,7 @@ class Engine:
     def __init__(self, model, *, kv_cache: str | kvcache.CacheFormat = "bf16", max_len: int | None = None,
                  slots: int | None = None, cache_budget_bytes: int | None = None, steps_per_call: int = 4,
                  tokenizer=None, max_waiting: int = 1024, max_stop_tokens: int = 8, reset_window: int = 32,
-                 precision=None):
+                 precision=None, overlap: bool = True):
         config = model.config
         context = config.max_position_embeddings
         self.max_len = check_int("Engine", "max_len", max_len, low=2, high=context, optional=True,
@@ -311,6 +341,8 @@ class Engine:
             elif isinstance(precision, precision_lib.LoadThreshold) and precision.max_tokens is None:
                 self.precision = dataclasses.replace(precision, max_tokens=self.slots)
         self._graphdef_key, self._graphdef_fp8_key = static_key(self.graphdef), static_key(self.graphdef_fp8)
+        # The decode program's graph definition per mode (self.fp8): a fixed mode has one.
+        self._decode_keys = (self._graphdef_key, self._graphdef_fp8_key or self._graphdef_key)
         self._batched = self.cache_format.batched_leaves(config, self.max_len)
         self.state = self._init_state()
         self.cache_bytes = kvcache.cache_bytes(self.cache_format, config, self.slots, self.max_len)
@@ -321,9 +353,13 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}  # admitted and not yet reported finished
         self.counters = collections.Counter()  # prompt_tokens, generated_tokens, requests_<reason>, decode_calls
-        # Seconds per decode step: of every call (from its dispatch to its tokens on the host, so the
-        # prefills dispatched just before it count too: what a running request waits), and of the
-        # calls no prefill preceded (the decode program alone).
+        self.overlap = bool(overlap)
+        self._in_flight: _Call | None = None
+        self._last_read = 0.0  # when the host last read a call's tokens
+        # Seconds per decode step: of every call (from its dispatch, or the previous call's tokens
+        # on the host if later, to its tokens on the host, so the prefills dispatched just before
+        # it count too: what a running request waits), and of the calls no prefill preceded (the
+        # decode program alone).
         self.call_seconds: collections.deque[float] = collections.deque(maxlen=256)
         self.step_seconds: collections.deque[float] = collections.deque(maxlen=256)
 
@@ -411,22 +447,32 @@ class Engine:
         return sum(r is not None for r in self._running)
 
     def has_work(self) -> bool:
-        return bool(self._waiting) or any(r is not None for r in self._running)
+        return bool(self._waiting) or any(r is not None for r in self._running) or self._in_flight is not None
 
     # ------------------------------------------------------------------ the loop
 
     def warmup(self, prompt_lengths: Sequence[int] = (1,)) -> None:
-        """Compile the decode programs (calls whose rows are all greedy, and the others) and the
-        prefill of the buckets of ``prompt_lengths`` (the state is left as it was: every slot free)."""
+        """Compile the decode programs (calls whose rows are all greedy, and the others; with a
+        precision policy, in each mode) and the prefill of the buckets of ``prompt_lengths`` (the
+        state is left as it was: every slot free; the step times of the warm-up are dropped)."""
         buckets = sorted({prompt_bucket(n) for n in prompt_lengths})
         # A greedy request per bucket, then a sampled one: the decode program of calls whose rows
         # are all greedy (argmax only) and the one of calls with a sampled row.
         warm = [(n, SamplingParams(max_tokens=1)) for n in buckets]
         warm.append((buckets[0], SamplingParams(sampler=Categorical(temperature=1.0), max_tokens=1)))
-        for n, params in warm:
-            request = self.submit([0] * min(n, self.max_len - 1), params)
-            while not request.finished:
-                self.step()
+        policy = self.precision
+        modes = ("fp16", "fp8") if self._graphdef_fp8_key is not None else (policy,)
+        try:
+            for mode in modes:
+                self.precision = mode  # a fixed mode while warming up
+                for n, params in warm:
+                    request = self.submit([0] * min(n, self.max_len - 1), params)
+                    while not request.finished:
+                        self.step()
+        finally:
+            self.precision = policy
+        self.call_seconds.clear()
+        self.step_seconds.clear()
 
     def step(self) -> list[Output]:
         """One iteration: retire cancelled requests, admit waiting ones into free slots, run one
@@ -441,8 +487,14 @@ class Engine:
             outputs.append(self._finish(request, "cancelled"))
         self._choose_precision()
         admitted = self._admit()
-        if any(r is not None for r in self._running):
-            self._decode(outputs, after_prefill=admitted > 0)
+        previous, self._in_flight = self._in_flight, None
+        if any(r is not None and not r._surely_done for r in self._running):
+            self._in_flight = self._dispatch(after_prefill=admitted > 0)
+        if previous is not None:
+            self._read(previous, outputs)
+        if not self.overlap and self._in_flight is not None:
+            call, self._in_flight = self._in_flight, None
+            self._read(call, outputs)
         for out in outputs:
             request = self._requests.pop(out.request_id) if out.finished else self._requests.get(out.request_id)
             if request is not None and request.listener is not None:
@@ -458,7 +510,9 @@ class Engine:
         """Prefill waiting requests into free slots; returns how many."""
         admitted = 0
         while True:
-            free = [i for i, r in enumerate(self._running) if r is None]
+            # A slot whose request is certain to finish within the call in flight is free: the
+            # prefill runs after that call on the device, and its tokens are read by the call's rows.
+            free = [i for i, r in enumerate(self._running) if r is None or r._surely_done]
             with self._lock:
                 if not free or not self._waiting:
                     return admitted
@@ -485,27 +539,43 @@ class Engine:
             with self._lock:
                 load = sum(r is not None for r in self._running) + len(self._waiting)
             self.fp8 = load > self.precision.fraction * self.precision.max_tokens
-        elif isinstance(self.precision, precision_lib.LatencyTarget) and self.call_seconds:
-            self.fp8 = self.precision.update(self.call_seconds[-1] * 1e3)
+        elif isinstance(self.precision, precision_lib.LatencyTarget):
+            self.fp8 = self.precision.fp8  # as of the last call read (_read records its time)
         else:
             self.fp8 = self.precision == "fp8"
 
-    def _decode(self, outputs: list[Output], after_prefill: bool = False) -> None:
-        alive = jnp.asarray([r is not None for r in self._running])
+    def _dispatch(self, after_prefill: bool) -> _Call:
+        """Dispatch one decode call over the slots whose requests may still run."""
+        rows = [r if r is not None and not r._surely_done else None for r in self._running]
         start = time.perf_counter()
-        greedy = all(r is None or r._greedy for r in self._running)
-        self.state, tokens, reasons = _decode_jit(self._graphdef_key, self.params, self.state, alive,
-                                                  jnp.bool_(self.fp8), steps=self.steps_per_call, sampler=self.sampler,
-                                                  graphdef_fp8=self._graphdef_fp8_key, greedy=greedy)
-        tokens, reasons = np.asarray(tokens), np.asarray(reasons)
-        now = time.perf_counter()
-        self.call_seconds.append((now - start) / self.steps_per_call)
-        if not after_prefill:
-            self.step_seconds.append(self.call_seconds[-1])
+        greedy = all(r is None or r._greedy for r in rows)
+        self.state, tokens, reasons = _decode_jit(self._decode_keys[self.fp8], self.params, self.state,
+                                                  jnp.asarray([r is not None for r in rows]),
+                                                  steps=self.steps_per_call, sampler=self.sampler, greedy=greedy)
+        for out in (tokens, reasons):
+            out.copy_to_host_async()
+        for request in rows:
+            if request is not None:
+                request._steps_in_flight += self.steps_per_call
         self.counters["decode_calls"] += 1
         self.counters["fp8_decode_calls"] += self.fp8
-        for slot, request in enumerate(self._running):
+        return _Call(tokens, reasons, rows, start, after_prefill, self.fp8)
+
+    def _read(self, call: _Call, outputs: list[Output]) -> None:
+        """Wait for ``call``'s tokens and hand them to its rows' requests."""
+        tokens, reasons = np.asarray(call.tokens), np.asarray(call.reasons)
+        now = time.perf_counter()
+        self.call_seconds.append((now - max(call.dispatched, self._last_read)) / self.steps_per_call)
+        self._last_read = now
+        if isinstance(self.precision, precision_lib.LatencyTarget):
+            self.precision.update(self.call_seconds[-1] * 1e3, fp8=call.fp8)
+        if not call.after_prefill:
+            self.step_seconds.append(self.call_seconds[-1])
+        for slot, request in enumerate(call.rows):
             if request is None:
+                continue
+            request._steps_in_flight -= self.steps_per_call
+            if request.finished:  # cancelled, or failed, after the call was dispatched
                 continue
             new = [int(t) for t in tokens[slot] if t >= 0]
             ends = reasons[slot][reasons[slot] != RUNNING]
@@ -570,7 +640,7 @@ class Engine:
                 return
 
     def _finish(self, request: Request, reason: str, new: list[int] | None = None, text: str = "") -> Output:
-        if request.slot is not None:
+        if request.slot is not None and self._running[request.slot] is request:  # not yet handed on (_admit)
             self._running[request.slot] = None
         text += request.text[request._sent:]  # text held back for stop strings
         request._sent = len(request.text)
@@ -583,8 +653,11 @@ class Engine:
         """After an error inside :meth:`step` (the device state may be lost): every running
         request ends with finish_reason "error" and ``message``; the state is made afresh."""
         outputs = []
-        for request in [r for r in self._running if r is not None]:
+        in_flight = self._in_flight.rows if self._in_flight is not None else []
+        self._in_flight = None
+        for request in dict.fromkeys(r for r in self._running + in_flight if r is not None and not r.finished):
             request.error = message
+            request._steps_in_flight = 0
             outputs.append(self._finish(request, "error"))
         self.state = self._init_state()
         for out in outputs:

@@ -124,7 +124,25 @@ def test_bad_precision_settings(models):
         LatencyTarget(0.0)
 
 
-def test_latency_target_has_hysteresis():
-    slo = LatencyTarget(target_ms=10.0, recover=0.6)
-    assert [slo.update(t) for t in (8.0, 11.0, 9.0, 7.0, 5.9, 7.0, 10.5)] == [
-        False, True, True, True, False, False, True]
+def test_latency_target_predicts_the_fp16_step_from_fp8_ones():
+    """FP8 once an FP16 step misses the target; back to FP16 only once the FP16 step predicted
+    from an FP8 one (its time x mean FP16 / mean FP8, exponential averages) is under recover x
+    target: an FP8 step that meets the target is not enough when FP16 runs twice as slow."""
+    slo = LatencyTarget(target_ms=10.0, recover=0.9, smoothing=0.5)
+    assert slo.update(8.0) is False  # FP16 under the target; mean FP16 8
+    assert slo.update(12.0) is True  # FP16 misses; mean FP16 10
+    assert slo.update(5.0) is True  # FP8; mean FP8 5; predicted FP16 5 x 10 / 5 = 10 >= 9
+    assert slo.update(3.0) is False  # mean FP8 4; predicted 3 x 10 / 4 = 7.5 < 9
+    assert slo.update(9.5) is False  # FP16 under the target; mean FP16 9.75
+    assert slo.update(10.5) is True  # mean FP16 10.125
+    assert slo.update(4.4, fp8=True) is True  # mean FP8 4.2; predicted 4.4 x 10.125 / 4.2 = 10.6
+    assert slo.update(2.0, fp8=False) is False  # a late-read FP16 step (overlapped calls) counts as FP16
+    assert slo.mean_ms == {"fp16": 6.0625, "fp8": 4.2}
+    slo.update(11.0)
+    slo.reset()
+    assert slo.fp8 is False and slo.mean_ms == {}
+    # No FP16 step measured yet: the FP8 step stands for it.
+    cold = LatencyTarget(target_ms=10.0)
+    assert cold.update(9.5, fp8=True) is True and cold.update(8.0, fp8=True) is False
+    with pytest.raises(ValueError, match="smoothing"):
+        LatencyTarget(10.0, smoothing=0.0)

@@ -55,6 +55,12 @@ def test_tiny_sweep(bs, tmp_path):
     # All at t=0 fills every slot; at 8 req/s the tiny model is idle between arrivals.
     assert runs[("bf16", "inf")]["running_max"] == runs[("bf16", "inf")]["slots"]
     assert runs[("bf16", 8.0)]["duration_s"] > runs[("bf16", "inf")]["duration_s"]
+    # Saturated throughput: only the steps with every slot busy (6 requests of 8 tokens on fewer
+    # slots: the first wave fills them all); at most the run's own time and tokens.
+    full = runs[("bf16", "inf")]
+    assert full["slots"] < 6 and 0 < full["saturated_s"] < full["duration_s"]
+    assert full["saturated_tokens_per_s"] > 0
+    assert full["saturated_tokens_per_s"] * full["saturated_s"] <= full["output_tokens"]
     assert (tmp_path / "serving.png").is_file() and saved["plot"] == str(tmp_path / "serving.png")
 
 
@@ -77,14 +83,15 @@ def test_generate_baseline_row(bs, tmp_path):
 
 def test_precision_policies_are_engines_of_their_own(bs, tmp_path):
     """``--precision``: an engine per NestedFP policy; an SLO no step meets runs FP8 from the
-    second decode call on, fixed FP16 never; a model without NestedFP layers skips the policy."""
+    third decode call on (the engine overlaps calls: the second is dispatched before the first
+    is read), fixed FP16 never; a model without NestedFP layers skips the policy."""
     result = bs.main(["--tiny", "--recipes", "bf16,nestedfp", "--kv-caches", "bf16", "--precision", "fp16,slo:0.001",
                       "--rates", "inf", "--out", str(tmp_path / "p.json")])
     runs = {(r["recipe"], r["precision"]): r for r in result["runs"]}
     assert "no NestedFP layers" in runs[("bf16", "fp16")]["skipped"]
     fixed, slo = runs[("nestedfp", "fp16")], runs[("nestedfp", "slo:0.001")]
     assert fixed["fp8_decode_calls"] == 0 and fixed["completed"] == 6
-    assert slo["fp8_decode_calls"] == slo["decode_calls"] - 1 > 0 and slo["completed"] == 6
+    assert slo["fp8_decode_calls"] == slo["decode_calls"] - 2 > 0 and slo["completed"] == 6
     assert slo["compilations_after_warmup"] == 0
     assert bs.run_label(slo) == "nestedfp@slo:0.001" and bs.run_label(dict(recipe="bf16")) == "bf16"
     with pytest.raises(SystemExit, match="slo:MS"):

@@ -131,13 +131,15 @@ def jobs_for(fmt: str, tok) -> list[tuple]:
     ]
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("fmt", ["bf16", "kitty-pro", "kivi-k2v2*", "fireq-int4"])
-def test_concurrent_requests_give_generate_tokens(model, tok, fmt):
+def test_concurrent_requests_give_generate_tokens(model, tok, fmt, overlap):
     """More requests than the three slots (they join and leave mid-run) with mixed samplers,
     seeds (64-bit and negative ones too), prompt lengths and token budgets: each
-    request's token list is generate's for the request alone."""
+    request's token list is generate's for the request alone, with a call in flight while the
+    host reads the last one (overlap) or not."""
     rng = np.random.default_rng(1)
-    eng = engine(model, tok, kv_cache=fmt, max_len=192, steps_per_call=3)
+    eng = engine(model, tok, kv_cache=fmt, max_len=192, steps_per_call=3, overlap=overlap)
     outputs = {}
     listener = lambda out: outputs.setdefault(out.request_id, []).append(out)  # noqa: E731
     requests = [eng.submit(prompt_of(rng, n), SamplingParams(sampler=sampler, seed=seed, max_tokens=max_tokens),
@@ -389,8 +391,9 @@ def test_no_recompilation_and_no_leak_after_warmup(model, tok):
 
 
 def test_cancel_running_and_waiting(model, tok):
+    """Without overlap: a step's call is read in the same step."""
     rng = np.random.default_rng(5)
-    eng = engine(model, tok)
+    eng = engine(model, tok, overlap=False)
     long = SamplingParams(max_tokens=20, seed=1, sampler=Categorical(temperature=0.8))
     short = SamplingParams(max_tokens=6)
     prompts = [prompt_of(rng, n) for n in (5, 9, 3, 12, 7)]
@@ -564,7 +567,7 @@ def test_nan_row_does_not_leak_into_other_slots_or_the_next_request(model, tok):
     rng = np.random.default_rng(9)
     healthy = lambda n: [t + (t == bad_token) for t in prompt_of(rng, n)]  # noqa: E731
     params = SamplingParams(max_tokens=6)
-    eng = engine(sick, tok)
+    eng = engine(sick, tok, overlap=False)  # the first step reads its own call
     bad = eng.submit(healthy(4) + [bad_token] + healthy(5), params)
     ok = [eng.submit(healthy(n), params) for n in (6, 9)]
     eng.step()
@@ -656,11 +659,13 @@ def test_nestedfp_precision_policies(model, tok):
     eng.run()
     assert eng.compilations == compiled
 
-    # Latency: a target no step meets keeps FP8 on after the first measured call.
-    eng = engine(nested, tok, precision=LatencyTarget(target_ms=1e-6))
-    r = eng.submit(prompts[1], greedy)
-    eng.run()
-    assert eng.counters["fp8_decode_calls"] == eng.counters["decode_calls"] - 1 >= 1
+    # Latency: a target no step meets keeps FP8 on after the first measured call (with overlap,
+    # the second call is dispatched before the first is measured).
+    for overlap, unmeasured in ((False, 1), (True, 2)):
+        eng = engine(nested, tok, precision=LatencyTarget(target_ms=1e-6), overlap=overlap)
+        r = eng.submit(prompts[1], greedy)
+        eng.run()
+        assert eng.counters["fp8_decode_calls"] == eng.counters["decode_calls"] - unmeasured >= 1
     with pytest.raises(ValueError, match="NestedFP layers"):
         engine(model, tok, precision="fp8")
 
@@ -691,8 +696,9 @@ def test_static_key_hashes_once_and_interns_equal_values(model, tok):
 
 def test_step_seconds_leave_out_the_calls_after_a_prefill(model, tok):
     """call_seconds: every decode call (the SLO policy's input); step_seconds: only the calls no
-    prefill was dispatched before (the decode program alone)."""
-    eng = engine(model, tok)
+    prefill was dispatched before (the decode program alone). Without overlap, so that each
+    step reads the call it dispatched."""
+    eng = engine(model, tok, overlap=False)
     first = eng.submit([BOS_ID, 5, 6, 7], SamplingParams(max_tokens=12, stop_token_ids=()))
     eng.step()  # admits and decodes
     assert len(eng.call_seconds) == 1 and len(eng.step_seconds) == 0
@@ -704,3 +710,46 @@ def test_step_seconds_leave_out_the_calls_after_a_prefill(model, tok):
     eng.run([first])
     assert eng.counters["decode_calls"] == len(eng.call_seconds) > len(eng.step_seconds) > 1
     assert all(t > 0 for t in eng.call_seconds)
+
+
+def test_overlap_cancel_frees_the_slot_and_reads_one_call_behind(model, tok):
+    """With overlap, a step dispatches a call and reads the one before: tokens arrive one step
+    later, a cancelled request ends at the next step (its slot goes to a waiting request in the
+    same step) and nothing it emitted after the cancellation is reported."""
+    rng = np.random.default_rng(5)
+    eng = engine(model, tok)
+    long = SamplingParams(max_tokens=20, seed=1, sampler=Categorical(temperature=0.8))
+    short = SamplingParams(max_tokens=6)
+    a, b, c, d = (eng.submit(prompt_of(rng, n), q) for n, q in zip((5, 9, 3, 12), [short, long, short, short]))
+    eng.step()  # admits three, dispatches a call, reads nothing yet
+    assert [r.slot for r in (a, b, c)] == [0, 1, 2] and b.token_ids == [] and eng.has_work()
+    eng.step()  # dispatches the second call, reads the first
+    assert len(b.token_ids) == STEPS and not b.finished
+    eng.cancel(b)
+    eng.step()  # b ends; d takes slot 1 and the call dispatched now; the second call is read (b's tokens dropped)
+    assert b.finish_reason == "cancelled" and len(b.token_ids) == STEPS and d.slot == 1
+    eng.run()
+    assert b.token_ids == reference(model, b.prompt_ids, long)[:STEPS]
+    for r in (a, c, d):
+        assert r.token_ids == reference(model, r.prompt_ids, r.params) and r.finish_reason in ("stop", "length")
+    assert not eng.has_work() and eng.stats()["cache_bytes_in_use"] == 0
+
+
+def test_overlap_dispatches_no_call_past_the_token_budgets(model, tok):
+    """Rows certain to have finished within the call in flight (their token budget reached) are
+    left out of the next call, and their slots go to waiting requests at once: with overlap the
+    engine makes exactly the calls it would make without, for budget-bound requests."""
+    rng = np.random.default_rng(8)
+    prompts = [prompt_of(rng, n) for n in (4, 7, 5, 9, 6)]
+    params = [SamplingParams(max_tokens=m, stop_token_ids=()) for m in (4, 6, 2, 8, 4)]
+    calls, tokens = {}, {}
+    for overlap in (False, True):
+        eng = engine(model, tok, overlap=overlap)
+        requests = [eng.submit(p, q) for p, q in zip(prompts, params)]
+        eng.run()
+        calls[overlap] = eng.counters["decode_calls"]
+        tokens[overlap] = [r.token_ids for r in requests]
+        assert all(len(r.token_ids) == r.params.max_tokens for r in requests)
+        assert not eng.has_work() and all(r._steps_in_flight == 0 for r in requests)
+    assert tokens[True] == tokens[False]
+    assert calls[True] == calls[False], calls
