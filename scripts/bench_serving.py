@@ -59,17 +59,18 @@ H100 (Qwen3-8B shape, 8 layers, random weights), a rate sweep at 64 slots, 1K-to
         --input-len 1024 --output-len 256 --len-jitter 0.25 --rates 1,2,4,8,inf --num-prompts 64 \\
         --out docs/bench_serving_h100_nvfp4.json
 
-NestedFP under an SLO (FP8 once an FP16 decode step misses 4 ms) against fixed FP16, per rate::
+NestedFP under an SLO (FP8 once an FP16 decode step misses 5.15 ms) against fixed FP16, per rate::
 
     python scripts/bench_serving.py --layers 8 --recipes nestedfp --kv-caches bf16 --slots 64 \\
-        --precision fp16,slo:4 --input-len 1024 --output-len 256 --len-jitter 0.25 --rates 2,4,8,16,inf \\
-        --num-prompts 64 --out docs/bench_serving_h100_nestedfp.json
+        --precision fp16,slo:5.15 --input-len 1024 --output-len 256 --len-jitter 0.25 --rates 8,16,inf \\
+        --num-prompts 128 --out docs/bench_serving_h100_nestedfp.json
 
-and the saturated throughput at a fixed cache memory on a long-context shape (kitty-pro vs BF16
-in the same 8 GiB of cache: 28 BF16 slots of 9216 positions, 158 kitty-pro slots)::
+and the saturated throughput at a fixed cache memory on the Kitty reference's shape (short
+prompts, long outputs: kitty-pro vs BF16 in the same 4 GiB of cache, 31 BF16 slots of 4160
+positions, 151 kitty-pro slots; 302 requests, two waves of kitty-pro's slots)::
 
-    python scripts/bench_serving.py --layers 8 --recipes bf16 --kv-caches bf16,kitty-pro --cache-gib 8 \\
-        --max-slots 256 --input-len 8192 --output-len 1024 --rates inf --num-prompts 384 \\
+    python scripts/bench_serving.py --layers 8 --recipes bf16 --kv-caches bf16,kitty-pro --cache-gib 4 \\
+        --max-slots 256 --input-len 64 --output-len 4096 --rates inf --num-prompts 302 \\
         --out docs/bench_serving_capacity_h100.json
 
 CPU smoke run (a tiny model, a few requests)::
