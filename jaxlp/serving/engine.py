@@ -87,7 +87,8 @@ class SamplingParams:
 
     def __post_init__(self):
         check_int("SamplingParams", "max_tokens", self.max_tokens, low=1)
-        if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**63:
+        seed = self.seed
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
             raise ValueError(f"SamplingParams: seed must be a 64-bit integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -292,8 +293,9 @@ class Engine:
     a ``LoadThreshold`` (FP8 while running plus waiting requests exceed ``fraction`` of
     ``max_tokens``, default the slot count) or a ``LatencyTarget`` (FP8 once a measured FP16
     decode step misses the TPOT target, FP16 again once the FP16 step predicted from the FP8
-    ones would meet it; it is updated with every call read, in that call's mode); the policy is asked before every device call, which
-    runs the decode program of its mode (:meth:`warmup` compiles both: switching compiles nothing).
+    ones would meet it; it is updated with every call read, in that call's mode); the policy is
+    asked before every device call, which runs the decode program of its mode (:meth:`warmup`
+    compiles both: switching compiles nothing).
     ``overlap``: keep one decode call in flight while the host handles the previous one's tokens
     (module doc); False waits for each call's tokens before the next dispatch.
 
@@ -650,12 +652,14 @@ class Engine:
         return Output(request.id, new or [], text, finished=True, finish_reason=reason)
 
     def fail_running(self, message: str) -> list[Output]:
-        """After an error inside :meth:`step` (the device state may be lost): every running
-        request ends with finish_reason "error" and ``message``; the state is made afresh."""
+        """After an error inside :meth:`step` (the device state may be lost): every admitted
+        request not yet finished (in a slot, or handed a slot's successor while a call in flight
+        ends it) ends with finish_reason "error" and ``message``; the state is made afresh."""
         outputs = []
-        in_flight = self._in_flight.rows if self._in_flight is not None else []
         self._in_flight = None
-        for request in dict.fromkeys(r for r in self._running + in_flight if r is not None and not r.finished):
+        admitted = [r for r in self._running if r is not None]
+        admitted += [r for r in self._requests.values() if r.slot is not None]
+        for request in dict.fromkeys(r for r in admitted if not r.finished):
             request.error = message
             request._steps_in_flight = 0
             outputs.append(self._finish(request, "error"))

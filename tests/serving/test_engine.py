@@ -753,3 +753,28 @@ def test_overlap_dispatches_no_call_past_the_token_budgets(model, tok):
         assert not eng.has_work() and all(r._steps_in_flight == 0 for r in requests)
     assert tokens[True] == tokens[False]
     assert calls[True] == calls[False], calls
+
+
+def test_fail_running_ends_a_request_whose_slot_was_handed_on(model, tok):
+    """With overlap, a request certain to finish within the call in flight gives its slot to a
+    waiting one before its tokens are read; if that read fails, fail_running still ends it (and
+    the successor) with "error", and nothing stays held."""
+    rng = np.random.default_rng(12)
+    eng = engine(model, tok, slots=1)
+    first = eng.submit(prompt_of(rng, 5), SamplingParams(max_tokens=STEPS, stop_token_ids=()))
+    second = eng.submit(prompt_of(rng, 4), SamplingParams(max_tokens=4, stop_token_ids=()))
+    eng.step()  # first admitted; its one call (STEPS steps: its whole budget) in flight
+    assert first.slot == 0 and first._surely_done and not first.finished
+
+    def failing_read(call, outputs):
+        raise RuntimeError("device lost")
+
+    eng._read = failing_read
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()  # second takes slot 0, its call is dispatched, then reading first's call fails
+    assert second.slot == 0 and not first.finished
+    del eng._read
+    outputs = eng.fail_running("engine step failed: device lost")
+    assert {o.request_id for o in outputs} == {first.id, second.id}
+    assert first.finish_reason == second.finish_reason == "error" and "device lost" in first.error
+    assert not eng.has_work() and eng.stats()["cache_bytes_in_use"] == 0
