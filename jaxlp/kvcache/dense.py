@@ -60,7 +60,7 @@ class Dense(CacheFormat):
 
     ``attention``: how one-token (decode) steps attend, one of
     :data:`jaxlp.attention.decode.IMPLEMENTATIONS` (``"auto"``: the Pallas flash-decoding
-    kernel on a GPU when the cache holds q's dtype, else the XLA reference).
+    kernel on a GPU when q and the cache are BF16 or FP16, else the XLA reference).
     """
 
     dtype: type = jnp.bfloat16

@@ -87,6 +87,32 @@ def test_bad_input_is_refused():
         decode_attention(q, k, v, jnp.asarray([1, 2, 3]), scale=1.0, config=DecodeConfig(block_k=48), interpret=True)
 
 
+def test_fp16_queries_over_a_bf16_cache_take_the_kernel(monkeypatch):
+    """An FP16 model's queries over a BF16 cache (the default cache): the kernel runs them cast to
+    BF16 and returns FP16 (the XLA path would cast the whole cache to FP16 at every step). The
+    dispatch on a GPU (the backend faked: only the choice is asked), and the cast path in
+    interpret mode against float64 of the BF16-rounded query and of the FP16 one."""
+    from jaxlp.attention import decode
+
+    q, k, v = case(7, g=4)
+    q16 = jnp.asarray(np.random.default_rng(8).standard_normal(q.shape), jnp.float16)  # off the BF16 grid
+    monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+    assert decode.choose(q16, k, "auto") == "pallas"
+    assert decode.choose(q16.astype(jnp.float32), k, "auto") == "xla"  # a float32 model keeps the reference
+    assert decode.choose(q16, k.astype(jnp.float32), "auto") == "xla"
+    monkeypatch.undo()
+
+    lengths, starts = jnp.asarray([1, 57, 100]), jnp.asarray([0, 20, 0])
+    out = decode.decode_attention(q16, k, v, lengths, starts, scale=0.3, implementation="interpret")
+    assert out.dtype == jnp.float16 and out.shape == q16.shape
+    rounded = q16.astype(jnp.bfloat16)
+    assert not np.array_equal(np.asarray(rounded, np.float32), np.asarray(q16, np.float32))  # the cast rounds
+    assert rel(out, exact(rounded, k, v, lengths, starts, 0.3)) < 4e-3  # the kernel's own BF16 error
+    assert rel(out, exact(q16, k, v, lengths, starts, 0.3)) < 8e-3  # plus the query's BF16 rounding
+    same = decode_attention(rounded, k, v, lengths, starts, scale=0.3, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(same.astype(jnp.float16)))
+
+
 def test_unknown_attention_implementation_is_refused():
     with pytest.raises(ValueError, match="attention implementation must be one of"):
         kvcache.Dense(attention="triton")
@@ -155,3 +181,18 @@ def test_gpu_matches_float64(b, length, splits, g):
     config = None if splits is None else DecodeConfig(splits=splits)
     out = decode_attention(q, k, v, lengths, starts, scale=128**-0.5, config=config)
     assert rel(out, exact(q, k, v, np.asarray(lengths), np.asarray(starts), 128**-0.5)) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_fp16_queries_over_a_bf16_cache():
+    """``"auto"`` on a GPU: FP16 queries over a BF16 cache run the kernel (cast to BF16), FP16 out."""
+    from jaxlp.attention import decode
+
+    q, k, v = case(11, b=2, length=1000, kvh=8, g=4, d=128)
+    q16 = jnp.asarray(np.random.default_rng(12).standard_normal(q.shape), jnp.float16)
+    lengths, starts = jnp.asarray([1000, 377]), jnp.asarray([0, 0])
+    assert decode.choose(q16, k, "auto") == "pallas"
+    out = decode.decode_attention(q16, k, v, lengths, starts, scale=128**-0.5)
+    assert out.dtype == jnp.float16
+    assert rel(out, exact(q16.astype(jnp.bfloat16), k, v, np.asarray(lengths), np.asarray(starts), 128**-0.5)) < 4e-3
