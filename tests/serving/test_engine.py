@@ -27,6 +27,7 @@ from flax import nnx
 import jaxlp
 from jaxlp import kvcache
 from jaxlp.models import ModelConfig, Transformer
+from jaxlp.quantization import RECIPES
 from jaxlp.sampling import Categorical, FixedThreshold, Greedy, ReSETConfig, boundary_ids
 from jaxlp.sampling.rows import RowSampler, RowSettings
 from jaxlp.serving import FINISH_REASONS, Engine, EngineLoop, QueueFullError, SamplingParams
@@ -170,6 +171,35 @@ def test_concurrent_requests_give_generate_tokens(model, tok, fmt, overlap):
         assert codes and any(c.any() for c in codes)
     assert eng.num_running == eng.num_waiting == 0
     assert eng.stats()["generated_tokens"] == sum(len(r.token_ids) for r in requests)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_weight_recipe_gives_generate_tokens(model, tok, recipe):
+    """The engine over each weight recipe of jaxlp.quantization (the layers' CPU path): requests
+    joining and leaving three slots, greedy and sampled, get generate's tokens for each alone.
+    FireQ's 128-wide groups need a model whose inputs are multiples of 128."""
+    from jaxlp.quantization import quantize_model
+    from jaxlp.quantization.activations import STATIC
+    from jaxlp.quantization.recipes import get_recipe
+
+    rec = get_recipe(recipe)
+    base = model
+    if recipe == "w4a8-fireq":
+        wide = dataclasses.replace(CONFIG, hidden_size=128, intermediate_size=256, num_heads=8)
+        base = Transformer(wide, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(13)
+    calibration = rng.integers(4, VOCAB_SIZE, (2, 16)) if rec.activation in STATIC else None
+    quantized = quantize_model(base, rec, calibration=calibration)
+    eng = engine(quantized, tok)
+    # One token budget and two samplers: two generate programs per recipe for the references.
+    sampled = Categorical(temperature=0.9)
+    jobs = [(7, Greedy(), 0), (12, sampled, 3), (3, Greedy(), 0), (9, sampled, 8)]
+    requests = [eng.submit(prompt_of(rng, n), SamplingParams(sampler=s, seed=seed, max_tokens=5))
+                for n, s, seed in jobs]
+    eng.run()
+    for r in requests:
+        assert r.token_ids == reference(quantized, r.prompt_ids, r.params), (recipe, r.params)
+    assert not eng.has_work() and eng.stats()["cache_bytes_in_use"] == 0
 
 
 # ---------------------------------------------------------------------- 2. per-row sampling
