@@ -437,8 +437,9 @@ def _shardings_by_key(path: str, tree: Any, specs: dict[int, _LeafSpec], shardin
 def load(path: str | os.PathLike, *, sharding: Any = None, verify: bool = True, check_finite: bool = False) -> Any:
     """Read a checkpoint written by :func:`save`: the same tree, classes, static fields and bits.
 
-    sharding: where to place the JAX arrays: one ``jax.sharding.Sharding`` for all (default: the
-    first device), or a pytree of Shardings shaped like :func:`abstract` (``jax.tree.map`` over
+    sharding: where to place the JAX arrays: one ``jax.sharding.Sharding`` for all (default: this
+    process's first device, ``jax.local_devices()[0]``: under ``jax.distributed`` the first
+    device of ``jax.devices()`` belongs to process 0), or a pytree of Shardings shaped like :func:`abstract` (``jax.tree.map`` over
     it), each array then restored directly onto its own sharding (every device reads only its
     shard). NumPy leaves come back as NumPy arrays. verify: check each array's CRC-32 against the
     sidecar. check_finite: refuse floating arrays holding NaN or Inf (NonFiniteWeightsError).
@@ -449,7 +450,7 @@ def load(path: str | os.PathLike, *, sharding: Any = None, verify: bool = True, 
 
     path, sidecar = _read_sidecar(path)
     if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     # Pass 1: validate the sidecar and collect the leaves (abstract arrays stand in for data).
     tree, specs = _abstract_tree(path, sidecar)
     placement = _shardings_by_key(path, tree, specs, sharding)

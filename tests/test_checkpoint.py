@@ -111,6 +111,20 @@ def test_load_places_every_array_on_its_own_sharding(tmp_path):
     assert out["zd"].sharding.spec == P("x")  # zero-size arrays (sidecar only) too
 
 
+def test_default_placement_is_this_process_first_device(tmp_path, monkeypatch):
+    """Without a sharding, arrays land on ``jax.local_devices()[0]``: in a multi-process run
+    ``jax.devices()[0]`` is process 0's device, not addressable elsewhere (faked here by making
+    the local list start at another of the 4 simulated devices)."""
+    tree = make_tree(505)
+    checkpoint.save(tmp_path / "ckpt", tree)
+    local = jax.devices()[2:]
+    monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: local)
+    out = checkpoint.load(tmp_path / "ckpt")
+    assert_same_tree(out, tree)
+    arrays = [leaf for leaf in jax.tree.leaves(out) if isinstance(leaf, jax.Array)]
+    assert arrays and all(leaf.sharding.device_set == {local[0]} for leaf in arrays)
+
+
 def test_a_sharding_tree_that_does_not_fit_is_refused(tmp_path):
     tree = make_tree(505)
     checkpoint.save(tmp_path / "ckpt", tree)
