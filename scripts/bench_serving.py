@@ -89,6 +89,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -110,6 +111,7 @@ from jaxlp.serving.engine import Engine, SamplingParams  # noqa: E402
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             vocab_size=512, bos_token_id=1, eos_token_id=2)  # special ids inside the vocabulary (warm-up checks them)
 # --tiny defaults (a CPU smoke run); an option given on the command line wins.
+FP16_RECIPES = {"nestedfp": jnp.float16}  # recipes benchmarked on an FP16 model (the rest: BF16)
 TINY_DEFAULTS = dict(layers=2, num_prompts=6, input_len="12:30", output_len="8", rates="8,inf", slots=3,
                      steps_per_call=2)
 
@@ -422,7 +424,8 @@ def main(argv=None):
                          "(Engine(overlap=False))")
     ap.add_argument("--precision", default="none",
                     help="comma-separated NestedFP precision policies, an engine each (recipes with NestedFP layers): "
-                         "none, fp16, fp8, auto (FP8 past half the slots' load), slo:MS (FP8 once an FP16 step misses MS)")
+                         "none, fp16, fp8, auto (FP8 past half the slots' load), "
+                         "slo:MS (FP8 once an FP16 step misses MS)")
     ap.add_argument("--generate-baseline", action="store_true",
                     help="also time jaxlp.generate's decode step at each engine's slot count (the engine-overhead "
                          "goal: its decode step against generate's, same batch and formats)")
@@ -460,7 +463,7 @@ def main(argv=None):
     dev = jax.devices()[0]
     shape = "tiny Qwen3 shape (hidden 64)" if args.tiny else "Qwen3-8B shape"
     result = {**harness.run_metadata(argv),
-              "model": f"{shape}, {args.layers} layers, random BF16 weights",
+              "model": f"{shape}, {args.layers} layers, random BF16 weights (FP16 for nestedfp)",
               "workload": dict(num_prompts=args.num_prompts, input_len=list(in_range), output_len=list(out_range),
                                burstiness=args.burstiness, sampler=args.sampler, seed=args.seed, ignore_eos=True,
                                prompt_buckets=buckets),
@@ -469,15 +472,24 @@ def main(argv=None):
               "max_slots": args.max_slots, "fixed_slots": args.slots, "runs": []}
     runs = result["runs"]
 
-    model = build_model(config)
-    print(f"# model built in {time.time() - start:.1f}s; prompt buckets {buckets}, max_len {max_len}", flush=True)
+    models = {}  # base model per dtype, built on first use
+
+    def base_model(dtype):
+        if dtype not in models:
+            models[dtype] = build_model(config, dtype=dtype)
+        return models[dtype]
+
+    print(f"# prompt buckets {buckets}, max_len {max_len}", flush=True)
     for recipe in recipes:
         t0 = time.time()
-        model_r = apply_recipe(model, recipe, args.implementation)
+        # NestedFP's FP16 mode runs its kernels on FP16 activations only (an FP16 model): on a BF16
+        # model every GPU path declines it and "auto" falls back to the XLA reference.
+        dtype = FP16_RECIPES.get(recipe, jnp.bfloat16)
+        model_r = apply_recipe(base_model(dtype), recipe, args.implementation)
         if recipe != "bf16":
             print(f"# {recipe} applied in {time.time() - t0:.1f}s", flush=True)
         for cache, precision in [(c, q) for c in caches for q in precisions]:
-            base = dict(recipe=recipe, kv_cache=cache, precision=precision)
+            base = dict(recipe=recipe, kv_cache=cache, precision=precision, model_dtype=jnp.dtype(dtype).name)
             if precision != "none" and not has_nestedfp(model_r):
                 runs.extend(dict(base, rate=rate_label(rate), skipped=f"--precision {precision}: recipe {recipe} has "
                                  "no NestedFP layers") for rate in rates)

@@ -90,6 +90,9 @@ def test_precision_policies_are_engines_of_their_own(bs, tmp_path):
     runs = {(r["recipe"], r["precision"]): r for r in result["runs"]}
     assert "no NestedFP layers" in runs[("bf16", "fp16")]["skipped"]
     fixed, slo = runs[("nestedfp", "fp16")], runs[("nestedfp", "slo:0.001")]
+    # NestedFP on an FP16 model (its FP16-mode kernels take FP16 activations only), the rest BF16.
+    assert fixed["model_dtype"] == slo["model_dtype"] == "float16"
+    assert runs[("bf16", "fp16")]["model_dtype"] == "bfloat16"
     assert fixed["fp8_decode_calls"] == 0 and fixed["completed"] == 6
     assert slo["fp8_decode_calls"] == slo["decode_calls"] - 2 > 0 and slo["completed"] == 6
     assert slo["compilations_after_warmup"] == 0
