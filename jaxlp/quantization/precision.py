@@ -61,9 +61,9 @@ class LatencyTarget:
     step predicted from an FP8 one would take under ``recover * target_ms``. The prediction is
     the FP8 step's time x the ratio of the two modes' mean step times (exponential averages over
     the steps of each mode, the newest weighted ``smoothing``): an FP8 step that merely meets the
-    target says little of the FP16 step it replaced, which may be twice as slow (64 slots on the
-    H100, docs/perf.md session 32). Before any FP16 step was measured, the FP8 step's own time
-    stands for it."""
+    target says little of the FP16 step it replaced, which may be much slower (the old rule, back
+    to FP16 after any step under 0.6 x target, alternated the modes call by call: docs/perf.md
+    session 32). Before any FP16 step was measured, the FP8 step's own time stands for it."""
 
     target_ms: float
     recover: float = 0.9
