@@ -31,13 +31,13 @@ busy (finished requests replaced by waiting ones, their prefills included), so t
 the last, partly filled wave of a run do not dilute it.
 
 Per run: TTFT (scheduled arrival -> first token) and TPOT (time per output token after the first)
-mean / p50 / p99 over requests; ITL p50 / p99 (gap between consecutive token deliveries of a
-request divided by the tokens delivered: tokens arrive ``--steps-per-call`` at a time, and a
-prefill admitted in between shows here); the mean decode step time of the calls no prefill
-preceded (``Engine.step_seconds``: the decode program alone); output tokens/s, total (prompt +
-output) tokens/s and requests/s over the duration (start -> last request finished); slots,
-cache bytes, mean / max running requests, and the programs compiled after warm-up (must be 0:
-the engine never recompiles once warm).
+mean / p50 / p99 over requests (TPOT also p90, the NestedFP paper's); ITL p50 / p99 (gap between
+consecutive token deliveries of a request divided by the tokens delivered: tokens arrive
+``--steps-per-call`` at a time, and a prefill admitted in between shows here); the mean decode
+step time of the calls no prefill preceded (``Engine.step_seconds``: the decode program alone);
+output tokens/s, total (prompt + output) tokens/s and requests/s over the duration (start -> last
+request finished); slots, cache bytes, mean / max running requests, and the programs compiled
+after warm-up (must be 0: the engine never recompiles once warm).
 With ``--generate-baseline`` each engine also gets a row (rate ``generate``): ``jaxlp.generate``'s
 decode step on as many of the workload's prompts as the engine has slots, same model, cache and
 sampler, beside the engine's step of its last rate (``engine_over_generate``: the engine's
@@ -164,12 +164,11 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> np.ndarr
 # ---------------------------------------------------------------- one run
 
 def stats_ms(values) -> dict:
-    """mean / p50 / p99 of ``values`` (seconds) in milliseconds; None where there are none."""
+    """mean / p50 / p90 / p99 of ``values`` (seconds) in milliseconds; None where there are none."""
     v = np.asarray([x for x in values if x is not None], np.float64)
     if v.size == 0:
-        return dict(mean=None, p50=None, p99=None)
-    return dict(mean=float(v.mean() * 1e3), p50=float(np.percentile(v, 50) * 1e3),
-                p99=float(np.percentile(v, 99) * 1e3))
+        return dict(mean=None, p50=None, p90=None, p99=None)
+    return dict(mean=float(v.mean() * 1e3), **{f"p{q}": float(np.percentile(v, q) * 1e3) for q in (50, 90, 99)})
 
 
 def run_workload(engine: Engine, requests: list[dict], arrivals: np.ndarray, sampler) -> dict:
@@ -233,7 +232,8 @@ def run_workload(engine: Engine, requests: list[dict], arrivals: np.ndarray, sam
         saturated_s=saturated_s,
         saturated_tokens_per_s=sum(n for _, n in full) / saturated_s if saturated_s > 0 else None,
         ttft_mean_ms=ttft["mean"], ttft_p50_ms=ttft["p50"], ttft_p99_ms=ttft["p99"],
-        tpot_mean_ms=tpot["mean"], tpot_p50_ms=tpot["p50"], tpot_p99_ms=tpot["p99"],
+        tpot_mean_ms=tpot["mean"], tpot_p50_ms=tpot["p50"], tpot_p90_ms=tpot["p90"],
+        tpot_p99_ms=tpot["p99"],
         itl_mean_ms=itl_s["mean"], itl_p50_ms=itl_s["p50"], itl_p99_ms=itl_s["p99"],
         step_mean_ms=float(np.mean(steps) * 1e3) if steps else None,
         decode_calls=engine.counters["decode_calls"] - counters.get("decode_calls", 0),
