@@ -63,11 +63,7 @@ class LatencyTarget:
     the steps of each mode, the newest weighted ``smoothing``): an FP8 step that merely meets the
     target says little of the FP16 step it replaced, which may be much slower (the old rule, back
     to FP16 after any step under 0.6 x target, alternated the modes call by call: docs/perf.md
-    session 32). Before any FP16 step was measured, the FP8 step's own time stands for it.
-    A step whose time includes a prefill (``prefill=True``: a server admitting a request) counts
-    against the target, since its requests wait for it, but not in the averages: they compare
-    the two modes' decode steps, and a prefill's stall would inflate whichever mode it met
-    (session 33: counted, at 4 requests/s FP8 ran 61% of the calls where the FP16 step met the target)."""
+    session 32). Before any FP16 step was measured, the FP8 step's own time stands for it."""
 
     target_ms: float
     recover: float = 0.9
@@ -88,14 +84,13 @@ class LatencyTarget:
         self.fp8 = False
         self.mean_ms.clear()
 
-    def update(self, step_ms: float, fp8: bool | None = None, *, prefill: bool = False) -> bool:
+    def update(self, step_ms: float, fp8: bool | None = None) -> bool:
         """Record a step's time (``fp8``: the mode it ran in; None: the policy's current mode,
-        right for a loop that measures each step before choosing the next; ``prefill``: the time
-        includes a prefill, left out of the mode averages); returns whether the next step runs FP8."""
+        right for a loop that measures each step before choosing the next); returns whether the
+        next step runs FP8."""
         mode = "fp8" if (self.fp8 if fp8 is None else fp8) else "fp16"
         old = self.mean_ms.get(mode)
-        if not prefill:
-            self.mean_ms[mode] = step_ms if old is None else old + self.smoothing * (step_ms - old)
+        self.mean_ms[mode] = step_ms if old is None else old + self.smoothing * (step_ms - old)
         if mode == "fp16":
             self.fp8 = step_ms > self.target_ms
         else:

@@ -146,22 +146,3 @@ def test_latency_target_predicts_the_fp16_step_from_fp8_ones():
     assert cold.update(9.5, fp8=True) is True and cold.update(8.0, fp8=True) is False
     with pytest.raises(ValueError, match="smoothing"):
         LatencyTarget(10.0, smoothing=0.0)
-
-
-def test_latency_target_counts_a_prefill_against_the_target_but_not_in_the_averages():
-    """A step that waited for a prefill misses the target like any other (its requests waited),
-    but the modes' averages, whose ratio predicts the FP16 step, hold decode steps only: after a
-    stall the policy goes back to FP16 as soon as an FP8 step predicts a clean FP16 one in time."""
-    slo = LatencyTarget(target_ms=10.0, recover=0.9, smoothing=0.5)
-    assert slo.update(40.0, fp8=False, prefill=True) is True  # the first step: a prefill's stall
-    assert slo.mean_ms == {}  # no average seeded by it
-    assert slo.update(5.0, fp8=True) is False  # no FP16 average yet: the FP8 step stands for it
-    assert slo.update(8.0, fp8=False) is False and slo.mean_ms == {"fp16": 8.0, "fp8": 5.0}
-    assert slo.update(30.0, fp8=False, prefill=True) is True  # misses: FP8 next
-    assert slo.mean_ms == {"fp16": 8.0, "fp8": 5.0}
-    assert slo.update(5.0, fp8=True) is False  # predicted 5 x 8 / 5 = 8 < 9
-    # Counted in the averages, the same stall would have held FP8 (predicted 5 x 19 / 5 = 19 >= 9).
-    inflated = LatencyTarget(target_ms=10.0, recover=0.9, smoothing=0.5)
-    for ms, fp8 in ((5.0, True), (8.0, False), (30.0, False)):
-        inflated.update(ms, fp8=fp8)
-    assert inflated.update(5.0, fp8=True) is True
