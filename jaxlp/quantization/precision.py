@@ -63,7 +63,9 @@ class LatencyTarget:
     the steps of each mode, the newest weighted ``smoothing``): an FP8 step that merely meets the
     target says little of the FP16 step it replaced, which may be much slower (the old rule, back
     to FP16 after any step under 0.6 x target, alternated the modes call by call: docs/perf.md
-    session 32). Before any FP16 step was measured, the FP8 step's own time stands for it."""
+    session 32). Before any FP16 step was measured, the FP8 step's own time stands for it.
+    Steps that waited for a prefill count in the averages too, since TPOT includes those stalls
+    (leaving them out under-predicted FP16's TPOT: docs/perf.md session 33)."""
 
     target_ms: float
     recover: float = 0.9
