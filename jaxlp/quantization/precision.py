@@ -13,9 +13,9 @@ Policies say when to use FP8:
   exceed ``fraction`` of ``max_tokens`` (``generate``: the rows still running per decode step,
   the prompt tokens for the prefill; ``max_tokens`` defaults to the batch size). Its fields
   are traced: changing them does not recompile.
-- :class:`LatencyTarget`, for a loop that times its steps (a server): FP8 once a measured FP16
-  step misses ``target_ms``, back to FP16 once the FP16 step predicted from the FP8 ones would
-  take under ``recover`` times it.
+- :class:`LatencyTarget`, for a loop that times its steps (a server): FP8 once the FP16 mode's
+  predicted time per step (its decode step at the current load plus the mean prefill stall)
+  misses ``target_ms``, back to FP16 once it is under ``recover`` times it.
 """
 
 from __future__ import annotations
@@ -57,21 +57,27 @@ class LoadThreshold:
 
 @dataclasses.dataclass
 class LatencyTarget:
-    """Host-side SLO rule: FP8 once an FP16 step misses ``target_ms``; FP16 again once the FP16
-    step predicted from an FP8 one would take under ``recover * target_ms``. The prediction is
-    the FP8 step's time x the ratio of the two modes' mean step times (exponential averages over
-    the steps of each mode, the newest weighted ``smoothing``): an FP8 step that merely meets the
-    target says little of the FP16 step it replaced, which may be much slower (the old rule, back
-    to FP16 after any step under 0.6 x target, alternated the modes call by call: docs/perf.md
-    session 32). Before any FP16 step was measured, the FP8 step's own time stands for it.
-    Steps that waited for a prefill count in the averages too, since TPOT includes those stalls
-    (leaving them out under-predicted FP16's TPOT: docs/perf.md session 33)."""
+    """Host-side SLO rule on the time per output token: FP8 once the FP16 mode's predicted time
+    per step exceeds ``target_ms``; FP16 again once it is under ``recover * target_ms``.
+
+    The prediction is the FP16 decode step at the current load plus the mean stall per step:
+    - the decode step: a decode-only FP16 step's own time; a decode-only FP8 step's time x the
+      ratio of the two modes' mean decode-only steps (exponential averages, the newest weighted
+      ``smoothing``; ratio 1 before any FP16 step was measured); after a step that waited for a
+      prefill (``update(..., prefill=True)``), its mode's mean;
+    - the stall: an exponential average, over every step, of how far a step that waited for a
+      prefill ran over its mode's mean (0 for decode-only steps). TPOT includes those stalls.
+    History (docs/perf.md sessions 32-33): back to FP16 after any FP8 step under 0.6 x target
+    alternated the modes call by call; mean step times with the prefill stalls mixed in made the
+    ratio swing with whichever mode met the prefills (at 128 requests at once, FP8 in 56 to 153
+    of 157 calls from one run to the next)."""
 
     target_ms: float
     recover: float = 0.9
     smoothing: float = 0.2
     fp8: bool = False
-    mean_ms: dict = dataclasses.field(default_factory=dict)  # {"fp16": ms, "fp8": ms}: the modes' averages
+    mean_ms: dict = dataclasses.field(default_factory=dict)  # {"fp16": ms, "fp8": ms}: decode-only steps
+    stall_ms: float = 0.0  # prefill stall per step
 
     def __post_init__(self):
         if not self.target_ms > 0:
@@ -82,22 +88,30 @@ class LatencyTarget:
             raise ValueError(f"LatencyTarget: smoothing must be in (0, 1], got {self.smoothing}")
 
     def reset(self) -> None:
-        """Forget the measurements: FP16 next, no mode averages."""
+        """Forget the measurements: FP16 next, no averages."""
         self.fp8 = False
         self.mean_ms.clear()
+        self.stall_ms = 0.0
 
-    def update(self, step_ms: float, fp8: bool | None = None) -> bool:
+    def update(self, step_ms: float, fp8: bool | None = None, *, prefill: bool = False) -> bool:
         """Record a step's time (``fp8``: the mode it ran in; None: the policy's current mode,
-        right for a loop that measures each step before choosing the next); returns whether the
-        next step runs FP8."""
+        right for a loop that measures each step before choosing the next; ``prefill``: the
+        step waited for a prefill); returns whether the next step runs FP8."""
         mode = "fp8" if (self.fp8 if fp8 is None else fp8) else "fp16"
-        old = self.mean_ms.get(mode)
-        self.mean_ms[mode] = step_ms if old is None else old + self.smoothing * (step_ms - old)
-        if mode == "fp16":
-            self.fp8 = step_ms > self.target_ms
+        mean = self.mean_ms.get(mode)
+        stall = 0.0
+        if not prefill:
+            decode = step_ms
+            self.mean_ms[mode] = step_ms if mean is None else mean + self.smoothing * (step_ms - mean)
+        elif mean is None:  # nothing to tell the stall from the step: the whole time stands
+            decode = step_ms
         else:
-            ratio = self.mean_ms["fp16"] / self.mean_ms["fp8"] if "fp16" in self.mean_ms else 1.0
-            self.fp8 = step_ms * ratio >= self.recover * self.target_ms
+            decode, stall = mean, max(step_ms - mean, 0.0)
+        self.stall_ms += self.smoothing * (stall - self.stall_ms)
+        if mode == "fp8" and "fp16" in self.mean_ms:
+            decode *= self.mean_ms["fp16"] / self.mean_ms["fp8"]
+        predicted = decode + self.stall_ms
+        self.fp8 = predicted > self.target_ms if mode == "fp16" else predicted >= self.recover * self.target_ms
         return self.fp8
 
 

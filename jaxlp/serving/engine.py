@@ -291,9 +291,9 @@ class Engine:
     raises :class:`QueueFullError`; ``max_stop_tokens``: stop ids per request.
     ``precision`` (NestedFP models, :mod:`jaxlp.quantization.precision`): ``"fp16"`` / ``"fp8"``,
     a ``LoadThreshold`` (FP8 while running plus waiting requests exceed ``fraction`` of
-    ``max_tokens``, default the slot count) or a ``LatencyTarget`` (FP8 once a measured FP16
-    decode step misses the TPOT target, FP16 again once the FP16 step predicted from the FP8
-    ones would meet it; it is updated with every call read, in that call's mode); the policy is
+    ``max_tokens``, default the slot count) or a ``LatencyTarget`` (FP8 while the FP16 mode's
+    predicted time per step, decode step plus prefill stalls, misses the TPOT target; it is
+    updated with every call read, in that call's mode, marked when a prefill preceded it); the policy is
     asked before every device call, which runs the decode program of its mode (:meth:`warmup`
     compiles both: switching compiles nothing).
     ``overlap``: keep one decode call in flight while the host handles the previous one's tokens
@@ -570,7 +570,7 @@ class Engine:
         self.call_seconds.append((now - max(call.dispatched, self._last_read)) / self.steps_per_call)
         self._last_read = now
         if isinstance(self.precision, precision_lib.LatencyTarget):
-            self.precision.update(self.call_seconds[-1] * 1e3, fp8=call.fp8)
+            self.precision.update(self.call_seconds[-1] * 1e3, fp8=call.fp8, prefill=call.after_prefill)
         if not call.after_prefill:
             self.step_seconds.append(self.call_seconds[-1])
         for slot, request in enumerate(call.rows):

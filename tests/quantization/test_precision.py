@@ -137,12 +137,34 @@ def test_latency_target_predicts_the_fp16_step_from_fp8_ones():
     assert slo.update(10.5) is True  # mean FP16 10.125
     assert slo.update(4.4, fp8=True) is True  # mean FP8 4.2; predicted 4.4 x 10.125 / 4.2 = 10.6
     assert slo.update(2.0, fp8=False) is False  # a late-read FP16 step (overlapped calls) counts as FP16
-    assert slo.mean_ms == {"fp16": 6.0625, "fp8": 4.2}
+    assert slo.mean_ms == {"fp16": 6.0625, "fp8": 4.2} and slo.stall_ms == 0.0
     slo.update(11.0)
+    slo.update(20.0, prefill=True)
     slo.reset()
-    assert slo.fp8 is False and slo.mean_ms == {}
+    assert slo.fp8 is False and slo.mean_ms == {} and slo.stall_ms == 0.0
     # No FP16 step measured yet: the FP8 step stands for it.
     cold = LatencyTarget(target_ms=10.0)
     assert cold.update(9.5, fp8=True) is True and cold.update(8.0, fp8=True) is False
+
+
+def test_latency_target_adds_the_prefill_stalls_to_the_decode_step():
+    """A step that waited for a prefill adds its excess over its mode's mean decode step to the
+    stall average (every step weighs in: decode-only ones with 0) and leaves the mean alone; the
+    FP16 prediction is the decode step plus that average, so frequent prefills push a decode step
+    that alone meets the target over it, and rare ones fade."""
+    slo = LatencyTarget(target_ms=10.0, recover=0.9, smoothing=0.5)
+    assert slo.update(30.0, fp8=False, prefill=True) is True  # no mean yet: the whole 30 ms stands
+    assert slo.mean_ms == {} and slo.stall_ms == 0.0
+    assert slo.update(4.0, fp8=True) is False  # no FP16 mean: predicted 4 (mean FP8 4)
+    assert slo.update(8.0, fp8=False) is False  # decode 8, stall 0
+    assert slo.update(12.0, fp8=False, prefill=True) is False  # stall 0.5 x 4 = 2: 8 + 2 = 10, not over
+    assert slo.mean_ms == {"fp16": 8.0, "fp8": 4.0} and slo.stall_ms == 2.0
+    assert slo.update(14.0, fp8=False, prefill=True) is True  # stall 1 + 3 = 4: predicted 12 > 10
+    assert slo.update(5.0, fp8=True, prefill=True) is True  # FP8 mean 4: stall 2 + 0.5 = 2.5; 8 + 2.5 >= 9
+    assert slo.stall_ms == 2.5 and slo.mean_ms == {"fp16": 8.0, "fp8": 4.0}
+    assert slo.update(4.0, fp8=True) is True  # stall 1.25: 4 x 2 + 1.25 = 9.25 >= 9
+    assert slo.update(4.0, fp8=True) is False  # stall 0.625: 8.625 < 9
+    # Decode-only FP16 steps that meet the target keep FP16 whatever a lone stall did before.
+    assert slo.update(8.5, fp8=False) is False
     with pytest.raises(ValueError, match="smoothing"):
         LatencyTarget(10.0, smoothing=0.0)
