@@ -59,10 +59,11 @@ H100 (Qwen3-8B shape, 8 layers, random weights), a rate sweep at 64 slots, 1K-to
         --input-len 1024 --output-len 256 --len-jitter 0.25 --rates 1,2,4,8,inf --num-prompts 64 \\
         --out docs/bench_serving_h100_nvfp4.json
 
-NestedFP under an SLO (FP8 once an FP16 decode step misses 5.15 ms) against fixed FP16, per rate::
+NestedFP under a TPOT target of 4.19 ms (FP8 while the FP16 mode's predicted step, prefill stalls
+included, misses it) against fixed FP16, per rate (docs/perf.md session 33)::
 
     python scripts/bench_serving.py --layers 8 --recipes nestedfp --kv-caches bf16 --slots 64 \\
-        --precision fp16,slo:5.15 --input-len 1024 --output-len 256 --len-jitter 0.25 --rates 8,16,inf \\
+        --precision fp16,slo:4.19 --input-len 1024 --output-len 256 --len-jitter 0.25 --rates 4,8,16,inf \\
         --num-prompts 128 --out docs/bench_serving_h100_nestedfp.json
 
 and the saturated throughput at a fixed cache memory on the Kitty reference's shape (short
@@ -293,8 +294,8 @@ def apply_recipe(model, recipe: str, implementation: str):
 def parse_precision(spec: str):
     """An engine precision policy from ``--precision``'s items: ``none`` (no policy), ``fp16`` /
     ``fp8`` (one mode throughout), ``auto`` (:class:`LoadThreshold`: FP8 while more requests run
-    or wait than half the slots) or ``slo:MS`` (:class:`LatencyTarget`: FP8 once an FP16 decode step
-    misses MS milliseconds)."""
+    or wait than half the slots) or ``slo:MS`` (:class:`LatencyTarget`: FP8 while the FP16 mode's
+    predicted time per step misses MS milliseconds)."""
     if spec in ("none", "fp16", "fp8"):
         return None if spec == "none" else spec
     if spec == "auto":
@@ -425,7 +426,7 @@ def main(argv=None):
     ap.add_argument("--precision", default="none",
                     help="comma-separated NestedFP precision policies, an engine each (recipes with NestedFP layers): "
                          "none, fp16, fp8, auto (FP8 past half the slots' load), "
-                         "slo:MS (FP8 once an FP16 step misses MS)")
+                         "slo:MS (FP8 while FP16's predicted step misses MS)")
     ap.add_argument("--generate-baseline", action="store_true",
                     help="also time jaxlp.generate's decode step at each engine's slot count (the engine-overhead "
                          "goal: its decode step against generate's, same batch and formats)")

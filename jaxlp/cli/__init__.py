@@ -236,9 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NestedFP models: the FP16 or the FP8 model, or auto: FP8 while running plus waiting "
                         "requests exceed half the slots (default: the checkpoint's mode, FP16)")
     v.add_argument("--slo-tpot-ms", type=float, default=None, metavar="X",
-                   help="NestedFP models: FP8 once an FP16 decode step takes longer than this target time per "
-                        "output token, FP16 again once the FP16 step predicted from the FP8 ones would take under "
-                        "0.9 of it (default: none)")
+                   help="NestedFP models: a target time per output token; FP8 while the FP16 mode's predicted "
+                        "time per step (its decode step at the current load plus the mean prefill stall) exceeds "
+                        "it, FP16 again once that is under 0.9 of it (default: none)")
     v.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", parents=[common], formatter_class=_Formatter,
