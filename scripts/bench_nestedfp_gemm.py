@@ -19,8 +19,9 @@ side in one run, by ``--mode``:
 baseline (not one of "ours"); ``cutlass`` / ``cutlass:<name>[:<promote_k>]``: CUTLASS's kernels (:mod:`jaxlp.ffi.cutlass_gemm`;
 the default of M or a ``NESTEDFP_CONFIGS`` name in ``fp16`` mode, a ``CONFIGS`` name and K per
 promoted sum through the layer product in ``fp8`` and ``w8a8`` modes),
-and for 1..8 tokens ``gemv`` / ``gemvU<unroll>S<splits>`` (``S0``: the default splits): the CUDA
-GEMV of :mod:`jaxlp.ffi.nestedfp` through the layer product (:mod:`jaxlp.quantization.nestedfp_dispatch`).
+and for 1..8 tokens (FP16 mode: 1..64) ``gemv`` / ``gemvU<unroll>S<splits>`` (``S0``: the default
+splits; past 8 tokens the skinny GEMM, unroll 1): the CUDA kernels of :mod:`jaxlp.ffi.nestedfp`
+through the layer product (:mod:`jaxlp.quantization.nestedfp_dispatch`).
 Per GEMM: us of device time, the ratio ``baseline / best`` (> 1: faster than the baseline) and
 the floor of ours (the larger of its bytes (stored weight, 16-bit activations in and out) / copy
 bandwidth and 2MNK / the measured dense BF16 rate, FP8 modes twice that rate). Summary: the mean and worst gap per shape and over all
@@ -205,7 +206,7 @@ def main(argv=None):
                 jobs.add("base", lambda x, w: jnp.dot(x, w.T),  # 16-bit out (FP32 sums inside cuBLAS)
                          w16, m, k, base_dtype)
                 for name, cfg in configs:
-                    if name.startswith("gemv") and m > cuda_nestedfp.MAX_TOKENS:
+                    if name.startswith("gemv") and m > cuda_nestedfp.max_tokens("fp8" if mode == "fp8" else "fp16"):
                         continue
                     if name.startswith("cutlass-fp16"):  # a second baseline, on the FP16 weights
                         jobs.add(name, lambda x, w, c=cfg: cutlass_gemm.fp16_matmul(x, w, **c), w16, m, k, base_dtype)

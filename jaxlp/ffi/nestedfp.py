@@ -1,6 +1,6 @@
-"""NestedFP products for 1..8 tokens as a CUDA kernel on tensor cores (sm_90).
+"""NestedFP products for 1..8 tokens (FP16 mode: 1..64) as CUDA kernels on tensor cores (sm_90).
 
-    y = gemv(x, upper, lower)   # float32 [M, N]: x [M <= 8, K] float16 times merge(upper, lower).T
+    y = gemv(x, upper, lower)   # float32 [M, N]: x [M <= 64, K] float16 times merge(upper, lower).T
     y = gemv(x8, upper, None)   # x8 [M, K] float8_e4m3fn times e4m3(upper).T (FP8 mode)
     y = gemv(x8, upper, None, divisor=s, multiplier=2**-8, out_dtype=jnp.float16)  # (x8 @ W8.T / s) * 2**-8
 
@@ -13,7 +13,12 @@ FP16 weights in registers (never in memory), FP8 mode reads the upper bytes alon
 split over ``splits`` (1..8) CTAs per row block (8 warps each), one thread-block cluster whose
 first CTA adds the others' FP32 sums through distributed shared memory and writes the scaled
 product in the output dtype: one kernel per product. Shapes: ``N`` a multiple of 16, ``K`` a
-multiple of 64. The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
+multiple of 64. FP16 mode past 8 tokens runs the skinny GEMM of the same file: a CTA's 8 warps own
+128 rows over the same K, both byte planes and the tokens (up to 64: 2, 4 or 8 MMAs of 8 tokens per
+merged weight fragment) streamed through a 4-stage cp.async ring in shared memory, so the tokens
+cross L2 ``M / 128`` times the weight bytes instead of ``M / 16``; ``splits`` CTAs per 128 rows
+along K (a cluster; :func:`default_skinny_splits`). The library is compiled by ``nvcc`` on first
+use (:mod:`jaxlp.ffi.build`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from jaxlp.ffi import build
 TARGETS = {"fp16": "jaxlp_nestedfp16_gemv", "fp8": "jaxlp_nestedfp8_gemv"}
 LIBRARY = build.Library("nestedfp_gemv",
                         {TARGETS["fp16"]: "JaxlpNestedFP16Gemv", TARGETS["fp8"]: "JaxlpNestedFP8Gemv"})
-MAX_TOKENS = 8  # the MMA's N
+MAX_TOKENS = 8  # the MMA's N: the GEMV's tokens (FP8 mode's limit)
+SKINNY_MAX_TOKENS = 64  # FP16 mode: the skinny GEMM from 9 tokens to here
+SKINNY_ROWS = 128  # output features per CTA of the skinny GEMM (8 warps x 16)
 MAX_SPLITS = 8  # CTAs per cluster (the portable cluster size)
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 64  # K per warp step
@@ -62,20 +69,41 @@ def default_unroll(mode: str, n: int, splits: int, num_sms: int = 132) -> int:
     return DEFAULT_UNROLL[mode][0 if (n // ROWS) * splits <= 3 * num_sms else 1]
 
 
+def default_skinny_splits(n: int, k: int, num_sms: int = 132) -> int:
+    """K splits per 128-row tile of the skinny GEMM: about one CTA per SM in all (H200, docs/perf.md
+    session 33: 4 splits of 32 tiles beat 8; 1-2 of 192 tiles the same), at most :data:`MAX_SPLITS`,
+    each CTA left with at least 8 windows."""
+    tiles, windows = -(-n // SKINNY_ROWS), k // WINDOW
+    return max(1, min(math.floor(num_sms / tiles + 0.5), windows // 8, MAX_SPLITS))
+
+
+def max_tokens(mode: str) -> int:
+    """The tokens :func:`gemv` takes in ``mode`` ("fp16" or "fp8")."""
+    return SKINNY_MAX_TOKENS if mode == "fp16" else MAX_TOKENS
+
+
 def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int | None = None,
          unroll: int | None = None, divisor: jax.Array | None = None, multiplier: float = 1.0,
          out_dtype=jnp.float32) -> jax.Array:
     """``((x @ W.T) / divisor[:, None]) * multiplier`` in ``out_dtype`` (float32, float16 or
-    bfloat16; FP32 sums) for ``x [M, K]`` (float16: FP16 mode, ``W = merge(upper, lower)``;
-    float8_e4m3fn: FP8 mode, ``W = e4m3(upper)``, ``lower`` None) and the ``[N, K]`` weight bytes.
-    divisor: float32 per token ``[M]`` (or ``[M, 1]``; default none); splits: CTAs per 16 rows
-    along K (1..8, default :func:`default_splits`); unroll: K windows per pipelined step (1, 2 or
-    4; default :func:`default_unroll`)."""
+    bfloat16; FP32 sums) for ``x [M, K]`` (float16: FP16 mode, ``W = merge(upper, lower)``, M <= 64;
+    float8_e4m3fn: FP8 mode, ``W = e4m3(upper)``, ``lower`` None, M <= 8) and the ``[N, K]`` weight
+    bytes. divisor: float32 per token ``[M]`` (or ``[M, 1]``; default none); splits: CTAs per 16
+    rows (past 8 tokens: per 128 rows) along K (1..8, default :func:`default_splits` /
+    :func:`default_skinny_splits`); unroll: K windows per pipelined step (1, 2 or 4, default
+    :func:`default_unroll`; past 8 tokens 1)."""
     m, k = x.shape
     n = upper.shape[0]
     fp8 = lower is None
-    splits = splits or default_splits(n, k)
-    unroll = unroll or default_unroll("fp8" if fp8 else "fp16", n, splits)
+    skinny = not fp8 and m > MAX_TOKENS
+    if skinny:
+        if unroll not in (None, 1):
+            raise ValueError(f"nestedfp gemv: past {MAX_TOKENS} tokens the kernel streams one window per stage "
+                             f"(unroll 1), got unroll={unroll!r}")
+        unroll, splits = 1, splits or default_skinny_splits(n, k)
+    else:
+        splits = splits or default_splits(n, k)
+        unroll = unroll or default_unroll("fp8" if fp8 else "fp16", n, splits)
     if unroll not in UNROLLS:
         raise ValueError(f"nestedfp gemv: unroll must be one of {UNROLLS}, got {unroll!r}")
     if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in OUT_DTYPES]:
@@ -90,9 +118,10 @@ def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int
     if upper.shape != (n, k) or upper.dtype != jnp.uint8 or bad_lower:
         raise ValueError(f"nestedfp gemv: weight bytes must be uint8 [N, {k}] like x's K, got upper {upper.dtype} "
                          f"{upper.shape}" + ("" if fp8 else f", lower {lower.dtype} {lower.shape}"))
-    if not 1 <= m <= MAX_TOKENS or n % ROWS or k % WINDOW:
-        raise ValueError(f"nestedfp gemv: takes 1..{MAX_TOKENS} tokens, N a multiple of {ROWS}, K of {WINDOW}; "
-                         f"got M={m}, N={n}, K={k}")
+    limit = max_tokens("fp8" if fp8 else "fp16")
+    if not 1 <= m <= limit or n % ROWS or k % WINDOW:
+        raise ValueError(f"nestedfp gemv: takes 1..{limit} tokens in {'FP8' if fp8 else 'FP16'} mode, N a multiple "
+                         f"of {ROWS}, K of {WINDOW}; got M={m}, N={n}, K={k}")
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"nestedfp gemv: splits must be 1..{MAX_SPLITS}, got {splits}")
     if build.on_gpu():

@@ -1,4 +1,4 @@
-// NestedFP products for a few tokens (M = 1..8) on tensor cores (XLA FFI custom call, sm_90);
+// NestedFP products for a few tokens (M = 1..8; FP16 mode up to 64) on tensor cores (XLA FFI custom call, sm_90);
 // Python side: jaxlp/ffi/nestedfp.py.
 //
 //   FP16 mode:  acc[s, m, n] = sum_k x[m, k] * merge(upper, lower)[n, k]   (x FP16)
@@ -19,6 +19,18 @@
 // the fewer) and add their accumulators through shared memory; a row block's splits (1..8 CTAs) are
 // one thread-block cluster whose rank 0 adds the others' sums through distributed shared memory
 // and writes the output: one kernel, nothing in global memory but the output.
+//
+// FP16 mode for 9..64 tokens (`skinny_kernel`): the same MMAs (weights the A operand in the
+// thread's own K order, tokens the N), but a CTA's 8 warps own 8 different row blocks (128 rows)
+// over the same K, and a cp.async ring of 4 stages (one 64-wide K window of both byte planes and of
+// the tokens each) streams the CTA's rows and tokens through shared memory: the tokens cross L2
+// M / 128 times the weight bytes (the GEMV's per-thread loads would read them M / 16 times) and
+// three windows of weights are in flight per CTA without holding registers (register-prefetched
+// weights left too few bytes in flight: 0.35-0.6x the FP16 dot, docs/perf.md session 33). Each
+// warp reads its fragments from the stage, merges, and runs `kGroups` MMAs (8 tokens each) per
+// merged fragment. A row tile's K splits are a cluster; each rank adds the splits' sums of
+// 8 / splits of the warps' row blocks (gathered in its shared memory through distributed shared
+// memory) and writes them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -26,6 +38,7 @@
 #include <cstdint>
 #include <string>
 
+#include "async_copy.cuh"
 #include "gemv_epilogue.cuh"
 #include "launch.cuh"
 #include "mma_sync.cuh"
@@ -153,6 +166,198 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gemv_kernel(Params p)
 }
 
 // ---------------------------------------------------------------------------------------------
+// FP16 mode, 9..64 tokens: the skinny GEMM (file head).
+
+constexpr int kSkinnyMaxTokens = 64;
+constexpr int kSkinnyStages = 4;  // cp.async ring: a stage is one 64-wide K window of the CTA's rows and tokens
+constexpr int kSkinnyRows = kWarps * kRows;  // 128 output features per CTA
+
+template <int kGroups>
+struct SkinnyStage {
+  static constexpr int kTokens = 8 * kGroups;
+  static constexpr int kPlaneBytes = kSkinnyRows * kWindow;  // one byte plane: 128 rows x 64 K
+  static constexpr int kTokenRowBytes = kWindow * 2 + 16;    // padded: the fragment loads hit 32 banks
+  static constexpr int kBytes = 2 * kPlaneBytes + kTokens * kTokenRowBytes;
+};
+
+// Shared memory of a launch: the ring, or (after it) the split sums' gather, whichever is larger.
+template <int kGroups>
+inline int skinny_smem_bytes(int splits) {
+  const int ring = kSkinnyStages * SkinnyStage<kGroups>::kBytes;
+  const int owned = (kWarps + splits - 1) / splits;  // row blocks whose sums a rank adds
+  const int gather = splits > 1 ? splits * owned * 32 * 4 * kGroups * 4 : 0;
+  return ring > gather ? ring : gather;
+}
+
+__device__ __forceinline__ uint4 lds16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+template <int kGroups, typename TOut>
+__global__ void __launch_bounds__(kWarps * 32, 2) skinny_kernel(Params p) {
+  using Stage = SkinnyStage<kGroups>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tg = lane & 3;  // mma fragment coordinates
+  const int block = blockIdx.y * kWarps + warp;  // this warp's row block
+  const bool has_rows = block < p.n / kRows;
+  const long ka = static_cast<long>(p.k), row0 = static_cast<long>(blockIdx.y) * kSkinnyRows;
+  const int windows = p.k / kWindow, split = blockIdx.x;
+  const int begin = static_cast<int>(static_cast<long>(split) * windows / p.splits);
+  const int count = static_cast<int>(static_cast<long>(split + 1) * windows / p.splits) - begin;
+  const __half* x = reinterpret_cast<const __half*>(p.x);
+  const uint32_t ring = jaxlp::smem_addr(smem);
+
+  // Copy window `w` into ring slot `slot`: both byte planes of the CTA's rows (rows past N and
+  // tokens past M zero-filled), then the tokens. Each thread's copies are fixed but for the window's
+  // K offset: 4 of the weights (its 16 bytes of rows r0 and r0 + 64 in each plane) and up to 2 of
+  // the tokens, their addresses worked out once.
+  const int r0 = threadIdx.x >> 2, col = threadIdx.x & 3;
+  const uint8_t* wsrc[4];
+  uint32_t wdst[4];
+  bool wreal[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int plane = j >> 1, r = r0 + 64 * (j & 1);
+    wreal[j] = row0 + r < p.n;
+    wsrc[j] = (plane ? p.lower : p.upper) + (wreal[j] ? (row0 + r) * ka + col * 16 : 0);
+    wdst[j] = plane * Stage::kPlaneBytes + r * kWindow + col * 16;
+  }
+  constexpr int kTokenCopies = Stage::kTokens * 8;
+  constexpr int kTokenCopiesPerThread = (kTokenCopies + kWarps * 32 - 1) / (kWarps * 32);
+  const __half* xsrc[kTokenCopiesPerThread];
+  uint32_t xdst[kTokenCopiesPerThread];
+  bool xreal[kTokenCopiesPerThread], xon[kTokenCopiesPerThread];
+#pragma unroll
+  for (int q = 0; q < kTokenCopiesPerThread; ++q) {
+    const int c = threadIdx.x + q * kWarps * 32, t = c / 8, cc = c % 8;
+    xon[q] = c < kTokenCopies;
+    xreal[q] = xon[q] && t < p.m;
+    xsrc[q] = x + (xreal[q] ? t * ka + cc * 8 : 0);
+    xdst[q] = 2 * Stage::kPlaneBytes + t * Stage::kTokenRowBytes + cc * 16;
+  }
+  auto stage = [&](int w, int slot) {
+    const uint32_t base = ring + slot * Stage::kBytes;
+    const long k0 = static_cast<long>(w) * kWindow;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      jaxlp::cp_async16(base + wdst[j], wreal[j] ? wsrc[j] + k0 : wsrc[j], wreal[j] ? 16u : 0u);
+#pragma unroll
+    for (int q = 0; q < kTokenCopiesPerThread; ++q)
+      if (xon[q]) jaxlp::cp_async16(base + xdst[q], xreal[q] ? xsrc[q] + k0 : xsrc[q], xreal[q] ? 16u : 0u);
+  };
+
+  float c[kGroups][4];
+#pragma unroll
+  for (int t = 0; t < kGroups; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kSkinnyStages - 1; ++i) {
+    if (i < count) stage(begin + i, i);
+    jaxlp::cp_async_commit();
+  }
+  // This thread's fragments in a slot: 16 K (tg) of rows g and g + 8 of the warp's row block, and
+  // of tokens 8t + g.
+  const uint32_t w_at = (warp * kRows + g) * kWindow + tg * 16;
+  const uint32_t x_at = 2 * Stage::kPlaneBytes + g * Stage::kTokenRowBytes + tg * 32;
+  for (int i = 0; i < count; ++i) {
+    jaxlp::cp_async_wait<kSkinnyStages - 2>();
+    __syncthreads();  // window i is in; every warp is done with window i - 1's slot
+    if (i + kSkinnyStages - 1 < count) stage(begin + i + kSkinnyStages - 1, (i + kSkinnyStages - 1) % kSkinnyStages);
+    jaxlp::cp_async_commit();
+    const uint32_t base = ring + (i % kSkinnyStages) * Stage::kBytes;
+    const uint4 u0 = lds16(base + w_at), u1 = lds16(base + w_at + 8 * kWindow);
+    const uint4 l0 = lds16(base + Stage::kPlaneBytes + w_at);
+    const uint4 l1 = lds16(base + Stage::kPlaneBytes + w_at + 8 * kWindow);
+    // Word s of the thread's 16 K (K 4s .. 4s + 3): rows g (a0, a2) and g + 8 (a1, a3).
+    uint32_t a[4][4];
+    const uint32_t uu0[4] = {u0.x, u0.y, u0.z, u0.w}, ll0[4] = {l0.x, l0.y, l0.z, l0.w};
+    const uint32_t uu1[4] = {u1.x, u1.y, u1.z, u1.w}, ll1[4] = {l1.x, l1.y, l1.z, l1.w};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      jaxlp::nestedfp_merge4(uu0[s], ll0[s], a[s][0], a[s][2]);
+      jaxlp::nestedfp_merge4(uu1[s], ll1[s], a[s][1], a[s][3]);
+    }
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t) {
+      const uint32_t at = base + x_at + t * 8 * Stage::kTokenRowBytes;
+      const uint4 xa = lds16(at), xb = lds16(at + 16);
+      const uint32_t xx[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) mma_f16(c[t], a[s][0], a[s][1], a[s][2], a[s][3], xx[2 * s], xx[2 * s + 1]);
+    }
+  }
+  jaxlp::cp_async_wait<0>();
+
+  // c[t][i]: row g + 8 (i >> 1) of the row block, token 8t + 2tg + (i & 1).
+  TOut* out = static_cast<TOut*>(p.out);
+  auto write = [&]() {
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = 8 * t + 2 * tg + (i & 1), n = block * kRows + g + 8 * (i >> 1);
+        if (m < p.m) out[static_cast<long>(m) * p.n + n] = jaxlp::to_out<TOut>((c[t][i] / p.divisor[m]) * p.multiplier);
+      }
+    }
+  };
+  if (p.splits == 1) {
+    if (has_rows) write();
+    return;
+  }
+  // Rank r adds the splits' sums of the row blocks of warps w = r, r + splits, ...: every rank
+  // writes those warps' fragments into slot [its rank][w / splits] of rank r's shared memory.
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank()), owned = (kWarps + p.splits - 1) / p.splits;
+  constexpr int kFloats = 4 * kGroups;
+  cluster.sync();  // every rank is done with its ring
+  {
+    float* dst = cluster.map_shared_rank(reinterpret_cast<float*>(smem), warp % p.splits);
+    dst += ((rank * owned + warp / p.splits) * 32 + lane) * kFloats;
+#pragma unroll
+    for (int t = 0; t < kGroups; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dst[4 * t + i] = c[t][i];
+  }
+  cluster.sync();
+  if (warp % p.splits != rank || !has_rows) return;
+  const float* src = reinterpret_cast<const float*>(smem) + ((warp / p.splits) * 32 + lane) * kFloats;
+#pragma unroll
+  for (int t = 0; t < kGroups; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float acc = 0.f;
+      for (int r = 0; r < p.splits; ++r) acc += src[r * owned * 32 * kFloats + 4 * t + i];
+      c[t][i] = acc;
+    }
+  write();
+}
+
+template <int kGroups, typename TOut>
+cudaError_t launch_skinny_with(cudaStream_t stream, const Params& p) {
+  auto* kernel = skinny_kernel<kGroups, TOut>;
+  const int smem = skinny_smem_bytes<kGroups>(p.splits);
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem))
+    return e;
+  // All of the unified L1 / shared memory as shared memory: two CTAs per SM (else the driver may
+  // pick a carveout that fits one).
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                 cudaSharedmemCarveoutMaxShared))
+    return e;
+  const dim3 grid(p.splits, (p.n + kSkinnyRows - 1) / kSkinnyRows), block(kWarps * 32);
+  return jaxlp::launch_kernel(kernel, grid, block, smem, stream, p.splits, false, p);
+}
+
+// The skinny GEMM for p.m tokens (9..64): token groups of 8, rounded up to 2, 4 or 8.
+template <typename TOut>
+cudaError_t launch_skinny(cudaStream_t stream, const Params& p) {
+  if (p.m <= 16) return launch_skinny_with<2, TOut>(stream, p);
+  if (p.m <= 32) return launch_skinny_with<4, TOut>(stream, p);
+  return launch_skinny_with<8, TOut>(stream, p);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side
 
 inline ffi::Error bad(const std::string& msg) {
@@ -186,7 +391,9 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> uppe
     return bad(kFp8 ? "FP8 mode takes float8_e4m3fn activations" : "FP16 mode takes float16 activations");
   if (wd[1] != k) return bad("upper bytes [N, K] do not match x's K");
   if (!kFp8 && (ld.size() != 2 || ld[0] != n || ld[1] != k)) return bad("lower bytes must match upper [N, K]");
-  if (m < 1 || m > kMaxTokens) return bad("1 to 8 tokens, got " + std::to_string(m));
+  const bool skinny = !kFp8 && m > kMaxTokens;
+  const int64_t max_m = kFp8 ? kMaxTokens : kSkinnyMaxTokens;
+  if (m < 1 || m > max_m) return bad("1 to " + std::to_string(max_m) + " tokens, got " + std::to_string(m));
   if (n % kRows) return bad("N must be a multiple of 16, got " + std::to_string(n));
   if (k % kWindow) return bad("K must be a multiple of 64, got " + std::to_string(k));
   if (divisor.dimensions().size() != 1 || divisor.dimensions()[0] != m) return bad("divisor must be float32 [M]");
@@ -205,6 +412,7 @@ ffi::Error Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> uppe
   p.splits = splits;
   if (n == 0) return ffi::Error::Success();
   const cudaError_t e = jaxlp::with_out_type(out->element_type(), [&](auto out_type) {
+    if (skinny) return launch_skinny<decltype(out_type)>(stream, p);
     return launch<kFp8, decltype(out_type)>(unroll, stream, p);
   });
   if (e != cudaSuccess)

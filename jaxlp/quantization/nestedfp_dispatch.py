@@ -1,5 +1,6 @@
-"""NestedFP ``QuantizedLinear`` products for 1..8 tokens through the CUDA kernel
-(``implementation="nestedfp_cuda"``; :mod:`jaxlp.ffi.nestedfp`).
+"""NestedFP ``QuantizedLinear`` products for a few tokens through the CUDA kernels
+(``implementation="nestedfp_cuda"``; :mod:`jaxlp.ffi.nestedfp`): 1..8 tokens in either mode (the
+GEMV), 9..64 in FP16 mode (the skinny GEMM).
 
 - FP16 mode: ``x @ merge(upper, lower).T`` with FP16 activations, the FP16 weight rebuilt from
   its two bytes in registers inside the kernel (never in memory), FP32 accumulation;
@@ -7,8 +8,8 @@
   ``nestedfp_fp8`` activation quantizer (:mod:`jaxlp.quantization.activations`): E4M3 MMAs on the
   upper bytes alone, half the bytes of FP16 mode.
 
-The same math as :mod:`jaxlp.quantization.native_dot` (XLA's dots, which ``"auto"`` takes past 8
-tokens), to summation order.
+The same math as :mod:`jaxlp.quantization.native_dot` (XLA's dots), to summation order. ``"auto"``
+takes these kernels up to :data:`AUTO_MAX_TOKENS` tokens (FP8 mode: 8).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from jaxlp.formats import nestedfp
 from jaxlp.quantization import activations
 
 IMPLEMENTATION = "nestedfp_cuda"
+# "auto": the skinny GEMM (FP16 mode) up to here, CUTLASS past it. H200, docs/perf.md session 33:
+# the skinny GEMM is 1.1-2.5x faster than CUTLASS at 9..16 tokens on every Qwen3-8B layer, mixed
+# at 32 (0.92-1.6x), slower at 48..64 but on 1024 x 4096.
+AUTO_MAX_TOKENS = 16
 
 
 def layer_reason(layer, x: jax.Array) -> str | None:
@@ -47,12 +52,21 @@ def why_not(layer, x: jax.Array) -> str | None:
         return reason
     n, k = layer.weight.get_value().shape
     tokens = math.prod(x.shape[:-1])
-    if not 1 <= tokens <= kernel.MAX_TOKENS:
-        return f"{tokens} tokens (the kernel takes 1 to {kernel.MAX_TOKENS})"
+    limit = kernel.max_tokens(layer.mode)
+    if not 1 <= tokens <= limit:
+        return f"{tokens} tokens (the kernels take 1 to {limit} in {layer.mode.upper()} mode)"
     if n % kernel.ROWS or k % kernel.WINDOW:
         return f"weight {n} x {k}: N must be a multiple of {kernel.ROWS} and K of {kernel.WINDOW}"
     if not kernel.available():
         return f"the CUDA library is not available: {kernel.LIBRARY.unavailable_reason()}"
+    return None
+
+
+def auto_declines(layer, x: jax.Array) -> str | None:
+    """Why ``"auto"`` passes this kernel over for a layer :func:`why_not` accepts (None: it takes it)."""
+    tokens = math.prod(x.shape[:-1])
+    if tokens > AUTO_MAX_TOKENS:
+        return f"{tokens} tokens: past {AUTO_MAX_TOKENS} CUTLASS measured faster"
     return None
 
 

@@ -1,4 +1,4 @@
-"""The NestedFP CUDA kernel for 1..8 tokens (``jaxlp.ffi.nestedfp``; the layers' implementation
+"""The NestedFP CUDA kernels for 1..8 tokens, and 9..64 in FP16 mode (``jaxlp.ffi.nestedfp``; the layers' implementation
 ``"nestedfp_cuda"`` through ``jaxlp.quantization.nestedfp_dispatch``): what it takes and refuses,
 its split choice, the 32-bit merge it runs (exhaustively against the format's own merge), its
 lowering (CPU), and on a GPU both modes against float64 NumPy products of the FP16 / E4M3 values
@@ -84,6 +84,24 @@ def test_default_unroll_by_waves():
     assert cuda.default_unroll("fp16", 6144, 1, num_sms=114) == 2  # 384 CTAs: more than a wave on 114 SMs
 
 
+def test_skinny_defaults():
+    """Past 8 tokens: about one CTA per SM over the 128-row tiles, at most 8 splits, each CTA at
+    least 8 windows; "auto" takes the skinny GEMM to 16 tokens."""
+    assert cuda.default_skinny_splits(4096, 4096) == 4  # 32 tiles
+    assert cuda.default_skinny_splits(6144, 4096) == 3  # 48 tiles
+    assert cuda.default_skinny_splits(24576, 4096) == 1  # 192 tiles
+    assert cuda.default_skinny_splits(1024, 4096) == 8  # 8 tiles: 17 for one CTA per SM, capped at 8
+    assert cuda.default_skinny_splits(1024, 512) == 1  # 8 windows
+    for n in (16, 1024, 4096, 14336):
+        for k in (64, 1024, 4160, 12288):
+            s = cuda.default_skinny_splits(n, k)
+            assert 1 <= s <= cuda.MAX_SPLITS and (s == 1 or k // 64 // s >= 8)
+    assert cuda.max_tokens("fp16") == 64 and cuda.max_tokens("fp8") == 8
+    lay = layer(weights(np.random.default_rng(0), 48, 128))
+    assert nestedfp_dispatch.auto_declines(lay, jnp.ones((2, 8, 128), jnp.float16)) is None
+    assert "CUTLASS" in nestedfp_dispatch.auto_declines(lay, jnp.ones((17, 128), jnp.float16))
+
+
 @pytest.mark.parametrize("mode", ["fp16", "fp8"])
 def test_why_not_names_what_does_not_fit(mode):
     rng = np.random.default_rng(0)
@@ -91,8 +109,9 @@ def test_why_not_names_what_does_not_fit(mode):
     x = jnp.ones((2, 128), jnp.float16)
     if not ON_GPU:
         assert "not available" in nestedfp_dispatch.why_not(lay, x)
-    assert "tokens" in nestedfp_dispatch.why_not(lay, jnp.ones((9, 128), jnp.float16))
-    assert "tokens" in nestedfp_dispatch.why_not(lay, jnp.ones((3, 3, 128), jnp.float16))
+    for shape in ((9, 128), (3, 3, 128)):  # FP8 mode takes 1..8 tokens, FP16 mode 1..64
+        assert ("tokens" in (nestedfp_dispatch.why_not(lay, jnp.ones(shape, jnp.float16)) or "")) == (mode == "fp8")
+    assert "tokens" in nestedfp_dispatch.why_not(lay, jnp.ones((65, 128), jnp.float16))
     assert "multiple" in nestedfp_dispatch.why_not(layer(weights(rng, 40, 128), mode), jnp.ones((1, 128), jnp.float16))
     assert "multiple" in nestedfp_dispatch.why_not(layer(weights(rng, 48, 96), mode), jnp.ones((1, 96), jnp.float16))
     bf16 = nestedfp_dispatch.why_not(lay, jnp.ones((1, 128), jnp.bfloat16))
@@ -111,7 +130,11 @@ def test_gemv_refuses_bad_operands():
     with pytest.raises(ValueError, match="uint8"):
         cuda.gemv(x, u[:, :64], u)
     with pytest.raises(ValueError, match="tokens"):
-        cuda.gemv(jnp.ones((9, 128), jnp.float16), u, u)
+        cuda.gemv(jnp.ones((65, 128), jnp.float16), u, u)
+    with pytest.raises(ValueError, match="1..8 tokens in FP8 mode"):
+        cuda.gemv(jnp.ones((9, 128), jnp.float8_e4m3fn), u, None)
+    with pytest.raises(ValueError, match="one window per stage"):
+        cuda.gemv(jnp.ones((9, 128), jnp.float16), u, u, unroll=2)
     with pytest.raises(ValueError, match="N a multiple"):
         cuda.gemv(x, u[:40], u[:40])
     with pytest.raises(ValueError, match="unroll"):
@@ -134,6 +157,17 @@ def test_lowers_to_one_custom_call_for_cuda(mode):
     assert text.count("stablehlo.custom_call") == 1 and cuda.TARGETS[mode] in text
     assert "-> tensor<3x64xf32>" in text  # the splits added inside the kernel
     assert "splits = 2 : i32" in text and "unroll = 1 : i32" in text
+
+
+def test_skinny_lowers_to_the_same_custom_call():
+    """FP16 mode past 8 tokens: the same target (the handler picks the skinny GEMM by M), its
+    default splits and unroll as attributes."""
+    x = jnp.ones((40, 4096), jnp.float16)
+    u = jnp.zeros((1024, 4096), jnp.uint8)
+    text = jax.jit(lambda x, u: cuda.gemv(x, u, u)).trace(x, u).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") == 1 and cuda.TARGETS["fp16"] in text
+    assert "-> tensor<40x1024xf32>" in text
+    assert f"splits = {cuda.default_skinny_splits(1024, 4096)} : i32" in text and "unroll = 1 : i32" in text
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -201,14 +235,60 @@ def test_gpu_matches_float64(mode, m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-def test_gpu_auto_takes_the_kernel_up_to_8_tokens_then_xla():
+@pytest.mark.parametrize("m,n,k", [(9, 16, 64), (16, 48, 1024), (17, 1040, 4160), (32, 4096, 4096), (33, 256, 512),
+                                   (40, 1024, 12288), (64, 6144, 4096), (64, 272, 128)])
+def test_gpu_skinny_matches_float64(m, n, k):
+    """FP16 mode past 8 tokens (the skinny GEMM, default splits and unroll): token counts at and
+    between the 8-token groups, N off the 128-row tiles, K of an odd window count, an all-zero
+    token, the format's edge values."""
+    rng = np.random.default_rng(m * 1000 + n + k)
+    w = weights(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32) * np.exp(rng.uniform(-3, 3, (m, 1)))
+    x[3] = 0.0
+    lay = layer(w, "fp16")
+    xin = jnp.asarray(x, jnp.float16)
+    assert nestedfp_dispatch.why_not(lay, xin) is None
+    y = jax.jit(lambda x: lay(x))(xin)
+    assert y.dtype == jnp.float16 and y.shape == (m, n)
+    assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), "fp16")) <= TOL
+    assert not np.asarray(y[3]).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("m", [12, 24, 57])
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_skinny_every_group_split_and_output(m, splits, out_dtype):
+    """The skinny GEMM's token groups (2, 4, 8 MMAs per fragment), splits (a cluster whose ranks
+    each add some row blocks' sums) and output dtypes, with a divisor per token and a multiplier:
+    the float64 value rounded once."""
+    n, k = 400, 3072  # 3.125 tiles of 128 rows: the last tile's warps past N write nothing
+    rng = np.random.default_rng(m * 10 + splits)
+    w = weights(rng, n, k)
+    upper, lower = nestedfp.split(jnp.asarray(w, jnp.float16))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float16)
+    divisor = jnp.asarray(rng.uniform(0.5, 4.0, (m,)), jnp.float32)
+    wv = np.asarray(w, np.float16).astype(np.float64)
+    ref = (np.asarray(x, np.float64) @ wv.T) / np.asarray(divisor, np.float64)[:, None] * 0.375
+    magnitude = (np.abs(np.asarray(x, np.float64)) @ np.abs(wv).T) / np.asarray(divisor, np.float64)[:, None] * 0.375
+    y = jax.jit(lambda x: cuda.gemv(x, upper, lower, splits=splits, divisor=divisor, multiplier=0.375,
+                                    out_dtype=out_dtype))(x)
+    assert y.dtype == out_dtype and y.shape == (m, n)
+    assert np.all(np.abs(np.asarray(y, np.float64) - ref) <= float(jnp.finfo(out_dtype).eps) / 2 * np.abs(ref)
+                  + 2.0**-16 * magnitude)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_auto_takes_the_kernels_up_to_16_tokens_then_cutlass():
     rng = np.random.default_rng(1)
     w = weights(rng, 256, 512)
     lay = layer(w, "fp16", "auto")
-    for m in (1, 8, 9, 33):
+    for m in (1, 8, 9, 16, 17, 33):
         xin = jnp.asarray(rng.standard_normal((m, 512)), jnp.float16)
         text = jax.jit(lambda x: lay(x)).lower(xin).as_text()
-        assert (cuda.TARGETS["fp16"] in text) == (m <= 8)
+        assert (cuda.TARGETS["fp16"] in text) == (m <= nestedfp_dispatch.AUTO_MAX_TOKENS)
         y = jax.jit(lambda x: lay(x))(xin)
         assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), "fp16")) <= TOL
 
