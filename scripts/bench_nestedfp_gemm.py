@@ -19,9 +19,9 @@ side in one run, by ``--mode``:
 baseline (not one of "ours"); ``cutlass`` / ``cutlass:<name>[:<promote_k>]``: CUTLASS's kernels (:mod:`jaxlp.ffi.cutlass_gemm`;
 the default of M or a ``NESTEDFP_CONFIGS`` name in ``fp16`` mode, a ``CONFIGS`` name and K per
 promoted sum through the layer product in ``fp8`` and ``w8a8`` modes),
-and for 1..8 tokens (FP16 mode: 1..64) ``gemv`` / ``gemvU<unroll>S<splits>`` (``S0``: the default
-splits; past 8 tokens the skinny GEMM, unroll 1): the CUDA kernels of :mod:`jaxlp.ffi.nestedfp`
-through the layer product (:mod:`jaxlp.quantization.nestedfp_dispatch`).
+and the CUDA kernels of :mod:`jaxlp.ffi.nestedfp` through the layer product
+(:mod:`jaxlp.quantization.nestedfp_dispatch`): ``gemv[U<unroll>][S<splits>]`` the GEMV (1..8 tokens,
+FP16 mode 1..16), ``skinny[S<splits>]`` FP16 mode's skinny GEMM (1..64); unset: the defaults.
 Per GEMM: us of device time, the ratio ``baseline / best`` (> 1: faster than the baseline) and
 the floor of ours (the larger of its bytes (stored weight, 16-bit activations in and out) / copy
 bandwidth and 2MNK / the measured dense BF16 rate, FP8 modes twice that rate). Summary: the mean and worst gap per shape and over all
@@ -102,11 +102,11 @@ def parse_config(name: str, mode: str = "fp16"):
                 raise ValueError("the NestedFP16 CUTLASS kernels take no promote_k")
             return dict(config=config)
         return dict(config=config, promote_k=int(promote_k or cutlass_gemm.PROMOTE_K))
-    if gemv := re.fullmatch(r"gemv(?:U([124])S(\d+))?", name):
+    if gemv := re.fullmatch(r"(gemv|skinny)(?:U([124]))?(?:S(\d+))?", name):
         if mode == "w8a8":
             raise ValueError("the NestedFP GEMV configs take --mode fp16 or fp8")
-        unroll, splits = gemv.groups()
-        return dict(unroll=int(unroll) if unroll else None, splits=int(splits or 0) or None)
+        design, unroll, splits = gemv.groups()
+        return dict(design=design, unroll=int(unroll) if unroll else None, splits=int(splits or 0) or None)
     m = re.fullmatch(r"N(\d+)M(\d+)K(\d+)S(\d+)([nm])([nm])(\d+)([sp]?)(?:-(\w+))?", name)
     if not m:
         raise ValueError(f"config {name!r} is not 'default', 'xla' or a MatmulConfig name like N64M128K64S4nm8")
@@ -130,7 +130,7 @@ def product(mode: str, name: str, cfg):
     """``fn(x, w)`` of one variant."""
     if name == "xla":
         return lambda x, w: native_dot.matmul(layer_view(w, mode), x)
-    if name.startswith("gemv"):
+    if name.startswith(("gemv", "skinny")):
         return lambda x, w: nestedfp_dispatch.matmul(layer_view(w, mode), x, **cfg)
     if name.startswith("cutlass") and mode == "fp16":
         return lambda x, w: cutlass_gemm.nestedfp16_matmul(x, w, **cfg)
@@ -206,7 +206,7 @@ def main(argv=None):
                 jobs.add("base", lambda x, w: jnp.dot(x, w.T),  # 16-bit out (FP32 sums inside cuBLAS)
                          w16, m, k, base_dtype)
                 for name, cfg in configs:
-                    if name.startswith("gemv") and m > cuda_nestedfp.max_tokens("fp8" if mode == "fp8" else "fp16"):
+                    if name.startswith(("gemv", "skinny")) and m > cuda_nestedfp.max_tokens(mode, cfg["design"]):
                         continue
                     if name.startswith("cutlass-fp16"):  # a second baseline, on the FP16 weights
                         jobs.add(name, lambda x, w, c=cfg: cutlass_gemm.fp16_matmul(x, w, **c), w16, m, k, base_dtype)

@@ -13,9 +13,10 @@ FP16 weights in registers (never in memory), FP8 mode reads the upper bytes alon
 split over ``splits`` (1..8) CTAs per row block (8 warps each), one thread-block cluster whose
 first CTA adds the others' FP32 sums through distributed shared memory and writes the scaled
 product in the output dtype: one kernel per product. Shapes: ``N`` a multiple of 16, ``K`` a
-multiple of 64. FP16 mode past 8 tokens runs the skinny GEMM of the same file: a CTA's 8 warps own
+multiple of 64. In FP16 mode the GEMV takes up to 16 tokens (two MMAs per merged weight fragment
+past 8), and the skinny GEMM of the same file up to 64: a CTA's 8 warps own
 128 rows over the same K, both byte planes and the tokens (up to 64: 2, 4 or 8 MMAs of 8 tokens per
-merged weight fragment) streamed through a 4-stage cp.async ring in shared memory, so the tokens
+merged weight fragment) streamed through a 4- to 8-stage cp.async ring in shared memory, so the tokens
 cross L2 ``M / 128`` times the weight bytes instead of ``M / 16``; ``splits`` CTAs per 128 rows
 along K (a cluster; :func:`default_skinny_splits`). The library is compiled by ``nvcc`` on first
 use (:mod:`jaxlp.ffi.build`).
@@ -37,6 +38,8 @@ LIBRARY = build.Library("nestedfp_gemv",
 MAX_TOKENS = 8  # the MMA's N: the GEMV's tokens (FP8 mode's limit)
 SKINNY_MAX_TOKENS = 64  # FP16 mode: the skinny GEMM from 9 tokens to here
 SKINNY_ROWS = 128  # output features per CTA of the skinny GEMM (8 warps x 16)
+DESIGNS = ("gemv", "skinny")
+GEMV_FP16_DEFAULT_TOKENS = 16  # FP16 mode: the GEMV (two token groups past 8) up to here, the skinny GEMM past it
 MAX_SPLITS = 8  # CTAs per cluster (the portable cluster size)
 ROWS = 16  # output features per CTA (the MMA's M)
 WINDOW = 64  # K per warp step
@@ -70,40 +73,55 @@ def default_unroll(mode: str, n: int, splits: int, num_sms: int = 132) -> int:
 
 
 def default_skinny_splits(n: int, k: int, num_sms: int = 132) -> int:
-    """K splits per 128-row tile of the skinny GEMM: about one CTA per SM in all (H200, docs/perf.md
-    session 33: 4 splits of 32 tiles beat 8; 1-2 of 192 tiles the same), at most :data:`MAX_SPLITS`,
-    each CTA left with at least 8 windows."""
+    """K splits per 128-row tile of the skinny GEMM: one wave at one CTA per SM (its ring takes most
+    of the shared memory; H100, docs/perf.md session 33: past one wave 1.3-1.4x slower), at most
+    :data:`MAX_SPLITS`, each CTA left with at least 8 windows."""
     tiles, windows = -(-n // SKINNY_ROWS), k // WINDOW
-    return max(1, min(math.floor(num_sms / tiles + 0.5), windows // 8, MAX_SPLITS))
+    return max(1, min(num_sms // tiles, windows // 8, MAX_SPLITS))
 
 
-def max_tokens(mode: str) -> int:
-    """The tokens :func:`gemv` takes in ``mode`` ("fp16" or "fp8")."""
-    return SKINNY_MAX_TOKENS if mode == "fp16" else MAX_TOKENS
+def max_tokens(mode: str, design: str | None = None) -> int:
+    """The tokens :func:`gemv` takes in ``mode`` ("fp16" or "fp8") with ``design`` (None: either)."""
+    if mode != "fp16":
+        return MAX_TOKENS
+    return 2 * MAX_TOKENS if design == "gemv" else SKINNY_MAX_TOKENS
+
+
+def default_design(m: int) -> str:
+    """The kernel for ``m`` tokens in FP16 mode: the GEMV (two token groups past 8) up to
+    :data:`GEMV_FP16_DEFAULT_TOKENS`, the skinny GEMM past it."""
+    return "gemv" if m <= GEMV_FP16_DEFAULT_TOKENS else "skinny"
 
 
 def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int | None = None,
-         unroll: int | None = None, divisor: jax.Array | None = None, multiplier: float = 1.0,
-         out_dtype=jnp.float32) -> jax.Array:
+         unroll: int | None = None, design: str | None = None, divisor: jax.Array | None = None,
+         multiplier: float = 1.0, out_dtype=jnp.float32) -> jax.Array:
     """``((x @ W.T) / divisor[:, None]) * multiplier`` in ``out_dtype`` (float32, float16 or
     bfloat16; FP32 sums) for ``x [M, K]`` (float16: FP16 mode, ``W = merge(upper, lower)``, M <= 64;
     float8_e4m3fn: FP8 mode, ``W = e4m3(upper)``, ``lower`` None, M <= 8) and the ``[N, K]`` weight
-    bytes. divisor: float32 per token ``[M]`` (or ``[M, 1]``; default none); splits: CTAs per 16
-    rows (past 8 tokens: per 128 rows) along K (1..8, default :func:`default_splits` /
-    :func:`default_skinny_splits`); unroll: K windows per pipelined step (1, 2 or 4, default
-    :func:`default_unroll`; past 8 tokens 1)."""
+    bytes. design: ``"gemv"`` (M <= 8, FP16 mode <= 16) or ``"skinny"`` (FP16 mode; default
+    :func:`default_design`); divisor: float32 per token ``[M]`` (or ``[M, 1]``; default none);
+    splits: CTAs per 16 rows (skinny: per 128 rows) along K (1..8, default :func:`default_splits` /
+    :func:`default_skinny_splits`); unroll: the GEMV's K windows per pipelined step (1, 2 or 4; 1 or
+    2 past 8 tokens; default :func:`default_unroll`), 1 for the skinny GEMM."""
     m, k = x.shape
     n = upper.shape[0]
     fp8 = lower is None
-    skinny = not fp8 and m > MAX_TOKENS
-    if skinny:
+    design = design or ("gemv" if fp8 else default_design(m))
+    if design not in DESIGNS:
+        raise ValueError(f"nestedfp gemv: design must be one of {DESIGNS}, got {design!r}")
+    if design == "skinny":
+        if fp8:
+            raise ValueError("nestedfp gemv: the skinny GEMM computes the FP16 mode (float16 x and both byte planes)")
         if unroll not in (None, 1):
-            raise ValueError(f"nestedfp gemv: past {MAX_TOKENS} tokens the kernel streams one window per stage "
-                             f"(unroll 1), got unroll={unroll!r}")
-        unroll, splits = 1, splits or default_skinny_splits(n, k)
+            raise ValueError(f"nestedfp gemv: the skinny GEMM streams one window per stage (unroll 1), got {unroll!r}")
+        unroll, splits, limit = 1, splits or default_skinny_splits(n, k), SKINNY_MAX_TOKENS
     else:
         splits = splits or default_splits(n, k)
         unroll = unroll or default_unroll("fp8" if fp8 else "fp16", n, splits)
+        limit = MAX_TOKENS if fp8 else 2 * MAX_TOKENS
+        if m > MAX_TOKENS and unroll == 4:
+            raise ValueError("nestedfp gemv: two token groups take unroll 1 or 2 (4 spills registers)")
     if unroll not in UNROLLS:
         raise ValueError(f"nestedfp gemv: unroll must be one of {UNROLLS}, got {unroll!r}")
     if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in OUT_DTYPES]:
@@ -118,10 +136,9 @@ def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int
     if upper.shape != (n, k) or upper.dtype != jnp.uint8 or bad_lower:
         raise ValueError(f"nestedfp gemv: weight bytes must be uint8 [N, {k}] like x's K, got upper {upper.dtype} "
                          f"{upper.shape}" + ("" if fp8 else f", lower {lower.dtype} {lower.shape}"))
-    limit = max_tokens("fp8" if fp8 else "fp16")
     if not 1 <= m <= limit or n % ROWS or k % WINDOW:
-        raise ValueError(f"nestedfp gemv: takes 1..{limit} tokens in {'FP8' if fp8 else 'FP16'} mode, N a multiple "
-                         f"of {ROWS}, K of {WINDOW}; got M={m}, N={n}, K={k}")
+        raise ValueError(f"nestedfp gemv: the {design} design takes 1..{limit} tokens in {'FP8' if fp8 else 'FP16'} "
+                         f"mode, N a multiple of {ROWS}, K of {WINDOW}; got M={m}, N={n}, K={k}")
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"nestedfp gemv: splits must be 1..{MAX_SPLITS}, got {splits}")
     if build.on_gpu():
@@ -129,4 +146,4 @@ def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int
     div = jnp.ones((m,), jnp.float32) if divisor is None else divisor.reshape(m).astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGETS["fp8" if fp8 else "fp16"], jax.ShapeDtypeStruct((m, n), out_dtype))
     return call(x, upper, upper if fp8 else lower, div, splits=np.int32(splits), unroll=np.int32(unroll),
-                multiplier=np.float32(multiplier))
+                skinny=np.int32(design == "skinny"), multiplier=np.float32(multiplier))

@@ -8,7 +8,7 @@ summation order separates this from a tensor-core kernel). :data:`KERNELS` lists
 implementations (``"nvfp4_cuda"``: :mod:`jaxlp.quantization.nvfp4_dispatch`, whose measured table
 picks CUDA, Pallas or XLA per shape; ``"nestedfp_cuda"``:
 :mod:`jaxlp.quantization.nestedfp_dispatch`, NestedFP in either mode for 1..8 tokens (FP16 mode to
-64, ``"auto"`` to 16) on tensor cores, the FP16 weight rebuilt in registers; ``"xla_native"``:
+64; ``"auto"``: 16, 32 on narrow layers) on tensor cores, the FP16 weight rebuilt in registers; ``"xla_native"``:
 :mod:`jaxlp.quantization.native_dot`, XLA's FP8 and FP16 dots on the stored bytes for FP8, NestedFP
 and FireQ INT4 weights;
 ``"nestedfp_cutlass"`` / ``"nestedfp_pallas"``: :mod:`jaxlp.quantization.nestedfp_gemm`, NestedFP's
@@ -90,10 +90,10 @@ def _nvfp4_why_not(layer, x):
 # in the order "auto" tries them
 KERNELS: Mapping[str, Kernel] = MappingProxyType({
     nvfp4_dispatch.IMPLEMENTATION: Kernel(_nvfp4_why_not, nvfp4_dispatch.nvfp4_matmul),
-    # NestedFP: the GEMV to 8 tokens, FP16 mode's skinny GEMM to 16 (explicitly to 64)
+    # NestedFP: the GEMV to 8 tokens (FP16 mode 16), FP16 mode's skinny GEMM to 32 on narrow layers
     nestedfp_dispatch.IMPLEMENTATION: Kernel(nestedfp_dispatch.why_not, nestedfp_dispatch.matmul,
                                              nestedfp_dispatch.auto_declines),
-    # NestedFP's FP16 mode past 16 tokens: CUTLASS, then Pallas (shapes off CUTLASS's rows, no CUTLASS library)
+    # NestedFP's FP16 mode past those: CUTLASS, then Pallas (shapes off CUTLASS's rows, no CUTLASS library)
     nestedfp_gemm.CUTLASS_IMPLEMENTATION: Kernel(nestedfp_gemm.why_not_cutlass, nestedfp_gemm.matmul_cutlass),
     nestedfp_gemm.IMPLEMENTATION: Kernel(nestedfp_gemm.why_not, nestedfp_gemm.matmul),
     # NestedFP8 past 64 tokens, W8A8 (CUTLASS), then past 8 tokens and up to 64 (Pallas)

@@ -25,10 +25,13 @@ from jaxlp.formats import nestedfp
 from jaxlp.quantization import activations
 
 IMPLEMENTATION = "nestedfp_cuda"
-# "auto": the skinny GEMM (FP16 mode) up to here, CUTLASS past it. H200, docs/perf.md session 33:
-# the skinny GEMM is 1.1-2.5x faster than CUTLASS at 9..16 tokens on every Qwen3-8B layer, mixed
-# at 32 (0.92-1.6x), slower at 48..64 but on 1024 x 4096.
+# "auto" (H100, docs/perf.md session 33): the GEMV up to 16 tokens (FP16 mode: 0.83-1.0x the FP16
+# dot at 9..16 tokens on Qwen3-8B's layers, 1.1-2.6x faster than CUTLASS); the skinny GEMM from 17 to
+# 32 on layers of at most SKINNY_MAX_ROWS rows (1024 x 4096: 1.5x faster than CUTLASS, which is slower
+# on wider layers); CUTLASS past them.
 AUTO_MAX_TOKENS = 16
+SKINNY_AUTO_MAX_TOKENS = 32
+SKINNY_MAX_ROWS = 1024
 
 
 def layer_reason(layer, x: jax.Array) -> str | None:
@@ -63,21 +66,25 @@ def why_not(layer, x: jax.Array) -> str | None:
 
 
 def auto_declines(layer, x: jax.Array) -> str | None:
-    """Why ``"auto"`` passes this kernel over for a layer :func:`why_not` accepts (None: it takes it)."""
+    """Why ``"auto"`` passes these kernels over for a layer :func:`why_not` accepts (None: it takes
+    them): past :data:`AUTO_MAX_TOKENS` tokens, but for FP16 mode's skinny GEMM on narrow layers."""
     tokens = math.prod(x.shape[:-1])
-    if tokens > AUTO_MAX_TOKENS:
-        return f"{tokens} tokens: past {AUTO_MAX_TOKENS} CUTLASS measured faster"
-    return None
+    if tokens <= AUTO_MAX_TOKENS:
+        return None
+    if layer.weight.get_value().shape[0] <= SKINNY_MAX_ROWS and tokens <= SKINNY_AUTO_MAX_TOKENS:
+        return None
+    return f"{tokens} tokens: CUTLASS measured faster here"
 
 
-def matmul(layer, x: jax.Array, *, splits: int | None = None, unroll: int | None = None) -> jax.Array:
+def matmul(layer, x: jax.Array, *, splits: int | None = None, unroll: int | None = None,
+           design: str | None = None) -> jax.Array:
     """The layer's product before bias (``QuantizedLinear.reference``'s math), in x's dtype, for a
-    layer :func:`why_not` accepts; ``splits`` and ``unroll``: the kernel's (:func:`jaxlp.ffi.nestedfp.gemv`),
-    its defaults when None."""
+    layer :func:`why_not` accepts; ``splits``, ``unroll`` and ``design``: the kernel's
+    (:func:`jaxlp.ffi.nestedfp.gemv`), its defaults when None."""
     w = layer.weight.get_value()
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    options = dict(splits=splits, unroll=unroll, out_dtype=x.dtype)
+    options = dict(splits=splits, unroll=unroll, design=design, out_dtype=x.dtype)
     if layer.mode == "fp8":
         x8, scale = fp8_tokens(x2)
         y = kernel.gemv(x8, w.upper, None, divisor=scale, multiplier=nestedfp.FP8_SCALE * layer.out_scale, **options)

@@ -4,7 +4,8 @@ two byte planes inside the GEMM: the Pallas Mosaic GPU kernel (``implementation=
 (``"nestedfp_cutlass"``; :func:`jaxlp.ffi.cutlass_gemm.nestedfp16_matmul`, K a multiple of 16 and N
 of 8), any number of tokens.
 
-``"auto"`` takes CUTLASS on a GPU for the FP16 mode past 16 tokens (``"nestedfp_cuda"`` takes 1..16;
+``"auto"`` takes CUTLASS on a GPU for the FP16 mode past 16 tokens (``"nestedfp_cuda"`` takes 1..16,
+and to 32 on narrow layers;
 :func:`jaxlp.ffi.cutlass_gemm.nestedfp_default_config` picks the kernel: past 512 tokens mostly the
 one whose producer warpgroup rebuilds the weights), the Pallas kernel where CUTLASS does not take the
 shape, both before XLA's merge-then-dot (:mod:`jaxlp.quantization.native_dot`), though still behind

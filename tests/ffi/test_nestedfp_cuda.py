@@ -85,21 +85,27 @@ def test_default_unroll_by_waves():
 
 
 def test_skinny_defaults():
-    """Past 8 tokens: about one CTA per SM over the 128-row tiles, at most 8 splits, each CTA at
-    least 8 windows; "auto" takes the skinny GEMM to 16 tokens."""
+    """Past 8 tokens: the GEMV to 16 tokens, then the skinny GEMM with one wave of one CTA per SM over
+    its 128-row tiles (at most 8 splits, each CTA at least 8 windows); "auto" takes the kernels to
+    16 tokens, the skinny GEMM to 32 on layers of at most 1024 rows."""
+    assert cuda.default_design(16) == "gemv" and cuda.default_design(17) == "skinny"
     assert cuda.default_skinny_splits(4096, 4096) == 4  # 32 tiles
-    assert cuda.default_skinny_splits(6144, 4096) == 3  # 48 tiles
+    assert cuda.default_skinny_splits(6144, 4096) == 2  # 48 tiles: 3 would need a second wave
     assert cuda.default_skinny_splits(24576, 4096) == 1  # 192 tiles
-    assert cuda.default_skinny_splits(1024, 4096) == 8  # 8 tiles: 17 for one CTA per SM, capped at 8
+    assert cuda.default_skinny_splits(1024, 4096) == 8  # 8 tiles: 16 for one CTA per SM, capped at 8
     assert cuda.default_skinny_splits(1024, 512) == 1  # 8 windows
     for n in (16, 1024, 4096, 14336):
         for k in (64, 1024, 4160, 12288):
             s = cuda.default_skinny_splits(n, k)
             assert 1 <= s <= cuda.MAX_SPLITS and (s == 1 or k // 64 // s >= 8)
-    assert cuda.max_tokens("fp16") == 64 and cuda.max_tokens("fp8") == 8
-    lay = layer(weights(np.random.default_rng(0), 48, 128))
-    assert nestedfp_dispatch.auto_declines(lay, jnp.ones((2, 8, 128), jnp.float16)) is None
-    assert "CUTLASS" in nestedfp_dispatch.auto_declines(lay, jnp.ones((17, 128), jnp.float16))
+            assert s == 1 or -(-n // 128) * s <= 132
+    assert cuda.max_tokens("fp16") == 64 and cuda.max_tokens("fp16", "gemv") == 16 and cuda.max_tokens("fp8") == 8
+    rng = np.random.default_rng(0)
+    wide, narrow = layer(weights(rng, 1040, 128)), layer(weights(rng, 1024, 128))
+    assert nestedfp_dispatch.auto_declines(wide, jnp.ones((2, 8, 128), jnp.float16)) is None
+    assert "CUTLASS" in nestedfp_dispatch.auto_declines(wide, jnp.ones((17, 128), jnp.float16))
+    assert nestedfp_dispatch.auto_declines(narrow, jnp.ones((32, 128), jnp.float16)) is None
+    assert "CUTLASS" in nestedfp_dispatch.auto_declines(narrow, jnp.ones((33, 128), jnp.float16))
 
 
 @pytest.mark.parametrize("mode", ["fp16", "fp8"])
@@ -134,7 +140,15 @@ def test_gemv_refuses_bad_operands():
     with pytest.raises(ValueError, match="1..8 tokens in FP8 mode"):
         cuda.gemv(jnp.ones((9, 128), jnp.float8_e4m3fn), u, None)
     with pytest.raises(ValueError, match="one window per stage"):
-        cuda.gemv(jnp.ones((9, 128), jnp.float16), u, u, unroll=2)
+        cuda.gemv(jnp.ones((9, 128), jnp.float16), u, u, unroll=2, design="skinny")
+    with pytest.raises(ValueError, match="design must be"):
+        cuda.gemv(x, u, u, design="wgmma")
+    with pytest.raises(ValueError, match="skinny GEMM computes the FP16 mode"):
+        cuda.gemv(x.astype(jnp.float8_e4m3fn), u, None, design="skinny")
+    with pytest.raises(ValueError, match="gemv design takes 1..16 tokens"):
+        cuda.gemv(jnp.ones((17, 128), jnp.float16), u, u, design="gemv")
+    with pytest.raises(ValueError, match="two token groups take unroll 1 or 2"):
+        cuda.gemv(jnp.ones((12, 128), jnp.float16), u, u, design="gemv", unroll=4)
     with pytest.raises(ValueError, match="N a multiple"):
         cuda.gemv(x, u[:40], u[:40])
     with pytest.raises(ValueError, match="unroll"):
@@ -160,14 +174,18 @@ def test_lowers_to_one_custom_call_for_cuda(mode):
 
 
 def test_skinny_lowers_to_the_same_custom_call():
-    """FP16 mode past 8 tokens: the same target (the handler picks the skinny GEMM by M), its
-    default splits and unroll as attributes."""
+    """FP16 mode past 8 tokens: the same target, the design an attribute (the skinny GEMM by
+    default, the GEMV's two token groups up to 16 tokens on request), default splits and unroll."""
     x = jnp.ones((40, 4096), jnp.float16)
     u = jnp.zeros((1024, 4096), jnp.uint8)
     text = jax.jit(lambda x, u: cuda.gemv(x, u, u)).trace(x, u).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call") == 1 and cuda.TARGETS["fp16"] in text
     assert "-> tensor<40x1024xf32>" in text
     assert f"splits = {cuda.default_skinny_splits(1024, 4096)} : i32" in text and "unroll = 1 : i32" in text
+    assert "skinny = 1 : i32" in text
+    gemv_text = jax.jit(lambda x, u: cuda.gemv(x, u, u, design="gemv")).trace(x[:12], u).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "skinny = 0 : i32" in gemv_text and "-> tensor<12x1024xf32>" in gemv_text
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -248,10 +266,12 @@ def test_gpu_skinny_matches_float64(m, n, k):
     lay = layer(w, "fp16")
     xin = jnp.asarray(x, jnp.float16)
     assert nestedfp_dispatch.why_not(lay, xin) is None
-    y = jax.jit(lambda x: lay(x))(xin)
+    y = jax.jit(lambda x: nestedfp_dispatch.matmul(lay, x, design="skinny"))(xin)
     assert y.dtype == jnp.float16 and y.shape == (m, n)
     assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), "fp16")) <= TOL
     assert not np.asarray(y[3]).any()
+    auto = jax.jit(lambda x: lay(x))(xin)  # the default design
+    assert rel(np.asarray(auto, np.float32), numpy_reference(w, xin.astype(jnp.float32), "fp16")) <= TOL
 
 
 @pytest.mark.gpu
@@ -272,8 +292,8 @@ def test_gpu_skinny_every_group_split_and_output(m, splits, out_dtype):
     wv = np.asarray(w, np.float16).astype(np.float64)
     ref = (np.asarray(x, np.float64) @ wv.T) / np.asarray(divisor, np.float64)[:, None] * 0.375
     magnitude = (np.abs(np.asarray(x, np.float64)) @ np.abs(wv).T) / np.asarray(divisor, np.float64)[:, None] * 0.375
-    y = jax.jit(lambda x: cuda.gemv(x, upper, lower, splits=splits, divisor=divisor, multiplier=0.375,
-                                    out_dtype=out_dtype))(x)
+    y = jax.jit(lambda x: cuda.gemv(x, upper, lower, splits=splits, design="skinny", divisor=divisor,
+                                    multiplier=0.375, out_dtype=out_dtype))(x)
     assert y.dtype == out_dtype and y.shape == (m, n)
     assert np.all(np.abs(np.asarray(y, np.float64) - ref) <= float(jnp.finfo(out_dtype).eps) / 2 * np.abs(ref)
                   + 2.0**-16 * magnitude)
@@ -281,14 +301,36 @@ def test_gpu_skinny_every_group_split_and_output(m, splits, out_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-def test_gpu_auto_takes_the_kernels_up_to_16_tokens_then_cutlass():
+@pytest.mark.parametrize("m", [9, 13, 16])
+@pytest.mark.parametrize("unroll", [1, 2])
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_gpu_gemv_two_token_groups(m, unroll, splits):
+    """FP16 mode's GEMV past 8 tokens (each merged fragment feeds the MMAs of tokens g and g + 8):
+    K = 4160 (65 windows: a step past K), 1 / 3 / 8 CTAs per row block, an all-zero token, the
+    second group partly past M."""
+    n, k = 96, 4160
+    rng = np.random.default_rng(m * 100 + unroll * 10 + splits)
+    w = weights(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[8] = 0.0
+    lay = layer(w, "fp16")
+    x16 = jnp.asarray(x, jnp.float16)
+    y = jax.jit(lambda x: nestedfp_dispatch.matmul(lay, x, splits=splits, unroll=unroll, design="gemv"))(x16)
+    assert rel(np.asarray(y, np.float32), numpy_reference(w, x16.astype(jnp.float32), "fp16")) <= TOL
+    assert not np.asarray(y[8]).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_auto_takes_the_kernels_then_cutlass():
     rng = np.random.default_rng(1)
     w = weights(rng, 256, 512)
     lay = layer(w, "fp16", "auto")
     for m in (1, 8, 9, 16, 17, 33):
         xin = jnp.asarray(rng.standard_normal((m, 512)), jnp.float16)
         text = jax.jit(lambda x: lay(x)).lower(xin).as_text()
-        assert (cuda.TARGETS["fp16"] in text) == (m <= nestedfp_dispatch.AUTO_MAX_TOKENS)
+        # 256 rows: a narrow layer, the skinny GEMM to 32 tokens
+        assert (cuda.TARGETS["fp16"] in text) == (m <= nestedfp_dispatch.SKINNY_AUTO_MAX_TOKENS)
         y = jax.jit(lambda x: lay(x))(xin)
         assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32), "fp16")) <= TOL
 
