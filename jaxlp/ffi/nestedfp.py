@@ -72,12 +72,12 @@ def default_unroll(mode: str, n: int, splits: int, num_sms: int = 132) -> int:
     return DEFAULT_UNROLL[mode][0 if (n // ROWS) * splits <= 3 * num_sms else 1]
 
 
-def default_skinny_splits(n: int, k: int, num_sms: int = 132) -> int:
-    """K splits per 128-row tile of the skinny GEMM: one wave at one CTA per SM (its ring takes most
-    of the shared memory; H100, docs/perf.md session 33: past one wave 1.3-1.4x slower), at most
-    :data:`MAX_SPLITS`, each CTA left with at least 8 windows."""
+def default_skinny_splits(n: int, k: int, target_ctas: int = 64) -> int:
+    """K splits per 128-row tile of the skinny GEMM: about ``target_ctas`` CTAs in all, at most
+    :data:`MAX_SPLITS`, each CTA left with at least 8 windows. H100, docs/perf.md session 33: 64 to 96
+    CTAs ran fastest (32 tiles: 2 splits 20.4 us, 4 splits 28.4; 8 tiles: 8 splits 11.5, 2 18.4)."""
     tiles, windows = -(-n // SKINNY_ROWS), k // WINDOW
-    return max(1, min(num_sms // tiles, windows // 8, MAX_SPLITS))
+    return max(1, min(-(-target_ctas // tiles), windows // 8, MAX_SPLITS))
 
 
 def max_tokens(mode: str, design: str | None = None) -> int:
