@@ -22,13 +22,13 @@
 // and writes the output: one kernel, nothing in global memory but the output. FP16 mode for 9..16
 // tokens: each thread also loads token g + 8, and each merged weight fragment feeds two MMAs.
 //
-// FP16 mode for 9..64 tokens (`skinny_kernel`): the same MMAs (weights the A operand in the
+// FP16 mode for up to 64 tokens (`skinny_kernel`): the same MMAs (weights the A operand in the
 // thread's own K order, tokens the N), but a CTA's 8 warps own 8 different row blocks (128 rows)
 // over the same K, and a cp.async ring of 4 to 8 stages (one 64-wide K window of both byte planes
 // and of the tokens each) streams the CTA's rows and tokens through shared memory: the tokens cross
 // L2 M / 128 times the weight bytes (the GEMV's per-thread loads read them M / 16 times) and 3 to 7
 // windows of weights are in flight per CTA without holding registers (register-prefetched
-// weights left too few bytes in flight: 0.35-0.6x the FP16 dot, docs/perf.md session 33). Each
+// weights left too few bytes in flight: 0.35-0.81x the FP16 dot, docs/perf.md session 33). Each
 // warp reads its fragments from the stage, merges, and runs `kGroups` MMAs (8 tokens each) per
 // merged fragment. A row tile's K splits are a cluster; each rank adds the splits' sums of
 // 8 / splits of the warps' row blocks (gathered in its shared memory through distributed shared

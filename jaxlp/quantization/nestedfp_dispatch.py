@@ -1,6 +1,6 @@
 """NestedFP ``QuantizedLinear`` products for a few tokens through the CUDA kernels
-(``implementation="nestedfp_cuda"``; :mod:`jaxlp.ffi.nestedfp`): 1..8 tokens in either mode (the
-GEMV), 9..64 in FP16 mode (the skinny GEMM).
+(``implementation="nestedfp_cuda"``; :mod:`jaxlp.ffi.nestedfp`): the GEMV for 1..8 tokens in
+either mode (FP16 mode: 1..16), FP16 mode's skinny GEMM past 16 tokens up to 64.
 
 - FP16 mode: ``x @ merge(upper, lower).T`` with FP16 activations, the FP16 weight rebuilt from
   its two bytes in registers inside the kernel (never in memory), FP32 accumulation;
@@ -9,7 +9,8 @@ GEMV), 9..64 in FP16 mode (the skinny GEMM).
   upper bytes alone, half the bytes of FP16 mode.
 
 The same math as :mod:`jaxlp.quantization.native_dot` (XLA's dots), to summation order. ``"auto"``
-takes these kernels up to :data:`AUTO_MAX_TOKENS` tokens (FP8 mode: 8).
+takes these kernels up to :data:`AUTO_MAX_TOKENS` tokens (FP8 mode: 8), and FP16 mode's skinny GEMM
+up to :data:`SKINNY_AUTO_MAX_TOKENS` on layers of at most :data:`SKINNY_MAX_ROWS` rows.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from jaxlp.formats import nestedfp
 from jaxlp.quantization import activations
 
 IMPLEMENTATION = "nestedfp_cuda"
-# "auto" (H100, docs/perf.md session 33): the GEMV up to 16 tokens (FP16 mode: 0.83-1.0x the FP16
-# dot at 9..16 tokens on Qwen3-8B's layers, 1.1-2.6x faster than CUTLASS); the skinny GEMM from 17 to
-# 32 on layers of at most SKINNY_MAX_ROWS rows (1024 x 4096: 1.5x faster than CUTLASS, which is slower
-# on wider layers); CUTLASS past them.
+# "auto" (H100, docs/perf.md session 33): the GEMV up to 16 tokens (FP16 mode at 9..16 tokens on
+# Qwen3-8B's layers: 0.59-0.99x the FP16 dot, 1.03-2.6x faster than CUTLASS); the skinny GEMM from
+# 17 to 32 on layers of at most SKINNY_MAX_ROWS rows (1024 x 4096: 1.5x faster than CUTLASS, which
+# is faster on the wider layers); CUTLASS past them.
 AUTO_MAX_TOKENS = 16
 SKINNY_AUTO_MAX_TOKENS = 32
 SKINNY_MAX_ROWS = 1024
