@@ -21,9 +21,12 @@ def test_configs_ms_and_shapes_parse():
     assert bench.parse_config("default") is None and bench.parse_config("xla") is None
     with pytest.raises(ValueError, match="MatmulConfig name"):
         bench.parse_config("big")
-    assert bench.parse_config("gemv") == dict(unroll=None, splits=None)
-    assert bench.parse_config("gemvU1S0", "fp8") == dict(unroll=1, splits=None)
-    assert bench.parse_config("gemvU4S3") == dict(unroll=4, splits=3)
+    assert bench.parse_config("gemv") == dict(design="gemv", unroll=None, splits=None)
+    assert bench.parse_config("gemvU1S0", "fp8") == dict(design="gemv", unroll=1, splits=None)
+    assert bench.parse_config("gemvU4S3") == dict(design="gemv", unroll=4, splits=3)
+    assert bench.parse_config("gemvU2") == dict(design="gemv", unroll=2, splits=None)
+    assert bench.parse_config("skinnyS4") == dict(design="skinny", unroll=None, splits=4)
+    assert bench.parse_config("skinny") == dict(design="skinny", unroll=None, splits=None)
     with pytest.raises(ValueError, match="fp16 or fp8"):
         bench.parse_config("gemv", "w8a8")
     with pytest.raises(ValueError, match="MatmulConfig name"):
