@@ -14,11 +14,11 @@ split over ``splits`` (1..8) CTAs per row block (8 warps each), one thread-block
 first CTA adds the others' FP32 sums through distributed shared memory and writes the scaled
 product in the output dtype: one kernel per product. Shapes: ``N`` a multiple of 16, ``K`` a
 multiple of 64. In FP16 mode the GEMV takes up to 16 tokens (two MMAs per merged weight fragment
-past 8), and the skinny GEMM of the same file up to 64: a CTA's 8 warps own
-128 rows over the same K, both byte planes and the tokens (up to 64: 2, 4 or 8 MMAs of 8 tokens per
-merged weight fragment) streamed through a 4- to 8-stage cp.async ring in shared memory, so the tokens
-cross L2 ``M / 128`` times the weight bytes instead of ``M / 16``; ``splits`` CTAs per 128 rows
-along K (a cluster; :func:`default_skinny_splits`). The library is compiled by ``nvcc`` on first
+past 8), and the skinny GEMM of the same file up to 64: a CTA's 8 warps own 128 rows over the same
+K, both byte planes and the tokens (2, 4 or 8 MMAs of 8 tokens per merged weight fragment) streamed
+through a 4- to 8-stage cp.async ring in shared memory, so the tokens cross L2 ``M / 128`` times the
+weight bytes instead of ``M / 16``; ``splits`` CTAs per 128 rows along K (a cluster;
+:func:`default_skinny_splits`). The library is compiled by ``nvcc`` on first
 use (:mod:`jaxlp.ffi.build`).
 """
 
@@ -115,11 +115,10 @@ def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int
             raise ValueError("nestedfp gemv: the skinny GEMM computes the FP16 mode (float16 x and both byte planes)")
         if unroll not in (None, 1):
             raise ValueError(f"nestedfp gemv: the skinny GEMM streams one window per stage (unroll 1), got {unroll!r}")
-        unroll, splits, limit = 1, splits or default_skinny_splits(n, k), SKINNY_MAX_TOKENS
+        unroll, splits = 1, splits or default_skinny_splits(n, k)
     else:
         splits = splits or default_splits(n, k)
         unroll = unroll or default_unroll("fp8" if fp8 else "fp16", n, splits)
-        limit = MAX_TOKENS if fp8 else 2 * MAX_TOKENS
         if m > MAX_TOKENS and unroll == 4:
             raise ValueError("nestedfp gemv: two token groups take unroll 1 or 2 (4 spills registers)")
     if unroll not in UNROLLS:
@@ -136,6 +135,7 @@ def gemv(x: jax.Array, upper: jax.Array, lower: jax.Array | None, *, splits: int
     if upper.shape != (n, k) or upper.dtype != jnp.uint8 or bad_lower:
         raise ValueError(f"nestedfp gemv: weight bytes must be uint8 [N, {k}] like x's K, got upper {upper.dtype} "
                          f"{upper.shape}" + ("" if fp8 else f", lower {lower.dtype} {lower.shape}"))
+    limit = max_tokens("fp8" if fp8 else "fp16", design)
     if not 1 <= m <= limit or n % ROWS or k % WINDOW:
         raise ValueError(f"nestedfp gemv: the {design} design takes 1..{limit} tokens in {'FP8' if fp8 else 'FP16'} "
                          f"mode, N a multiple of {ROWS}, K of {WINDOW}; got M={m}, N={n}, K={k}")
