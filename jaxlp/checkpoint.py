@@ -439,8 +439,8 @@ def load(path: str | os.PathLike, *, sharding: Any = None, verify: bool = True, 
 
     sharding: where to place the JAX arrays: one ``jax.sharding.Sharding`` for all (default: this
     process's first device, ``jax.local_devices()[0]``: under ``jax.distributed`` the first
-    device of ``jax.devices()`` belongs to process 0), or a pytree of Shardings shaped like :func:`abstract` (``jax.tree.map`` over
-    it), each array then restored directly onto its own sharding (every device reads only its
+    device of ``jax.devices()`` belongs to process 0), or a pytree of Shardings shaped like
+    :func:`abstract` (``jax.tree.map`` over it), each array then restored directly onto its own sharding (every device reads only its
     shard). NumPy leaves come back as NumPy arrays. verify: check each array's CRC-32 against the
     sidecar. check_finite: refuse floating arrays holding NaN or Inf (NonFiniteWeightsError).
     Raises :class:`CheckpointError` for a missing, incomplete, corrupt or inconsistent checkpoint,
