@@ -10,11 +10,13 @@ Per token count M (``--ms``), side by side in one run, for gate_up (28672 x 4096
   GEMM decoding in registers), ``fireq_decoded`` (the CUDA decode, then the FP8 GEMM) and
   ``fireq_cutlass`` (CUTLASS's mixed-input GEMM, the lookup-table decode; its lookup tables built
   from the scales in the same program; ``fireq_cutlass_tables``: built beforehand, as a load-time
-  layout would hold them; either with ``:CONFIG``, one of ``cutlass_gemm.FIREQ_CONFIGS``): the
+  layout would hold them; either with ``:CONFIG``, one of ``cutlass_gemm.FIREQ_CONFIGS``),
+  ``fireq_cutlass_decoded`` (the CUDA decode, then CUTLASS's promoted FP8 GEMM; ``:CONFIG`` one of
+  ``cutlass_gemm.CONFIGS``): the
   layer through jaxlp's kernels (:mod:`jaxlp.quantization.fireq_kernels`), activation
   quantization included;
-  ``auto``: what ``implementation="auto"`` runs (the GEMV up to 16 tokens, CUTLASS to 1024, then the
-  GEMM design of ``fireq_kernels.default_design``).
+  ``auto``: what ``implementation="auto"`` runs (the GEMV up to 16 tokens, then CUTLASS in the design
+  of ``fireq_kernels.default_cutlass_design``).
 
 Per row: us of device time, the ratio ``bf16 / ours`` and the floor (the larger of the stored
 bytes (INT4 codes, scales, 16-bit activations in and out) / copy bandwidth and 2MNK / twice the
@@ -58,7 +60,7 @@ from jaxlp.quantization import fireq_kernels, linear, native_dot  # noqa: E402
 FFN_SHAPES = (("gate_up", 28672, 4096), ("down", 4096, 14336))
 TARGET_BYTES = 220 << 20  # BF16 weight buffers per shape: > 4x the 50 MB L2
 VARIANTS = ("bf16", "xla_fp8", "fireq_cuda", "fireq_cuda_u2", "fireq_cuda_u4", "fireq_pallas", "fireq_decoded",
-            "fireq_cutlass", "fireq_cutlass_tables", "auto")
+            "fireq_cutlass", "fireq_cutlass_tables", "fireq_cutlass_decoded", "auto")
 
 
 def layer_view(w):
@@ -76,10 +78,12 @@ def product(name: str):
     name, _, config = name.partition(":")
     if name == "bf16":
         return lambda x, w: jnp.dot(x, w.T)
+    if name == "fireq_cutlass_decoded":  # config: one of cutlass_gemm.CONFIGS (the FP8 GEMM's)
+        return lambda x, w: fireq_kernels.matmul_cutlass(layer_view(w), x, design="decoded", config=config or None)
     if name.startswith("fireq_cutlass"):  # w: (weight, tables) for _tables
         pre = name == "fireq_cutlass_tables"
-        return lambda x, w: fireq_kernels.matmul_cutlass(layer_view(w[0] if pre else w), x, config=config or None,
-                                                         tables=w[1] if pre else None)
+        return lambda x, w: fireq_kernels.matmul_cutlass(layer_view(w[0] if pre else w), x, design="mixed",
+                                                         config=config or None, tables=w[1] if pre else None)
     fn = {"xla_fp8": native_dot.matmul, "fireq_cuda": fireq_kernels.matmul_gemv,
           "fireq_cuda_u2": functools.partial(fireq_kernels.matmul_gemv, unroll=2),
           "fireq_cuda_u4": functools.partial(fireq_kernels.matmul_gemv, unroll=4), "auto": auto,
@@ -90,6 +94,8 @@ def product(name: str):
 
 def known_variant(name: str) -> bool:
     base, sep, config = name.partition(":")
+    if base == "fireq_cutlass_decoded":
+        return not sep or config in cutlass_gemm.CONFIGS
     return base in VARIANTS and (not sep or (base.startswith("fireq_cutlass") and config in cutlass_gemm.FIREQ_CONFIGS))
 
 

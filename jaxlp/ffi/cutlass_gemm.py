@@ -48,6 +48,8 @@ CUTLASS's headers (the ``nvidia-cutlass`` package or ``$JAXLP_CUTLASS_DIR``,
 
 from __future__ import annotations
 
+import math
+
 from typing import NamedTuple
 
 import jax
@@ -147,6 +149,11 @@ FIREQ_GROUP = int4_fp8.GROUP_SIZE  # K per FireQ scale group: the kernel's 128 K
 # M = 1024..2048 and 2.8e-4 relative error at K = 4096..14336 (128: 2.4e-4, 512: 3.8e-4; the
 # unpromoted sums 1.3e-3 / 2.8e-3); H200, docs/perf.md session 27.
 PROMOTE_K = 256
+# Promoted 128 x 128 tiles: clusters of 2 along the tokens (co128c21p) up to here, along the channels
+# (co128p) past it. H100, docs/perf.md session 34, W8A8 with its activation quantizer, us: at 512 /
+# 1024 tokens 12288 x 4096 49.7 / 91.6 against 52.6 / 98.8, 28672 x 4096 105.1 / 202.7 against
+# 112.5 / 215.2 (likewise 4096 x 14336 and 4096 x 4096); at 2048 / 4096 co128p 0-6% faster.
+CLUSTER_TOKENS_MAX_TOKENS = 1024
 
 
 def available() -> bool:
@@ -164,14 +171,15 @@ def default_config(m: int, n: int | None = None, k: int | None = None, *, promot
     """The config for ``m`` tokens (``n`` channels, ``k`` inputs): the fastest of the H100 / H200
     sweeps in docs/perf.md (session 27). Promoted: up to 256 tokens, where 128 x 128 tiles would not
     give half the SMs one, stream-K on long K (4096 x 14336 at M = 128: 34.1 us against 44.5) else
-    64-token pingpong tiles (4096 x 4096: 14.7 against 18.0); else cooperative 128 x 128 tiles.
-    Fast: 64-token pingpong tiles up to 256 tokens, then 128-token ones in clusters of 2."""
+    64-token pingpong tiles (4096 x 4096: 14.7 against 18.0); else cooperative 128 x 128 tiles, in
+    clusters of 2 along the tokens up to :data:`CLUSTER_TOKENS_MAX_TOKENS` tokens, else of 2 along
+    the channels. Fast: 64-token pingpong tiles up to 256 tokens, then 128-token ones in clusters of 2."""
     if not promote:
         return "pp64f" if m <= 256 else "pp128c21f"
     tiles = -(-m // 128) * -(-(n or 1 << 20) // 128)
     if m <= 64 or (m <= 256 and tiles < num_sms // 2):
         return "co128skp" if (k or 0) >= 8192 else "pp64p"
-    return "co128p"
+    return "co128c21p" if m <= CLUSTER_TOKENS_MAX_TOKENS else "co128p"
 
 
 def why_not(m: int, n: int, k: int) -> str | None:
@@ -298,13 +306,24 @@ def fp16_matmul(x: jax.Array, w: jax.Array, *, config: str = "co128x256") -> jax
     return call(x, w, config=FP16_CONFIGS.index(config))
 
 
+# FireQ, 128-token tiles: stream-K where the persistent tiles' last wave would leave the SMs below
+# this fill (tiles / SMs over its ceiling). H100, docs/perf.md session 34, us: 4096 x 14336 at 768
+# tokens (192 tiles, fill 0.73) 128.4 stream-K against 153.7; 28672 x 4096 at 256 / 384 (fill 0.85)
+# 92.6 / 127.0 against 95.1 / 135.2; at 512 / 1024 (fill 0.97) 159.2 / 302.8 against 153.9 / 290.7.
+FIREQ_STREAMK_BELOW_FILL = 0.9
+
+
 def fireq_default_config(m: int, n: int, *, num_sms: int = 132) -> str:
     """The FireQ kernel for ``m`` tokens and ``n`` output features: 64-token tiles up to 64 tokens,
     else 128 x 128; stream-K where those tiles are fewer than the SMs (the down projection's 4096
-    features at 16-256 tokens: 2x faster than the persistent tiles; H200, docs/perf.md session 29)."""
+    features at 16-256 tokens: 2x faster than the persistent tiles; H200, docs/perf.md session 29)
+    and, with 128-token tiles, where their last wave fills the SMs below
+    :data:`FIREQ_STREAMK_BELOW_FILL`."""
     tile_m = 64 if m <= 64 else 128
     tiles = -(-n // 128) * -(-m // tile_m)
-    return ("co128x64" if m <= 64 else "co128") + ("sk" if tiles < num_sms else "")
+    waves = tiles / num_sms
+    streamk = tiles < num_sms or (tile_m == 128 and waves / math.ceil(waves) < FIREQ_STREAMK_BELOW_FILL)
+    return ("co128x64" if m <= 64 else "co128") + ("sk" if streamk else "")
 
 
 def fireq_tables(w) -> jax.Array:

@@ -13,15 +13,18 @@ registers, never in memory:
   pays where many tokens share it); the default by tokens and the layer's width
   (:func:`default_design`).
 
-``implementation="fireq_cutlass"`` (:func:`jaxlp.ffi.cutlass_gemm.fireq_matmul`): any number of
-tokens through CUTLASS's mixed-input mainloop, the INT4 codes turned into E4M3 in registers by a
-per-group lookup table (built from the scales in the same program, :func:`jaxlp.ffi.fireq.tables`)
-and the FP8 sums promoted.
+``implementation="fireq_cutlass"``: any number of tokens through CUTLASS, by ``design``
+(:data:`CUTLASS_DESIGNS`): ``"mixed"`` (:func:`jaxlp.ffi.cutlass_gemm.fireq_matmul`), CUTLASS's
+mixed-input mainloop, the INT4 codes turned into E4M3 in registers by a per-group lookup table
+(built from the scales in the same program, :func:`jaxlp.ffi.fireq.tables`), the FP8 sums promoted;
+``"decoded"``, the CUDA decode writes the E4M3 weight, then CUTLASS's promoted FP8 GEMM
+(:func:`jaxlp.ffi.cutlass_gemm.fp8_matmul`) reads it, from :data:`CUTLASS_DECODED_FROM_TOKENS` tokens
+on by default.
 
-``"auto"`` on a GPU: CUTLASS from 17 to :data:`CUTLASS_MAX_TOKENS` tokens, the GEMV up to 16, the
-Pallas GEMM design past CUTLASS's range (:func:`auto_declines_cutlass`; H100, docs/perf.md session
-29: the FFN of Llama-3-8B 1.4-1.6x BF16 at 32-128 tokens), then XLA's FP8 dot on the materialized
-FP8 weight (:mod:`jaxlp.quantization.native_dot`). The
+``"auto"`` on a GPU: CUTLASS past the GEMV's 16 tokens (:func:`auto_declines_cutlass`; H100,
+docs/perf.md sessions 29 and 34: the FFN of Llama-3-8B 1.4-1.6x BF16 at 32-128 tokens, 1.24x at 2048),
+the GEMV up to 16, the Pallas GEMM where CUTLASS does not take the layer, then XLA's FP8 dot on the
+materialized FP8 weight (:mod:`jaxlp.quantization.native_dot`). The
 math of ``QuantizedLinear.reference`` to summation order (FP32 sums of exact E4M3 products), the
 activation scale applied to the FP32 sums before the one rounding to x's dtype.
 """
@@ -45,9 +48,12 @@ GEMV_IMPLEMENTATION = "fireq_cuda"
 GEMM_IMPLEMENTATION = "fireq_pallas"
 CUTLASS_IMPLEMENTATION = "fireq_cutlass"
 GEMM_DESIGNS = ("in_kernel", "decoded")
+CUTLASS_DESIGNS = ("mixed", "decoded")
 GEMV_TOKENS = 16  # the GEMV takes this many tokens on any layer
-CUTLASS_MAX_TOKENS = 1024  # "auto": CUTLASS past the GEMV's 16 tokens up to here (H100, docs/perf.md session 29)
 DECODED_FROM_TOKENS = 512  # H100, docs/perf.md "session 20": the decoded design from here on
+# The decoded CUTLASS design from here on (H100, docs/perf.md session 34: the FFN at 1024 tokens 443.3 us
+# against the mixed-input kernel's 448.3, at 2048 724.0 against 873.5; at 768 386.8 against 386.7).
+CUTLASS_DECODED_FROM_TOKENS = 1024
 
 
 def default_design(tokens: int, n: int, num_sms: int | None = None) -> str:
@@ -121,15 +127,13 @@ def why_not_cutlass(layer, x: jax.Array) -> str | None:
 
 def auto_declines_cutlass(layer, x: jax.Array) -> str | None:
     """Why ``"auto"`` passes the CUTLASS GEMM over where it computes the layer: the GEMV's tokens
-    (1..16), past :data:`CUTLASS_MAX_TOKENS` (the decoded design, 1.09x faster at 2048 tokens), or
-    without the CUDA table builder (XLA's build of the tables took ~30 us per product)."""
+    (1..16), or without the CUDA library of the table builder and the decode (XLA's build of the
+    tables took ~30 us per product)."""
     tokens = math.prod(x.shape[:-1])
     if tokens <= GEMV_TOKENS:
         return f"{tokens} tokens: the GEMV's (1 to {GEMV_TOKENS})"
-    if tokens > CUTLASS_MAX_TOKENS:
-        return f"{tokens} tokens: past {CUTLASS_MAX_TOKENS} the Pallas GEMM's decoded design measured faster"
     if not gemv_kernel.available():
-        return "the CUDA table builder (jaxlp.ffi.fireq) is not available"
+        return "the CUDA table builder and decode (jaxlp.ffi.fireq) are not available"
     return None
 
 
@@ -179,13 +183,35 @@ def matmul_gemm(layer, x: jax.Array, *, design: str | None = None, config=None) 
     return y.reshape(*lead, w.shape[0])
 
 
-def matmul_cutlass(layer, x: jax.Array, *, config: str | None = None, tables=None) -> jax.Array:
-    """The layer's product before bias through the CUTLASS GEMM (:func:`jaxlp.ffi.cutlass_gemm.fireq_matmul`;
-    ``config`` one of its ``FIREQ_CONFIGS``) on the weight's codes; ``tables``: its lookup tables
-    (:func:`jaxlp.ffi.cutlass_gemm.fireq_tables`) built beforehand, else built in the same program
-    from the scales (by :func:`jaxlp.ffi.fireq.tables` where its library is available)."""
+def default_cutlass_design(tokens: int) -> str:
+    """The CUTLASS design for ``tokens`` tokens: ``"decoded"`` from :data:`CUTLASS_DECODED_FROM_TOKENS`
+    on, where the weight's extra pass costs less than the mixed-input kernel's per-tile decode, else
+    ``"mixed"``."""
+    return "decoded" if tokens >= CUTLASS_DECODED_FROM_TOKENS else "mixed"
+
+
+def matmul_cutlass(layer, x: jax.Array, *, design: str | None = None, config: str | None = None,
+                   tables=None) -> jax.Array:
+    """The layer's product before bias through CUTLASS, by ``design`` (:data:`CUTLASS_DESIGNS`,
+    default :func:`default_cutlass_design`): ``"mixed"``, the mixed-input GEMM
+    (:func:`jaxlp.ffi.cutlass_gemm.fireq_matmul`; ``config`` one of its ``FIREQ_CONFIGS``) on the
+    weight's codes, ``tables`` its lookup tables (:func:`jaxlp.ffi.cutlass_gemm.fireq_tables`) built
+    beforehand, else built in the same program from the scales (by :func:`jaxlp.ffi.fireq.tables`
+    where its library is available); ``"decoded"``, the CUDA decode writes the E4M3 weight
+    (:func:`jaxlp.ffi.fireq.decode`), then CUTLASS's promoted FP8 GEMM
+    (:func:`jaxlp.ffi.cutlass_gemm.fp8_matmul`; ``config`` one of its ``CONFIGS``) reads it."""
     w = layer.weight.get_value()
+    design = design or default_cutlass_design(math.prod(x.shape[:-1]))
+    if design not in CUTLASS_DESIGNS:
+        raise ValueError(f"unknown FireQ CUTLASS design {design!r}; the designs are {CUTLASS_DESIGNS}")
     lead, x8, x_scale = _quantized_tokens(x)
+    if design == "decoded":
+        if tables is not None:
+            raise ValueError("the decoded CUTLASS design reads no lookup tables")
+        w8 = gemv_kernel.decode(w.codes, w.scales)
+        y = cutlass_gemm.fp8_matmul(x8, w8, x_scale * layer.out_scale, jnp.ones((w.shape[0],), jnp.float32),
+                                    out_dtype=x.dtype, config=config)
+        return y.reshape(*lead, w.shape[0])
     if tables is None:
         tables = gemv_kernel.tables(w.scales) if gemv_kernel.available() else cutlass_gemm.fireq_tables(w)
     y = cutlass_gemm.fireq_matmul(x8, w.codes, tables, x_scale * layer.out_scale, out_dtype=x.dtype, config=config)

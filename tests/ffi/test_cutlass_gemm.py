@@ -34,6 +34,9 @@ def test_configs_match_the_kernels_dispatch():
     for m in (1, 64, 128, 129, 4096):
         for promote in (True, False):
             assert cutlass_gemm.CONFIGS[cutlass_gemm.default_config(m, 4096, promote=promote)].promote == promote
+    cut = cutlass_gemm.CLUSTER_TOKENS_MAX_TOKENS
+    assert cutlass_gemm.default_config(512, 12288, 4096) == cutlass_gemm.default_config(cut, 4096) == "co128c21p"
+    assert cutlass_gemm.default_config(cut + 1, 4096) == "co128p"
 
 
 def test_nestedfp_configs_match_the_kernels_dispatch():
@@ -282,7 +285,10 @@ def test_fireq_configs_match_the_kernels_dispatch():
     assert cutlass_gemm.fireq_default_config(16, 4096) == "co128x64sk"
     assert cutlass_gemm.fireq_default_config(256, 4096) == "co128sk"
     assert cutlass_gemm.fireq_default_config(16, 28672) == "co128x64"
-    assert cutlass_gemm.fireq_default_config(1024, 4096) == "co128"
+    assert cutlass_gemm.fireq_default_config(1024, 4096) == "co128"  # 256 tiles: 1.94 waves
+    assert cutlass_gemm.fireq_default_config(768, 4096) == "co128sk"  # 192 tiles: 1.45 waves
+    assert cutlass_gemm.fireq_default_config(384, 28672) == "co128sk"  # 672 tiles: 5.09 waves
+    assert cutlass_gemm.fireq_default_config(512, 28672) == "co128"  # 896 tiles: 6.79 waves
 
 
 def test_prmt_model():

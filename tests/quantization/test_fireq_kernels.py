@@ -87,21 +87,41 @@ def test_cutlass_gemm_is_checked_and_lowers_to_one_custom_call():
     assert text.count(f"stablehlo.custom_call @{cutlass_gemm.FIREQ_TARGET}") == 1
 
 
+def test_cutlass_decoded_design_is_checked_and_lowers_to_the_decode_and_the_fp8_gemm():
+    """"fireq_cutlass", design "decoded": the CUDA decode's custom call, then CUTLASS's FP8 GEMM's;
+    an unknown design or lookup tables beside it refused; the default design by tokens."""
+    lay = layer(weights(np.random.default_rng(4), 64, 256), "fireq_cutlass", out_scale=0.25)
+    x = jnp.ones((2, 3, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="unknown FireQ CUTLASS design"):
+        fireq_kernels.matmul_cutlass(lay, x, design="fp8")
+    with pytest.raises(ValueError, match="no lookup tables"):
+        fireq_kernels.matmul_cutlass(lay, x, design="decoded", tables=jnp.zeros((2, 64, 8), jnp.uint8))
+    f = jax.jit(lambda x: fireq_kernels.matmul_cutlass(lay, x, design="decoded"))
+    assert f.eval_shape(x).shape == (2, 3, 64) and f.eval_shape(x).dtype == jnp.bfloat16
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"stablehlo.custom_call @{cuda.DECODE_TARGET}") == 1
+    assert text.count(f"stablehlo.custom_call @{cutlass_gemm.TARGET}(") == 1
+    assert cutlass_gemm.FIREQ_TARGET not in text
+    cut = fireq_kernels.CUTLASS_DECODED_FROM_TOKENS
+    assert fireq_kernels.default_cutlass_design(cut - 1) == "mixed"
+    assert fireq_kernels.default_cutlass_design(cut) == "decoded"
+
+
 def test_auto_takes_cutlass_between_the_gemv_and_the_decoded_gemm(monkeypatch):
-    """"auto" tries CUTLASS first, which passes the GEMV's 1..16 tokens and everything past 1024 on,
-    and needs the CUDA table builder."""
+    """"auto" tries CUTLASS first, which passes the GEMV's 1..16 tokens and needs the CUDA table
+    builder and decode."""
     names = list(KERNELS)
     assert names.index("fireq_cutlass") < names.index("fireq_cuda") < names.index("fireq_pallas")
     assert names.index("fireq_pallas") < names.index("xla_native")
     lay = layer(weights(np.random.default_rng(3), 64, 256), "auto")
     decline = KERNELS["fireq_cutlass"].auto_declines
     assert "the GEMV's" in decline(lay, jnp.ones((2, 8, 256), jnp.bfloat16))
-    assert "past 1024" in decline(lay, jnp.ones((1025, 256), jnp.bfloat16))
     monkeypatch.setattr(fireq_kernels.gemv_kernel, "available", lambda: False)
     assert "table builder" in decline(lay, jnp.ones((17, 256), jnp.bfloat16))
     monkeypatch.setattr(fireq_kernels.gemv_kernel, "available", lambda: True)
     assert decline(lay, jnp.ones((17, 256), jnp.bfloat16)) is None
     assert decline(lay, jnp.ones((4, 256, 256), jnp.bfloat16)) is None  # 1024 tokens
+    assert decline(lay, jnp.ones((5000, 256), jnp.bfloat16)) is None
 
 
 def test_table_builder_is_checked_and_lowers():
@@ -166,7 +186,8 @@ def test_gpu_matches_float64(implementation, m, n, k):
 
 
 GEMMS = {**{design: ("fireq_pallas", dict(design=design)) for design in fireq_kernels.GEMM_DESIGNS},
-         **{f"cutlass-{c}": ("fireq_cutlass", dict(config=c)) for c in cutlass_gemm.FIREQ_CONFIGS}}
+         **{f"cutlass-{c}": ("fireq_cutlass", dict(design="mixed", config=c)) for c in cutlass_gemm.FIREQ_CONFIGS},
+         "cutlass-decoded": ("fireq_cutlass", dict(design="decoded"))}
 
 
 @pytest.mark.gpu
@@ -188,16 +209,19 @@ def test_gpu_gemms_match_float64(gemm, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-def test_gpu_auto_takes_the_gemv_then_cutlass_then_the_gemm():
-    """1..16 tokens the GEMV, 17..1024 CUTLASS (its tables built by CUDA), past that the Pallas GEMM."""
+def test_gpu_auto_takes_the_gemv_then_cutlass_mixed_then_decoded():
+    """1..16 tokens the GEMV, 17..1023 CUTLASS's mixed-input GEMM (its tables built by CUDA), from
+    1024 on the CUDA decode and CUTLASS's FP8 GEMM; never the Pallas GEMM."""
     rng = np.random.default_rng(1)
     w = weights(rng, 256, 512)
     lay = layer(w, "auto")
-    for m in (1, 16, 17, 32, 33, 300, 1024, 1025):
+    cut = fireq_kernels.CUTLASS_DECODED_FROM_TOKENS
+    for m in (1, 16, 17, 32, 33, 300, cut - 1, cut, cut + 1):
         xin = jnp.asarray(rng.standard_normal((m, 512)), jnp.float16)
         text = jax.jit(lambda x: lay(x)).lower(xin).as_text()
-        gemv, cutlass = m <= 16, 16 < m <= 1024
-        assert (cuda.TARGET in text) == gemv and (cutlass_gemm.FIREQ_TARGET in text) == cutlass
-        assert (cuda.TABLES_TARGET in text) == cutlass and ("mosaic_gpu" in text) == (m > 1024)
+        gemv, mixed, decoded = m <= 16, 16 < m < cut, m >= cut
+        assert (cuda.TARGET in text) == gemv and (cutlass_gemm.FIREQ_TARGET in text) == mixed
+        assert (cuda.TABLES_TARGET in text) == mixed and "mosaic_gpu" not in text
+        assert (cuda.DECODE_TARGET in text) == decoded and (f"@{cutlass_gemm.TARGET}(" in text) == decoded
         y = jax.jit(lambda x: lay(x))(xin)
         assert rel(np.asarray(y, np.float32), numpy_reference(w, xin.astype(jnp.float32))) <= TOL[y.dtype]
