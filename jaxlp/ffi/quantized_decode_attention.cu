@@ -22,11 +22,9 @@
 //      G <= 16 real ones first), masked to the row's stream range [lo, hi), soft-capped, then an
 //      online softmax (base 2) and O += P V (P in FP16), operands from shared memory by ldmatrix.
 // The 4 warps' partials are merged in shared memory; the CTA writes its split's unnormalized
-// output o (relative to its max m), m (natural log units) and l = sum exp(s - m). The splits are
-// merged (split_merge.cuh's arithmetic) by the last CTA of each (row, KV head) to finish
-// (`fused_merge`: merge_if_last, a device-wide arrival counter), else by a second launch
-// (split_merge.cuh; a warp per query where the splits are at most the `few_splits` attribute). An
-// empty range gives o = 0, m = -inf, l = 0.
+// output o (relative to its max m), m (natural log units) and l = sum exp(s - m); a second launch
+// merges the splits (split_merge.cuh; a warp per query where the splits are at most the
+// `few_splits` attribute). An empty range gives o = 0, m = -inf, l = 0.
 //
 // The whole cache in one call (the cache call, `tail` = 1): the stream range [lo, hi) then runs to
 // the row's last token, and a token's key (value) is read from the FP16 ring, slot j % R, where
@@ -89,10 +87,6 @@ struct Params {
   float* o;  // [B, KVH, S, G, D]
   float* m;  // [B, KVH, S, G]
   float* l;
-  float* out;     // the merged outputs [B, KVH, G, D] (merge_if_last; fused_merge only)
-  float* m_all;   // [B, KVH, G]
-  float* den;
-  int fused_merge;             // 1: the last CTA of a (row, KV head) merges its splits (merge_if_last)
   int kvh, g, splits;
   int k_units, nb, kg;         // key blocks per row, boosted channels, scale groups per block (1 or 4)
   int v_units, vt, v_group;    // value units per row, tokens per value unit (128 or 1), channels per value scale
@@ -1433,62 +1427,6 @@ __device__ __forceinline__ void write_split(const Params& p, int b, int kh, int 
   }
 }
 
-// The fused split merge: row r = b KVH + kh's CTAs arrive on a counter once their partials are
-// written; the last to arrive merges every split's partials of the row into out, m_all, den as
-// split_merge.cuh does (M = max_s m_s, w_s = exp(m_s - M), 0 for an empty split, M taken as 0 where
-// all are; den = sum_s l_s w_s; out = sum_s w_s o_s / den, 0 where den = 0). atomicInc wraps the
-// counter back to 0 after the last CTA, so it is 0 between launches (the store kernel's
-// g_arrivals rule). The partials are read through L2 (__ldcg: other CTAs wrote them); the weights
-// w [S][G] and the row maxima go to the dynamic shared memory (free once write_split has read it).
-constexpr int kMaxMergeRows = 1 << 20;          // B x KVH rows with a counter
-constexpr int kMaxFusedMergeWeights = 4096;     // S x G weights in shared memory (>= 16 KB at every D)
-__device__ unsigned int g_split_arrivals[kMaxMergeRows];
-
-template <int D>
-__device__ __forceinline__ void merge_if_last(const Params& p, float* scratch) {
-  __shared__ unsigned int ticket;
-  __threadfence();  // this CTA's partials, visible device-wide before it arrives
-  __syncthreads();  // every thread's stores fenced; write_split is done with the shared memory
-  const long r = static_cast<long>(blockIdx.y) * p.kvh + blockIdx.x;  // (row b, KV head kh), units_kernel's grid
-  if (threadIdx.x == 0) ticket = atomicInc(&g_split_arrivals[r], static_cast<unsigned>(p.splits - 1));
-  __syncthreads();
-  if (ticket != static_cast<unsigned>(p.splits - 1)) return;
-  __threadfence();  // the other CTAs' partials, seen after their arrivals
-  const int g = p.g, splits = p.splits, tid = threadIdx.x;
-  const long ml = r * splits * g;  // m, l of split s, query q at ml + s g + q; o's row there times D
-  float* w = scratch;                   // [splits][g]
-  float* mx = scratch + splits * g;     // [g]: M
-  float* dsum = mx + g;                 // [g]: den
-  if (tid < g) {
-    float x = -INFINITY;
-#pragma unroll 1
-    for (int s = 0; s < splits; ++s) x = fmaxf(x, __ldcg(p.m + ml + s * g + tid));
-    mx[tid] = x;
-  }
-  __syncthreads();
-  for (int i = tid; i < splits * g; i += kThreads) {
-    const float ms = __ldcg(p.m + ml + i), top = mx[i % g];
-    w[i] = ms == -INFINITY ? 0.f : expf(ms - (top == -INFINITY ? 0.f : top));
-  }
-  __syncthreads();
-  if (tid < g) {
-    float d = 0.f;
-#pragma unroll 1
-    for (int s = 0; s < splits; ++s) d += __ldcg(p.l + ml + s * g + tid) * w[s * g + tid];
-    dsum[tid] = d;
-    p.m_all[r * g + tid] = mx[tid];
-    p.den[r * g + tid] = d;
-  }
-  __syncthreads();
-  for (int e = tid; e < g * D; e += kThreads) {
-    const int q = e / D, c = e % D;
-    float acc = 0.f;
-#pragma unroll 1
-    for (int s = 0; s < splits; ++s) acc += w[s * g + q] * __ldcg(p.o + (ml + s * g + q) * D + c);
-    p.out[r * g * D + e] = dsum[q] > 0.f ? acc / dsum[q] : 0.f;
-  }
-}
-
 // KG, VPL, KBITS, VBITS: see BlockRegs. PACKED (Kitty pages, KG = VPL = 1; KIVI-2, KG = VPL = 4; 2-bit
 // codes): splits [0, ns = splits - gsplits) run the packed path, the last gsplits splits the staged
 // path over the blocks the packed path leaves (those holding FP16 ring tokens, the tail block).
@@ -1555,7 +1493,6 @@ __global__ void __launch_bounds__(kThreads, PACKED ? 2 : min_ctas<D>()) units_ke
   }
   __syncthreads();
   write_split<D>(p, b, kh, split, smem, red_m, red_l);
-  if (p.fused_merge) merge_if_last<D>(p, reinterpret_cast<float*>(smem));
 }
 
 template <int D>
@@ -1631,7 +1568,7 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
                      ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> m_all,
                      ffi::Result<ffi::Buffer<ffi::F32>> den, int64_t nb, int64_t kg,
                      int64_t vt, int64_t v_group, int64_t kbits, int64_t vbits, int64_t tail, int64_t gsplits,
-                     int64_t min_per, int64_t few_splits, int64_t fused_merge, float softcap) {
+                     int64_t min_per, int64_t few_splits, float softcap) {
   auto qd = q.dimensions();
   auto od = o->dimensions();
   auto kd = k_low.dimensions();
@@ -1697,9 +1634,6 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   p.o = o->typed_data();
   p.m = m->typed_data();
   p.l = l->typed_data();
-  p.out = out->typed_data();
-  p.m_all = m_all->typed_data();
-  p.den = den->typed_data();
   p.kvh = static_cast<int>(kvh);
   p.g = static_cast<int>(g);
   p.splits = static_cast<int>(od[2]);
@@ -1719,8 +1653,6 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   if (min_per < 1 || min_per > INT_MAX) return bad("min_per must be >= 1");
   p.min_per = static_cast<int>(min_per);
   if (batch > 65535 || p.splits > 65535) return bad("at most 65535 rows and 65535 splits (the grid's y and z)");
-  // The fused merge where its counters and shared-memory weights reach; else the second launch.
-  p.fused_merge = fused_merge && batch * kvh <= kMaxMergeRows && p.splits * g + 2 * g <= kMaxFusedMergeWeights;
   if (gsplits < p.splits && !packed_reads(p, d))
     return bad("the packed path takes head_dim 128, at most 8 query heads per KV head, Kitty pages with 16 or 32 "
                "boosted channels or KIVI-2 with value groups of 32 channels (2-bit codes only)");
@@ -1732,7 +1664,7 @@ ffi::Error UnitsImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
     case 256: e = launch<256>(stream, p, static_cast<int>(batch)); break;
     default: return bad("head_dim must be 64, 128 or 256, got " + std::to_string(d));
   }
-  if (e == cudaSuccess && !p.fused_merge)
+  if (e == cudaSuccess)
     e = jaxlp::split_merge(stream, p.o, p.m, p.l, out->typed_data(), m_all->typed_data(), den->typed_data(),
                            static_cast<int>(batch * kvh), p.splits, p.g, static_cast<int>(d),
                            static_cast<int>(std::min<int64_t>(std::max<int64_t>(few_splits, 0), 32)));
@@ -1781,6 +1713,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlpQuantizedDecodeAttention, jaxlp_qattn::UnitsI
                                   .Attr<int64_t>("gsplits")
                                   .Attr<int64_t>("min_per")
                                   .Attr<int64_t>("few_splits")  // the merge: a warp per query up to these splits
-                                  .Attr<int64_t>("fused_merge")  // 1: merged by each row's last CTA
                                   .Attr<float>("softcap"),
                               {ffi::Traits::kCmdBufferCompatible});

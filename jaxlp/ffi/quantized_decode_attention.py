@@ -46,11 +46,9 @@ Design (``quantized_decode_attention.cu``), two paths in one launch, both flash-
   global memory), copies the ring tokens over it, and reads it with ``ldmatrix``, FP16 m16n8k16
   MMAs with the query heads as the 16 rows; within about ``1e-3`` of the reference.
 
-Splits along the sequence are merged in float32 (:func:`jaxlp.attention.reference.merge_splits`'s
-arithmetic, the reference it follows) by the last CTA of each (row, KV head) to finish, counted on a
-device-wide arrival counter (``fused_merge=True``, the default), or by a second launch of the same
-call (``split_merge.cuh``; ``fused_merge=False``, and where a call has more than
-``MAX_FUSED_MERGE_WEIGHTS`` splits x query heads per KV head or ``MAX_MERGE_ROWS`` rows x KV heads).
+Splits along the sequence are merged in float32 by a second launch of the same call
+(``split_merge.cuh``: one kernel instead of XLA's two or three fusions of
+:func:`jaxlp.attention.reference.merge_splits`, the reference it follows).
 
 The library is compiled by ``nvcc`` on first use (:mod:`jaxlp.ffi.build`).
 """
@@ -76,8 +74,6 @@ PACKED_CTAS_PER_SM = 2  # the packed path: two resident per SM (its registers an
 # split_merge_queries_kernel), else 8 warps per (row, query): 0 (always the latter) until measured.
 QUERY_MERGE_SPLITS = 0
 MIN_BLOCKS = 8  # packed path, a grid past one wave: the fewest blocks per packed CTA (two per warp)
-MAX_FUSED_MERGE_WEIGHTS = 4096 - 2 * MAX_GROUP  # the fused merge's splits x G (shared memory), the .cu file's bound
-MAX_MERGE_ROWS = 1 << 20  # the fused merge's B x KVH (its arrival counters)
 GENERAL_SPLITS = 4  # whole-cache calls: the staged splits that take the ring and tail blocks (one block each)
 
 
@@ -193,16 +189,14 @@ def default_min_blocks(batch: int, kv_heads: int, splits: int, num_sms: int = 13
 
 def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float, softcap: float | None = None,
                  splits: int | None = None, packed: bool | None = None, min_blocks: int | None = None,
-                 query_merge_splits: int = QUERY_MERGE_SPLITS, fused_merge: bool = True):
+                 query_merge_splits: int = QUERY_MERGE_SPLITS):
     """Attention of ``q [B, H, D]`` over the quantized stream indices ``[lo, hi)`` of each row:
     ``(out [B, H, D] float32 normalized, m [B, H], l [B, H])`` (module doc). ``hi`` must not pass
     the quantized tokens of either store. ``packed``: the packed path (True; ValueError where
     :func:`packed_reads` says no), the staged one (False), or the packed one where it reads (None);
     ``splits``: the path's splits along the sequence (default: one wave); ``min_blocks``: the packed
     path's fewest blocks per CTA (default :func:`default_min_blocks`); ``query_merge_splits``: the
-    split merge takes a warp per (row, query) up to this many splits (at most 32; 0: never);
-    ``fused_merge``: the splits merged inside the kernel by each row's last CTA (module doc), else
-    by a second launch."""
+    split merge takes a warp per (row, query) up to this many splits (at most 32; 0: never)."""
     b, h, d = q.shape
     kvh = jax.tree.leaves(k_store)[0].shape[2]
     lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)
@@ -212,13 +206,13 @@ def attend_units(q, k_store, v_store, k_codec, v_codec, lo, hi, *, scale: float,
     new = jnp.zeros((b, kvh, d), jnp.float16)
     return _call(q, k_store, v_store, k_codec, v_codec, bounds, ring, ring, (ring[0], ring[0]), (new, new),
                  tail=False, scale=scale, softcap=softcap, splits=splits, packed=packed, min_blocks=min_blocks,
-                 query_merge_splits=query_merge_splits, fused_merge=fused_merge)
+                 query_merge_splits=query_merge_splits)
 
 
 def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, scale: float,
                  softcap: float | None = None, splits: int | None = None, packed: bool | None = None,
                  staged_splits: int | None = None, min_blocks: int | None = None,
-                 query_merge_splits: int = QUERY_MERGE_SPLITS, fused_merge: bool = True):
+                 query_merge_splits: int = QUERY_MERGE_SPLITS):
     """One query per row ``q [B, H, D]`` over a whole quantized cache (module doc):
     ``bounds [B, 8]`` int32 per row: the stream range ``lo, hi`` (hi: the row's non-sink tokens),
     ``qk, qv`` (its quantized keys and values), the visible sink tokens ``[sink_lo, sink_hi)``,
@@ -227,8 +221,7 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     token's key and value ``[B, KVH, D]``. Rings, sink and new token go to the kernel as FP16
     (clipped to its range). ``staged_splits``: the staged CTAs per (row, KV head) that take the
     ring and tail blocks beside the packed ones (default :func:`default_staged_splits`; the packed
-    path only, ValueError off it); ``min_blocks``, ``query_merge_splits``, ``fused_merge``: as
-    :func:`attend_units`'s.
+    path only, ValueError off it); ``min_blocks``, ``query_merge_splits``: as :func:`attend_units`'s.
     Returns ``(out [B, H, D] float32 normalized, m, l)``."""
     if sink[0].shape[1] >= BLOCK:
         raise ValueError(f"attend_cache: the sink and the new token must fit one {BLOCK}-token block, "
@@ -238,7 +231,7 @@ def attend_cache(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, 
     return _call(q, k_store, v_store, k_codec, v_codec, bounds.astype(jnp.int32), k_ring, v_ring,
                  tuple(map(fp16_clipped, sink)), tuple(map(fp16_clipped, new)), tail=True, scale=scale,
                  softcap=softcap, splits=splits, packed=packed, staged_splits=staged_splits,
-                 min_blocks=min_blocks, query_merge_splits=query_merge_splits, fused_merge=fused_merge)
+                 min_blocks=min_blocks, query_merge_splits=query_merge_splits)
 
 
 def split_outputs(b: int, kvh: int, splits: int, g: int, d: int) -> tuple:
@@ -260,7 +253,7 @@ def fp16_clipped(x):
 
 
 def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, new, *, tail, scale, softcap, splits,
-          packed, staged_splits=None, min_blocks=None, query_merge_splits=QUERY_MERGE_SPLITS, fused_merge=True):
+          packed, staged_splits=None, min_blocks=None, query_merge_splits=QUERY_MERGE_SPLITS):
     b, h, d = q.shape
     kleaves = jax.tree.leaves(k_store)
     kvh = kleaves[0].shape[2]
@@ -311,6 +304,6 @@ def _call(q, k_store, v_store, k_codec, v_codec, bounds, k_ring, v_ring, sink, n
                                v_group=np.int64(lay.value_group), kbits=np.int64(lay.key_bits),
                                vbits=np.int64(lay.value_bits), tail=np.int64(tail), gsplits=np.int64(general),
                                min_per=np.int64(min_blocks or default_min_blocks(b, kvh, splits)),
-                               few_splits=np.int64(query_merge_splits), fused_merge=np.int64(bool(fused_merge)),
+                               few_splits=np.int64(query_merge_splits),
                                softcap=np.float32(softcap or 0.0))
     return out.reshape(b, h, d), m_all.reshape(b, h), den.reshape(b, h)

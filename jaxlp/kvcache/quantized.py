@@ -208,7 +208,7 @@ def _merge_partials(parts):
 
 # Keywords of the CUDA one-token kernels' calls a format may fix (QuantizedCacheFormat.kernel_options):
 # jaxlp.ffi.quantized_decode_attention.attend_cache's, and the subset FireQ's INT4 kernel takes.
-KERNEL_OPTIONS = ("splits", "packed", "staged_splits", "min_blocks", "query_merge_splits", "fused_merge")
+KERNEL_OPTIONS = ("splits", "packed", "staged_splits", "min_blocks", "query_merge_splits")
 INT4_KERNEL_OPTIONS = ("splits",)
 
 

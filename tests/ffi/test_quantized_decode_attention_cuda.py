@@ -256,11 +256,7 @@ def test_the_cache_step_takes_its_staged_splits(staged):
     text = jax.jit(lambda q, ks, vs, ops: cuda.attend_cache(q, ks, vs, kc, vc, *ops, scale=0.125,
                                                              query_merge_splits=8)).trace(
         q, ks, vs, cache_operands(b, kvh, d, 127, 255, 32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "few_splits = 8 : i64" in text and "fused_merge = 1 : i64" in text
-    text = jax.jit(lambda q, ks, vs, ops: cuda.attend_cache(q, ks, vs, kc, vc, *ops, scale=0.125,
-                                                             fused_merge=False)).trace(
-        q, ks, vs, cache_operands(b, kvh, d, 127, 255, 32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "fused_merge = 0 : i64" in text
+    assert "few_splits = 8 : i64" in text
     with pytest.raises(ValueError, match="query_merge_splits must be in"):
         cuda.attend_cache(q, ks, vs, kc, vc, *cache_operands(b, kvh, d, 127, 255, 32), scale=1.0, query_merge_splits=33)
     with pytest.raises(ValueError, match="min_blocks must be >= 1"):
@@ -303,13 +299,12 @@ def test_bad_operands_are_refused():
 
 
 def check(kc, vc, q, k, v, lo, hi, scale, softcap=None, splits=None, packed=None, min_blocks=None,
-          query_merge_splits=cuda.QUERY_MERGE_SPLITS, fused_merge=True):
+          query_merge_splits=cuda.QUERY_MERGE_SPLITS):
     ks, vs = stores((kc, vc), k, v)
     lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
     out, m, l = jax.jit(lambda *a: cuda.attend_units(*a, kc, vc, lo, hi, scale=scale, softcap=softcap,
                                                      splits=splits, packed=packed, min_blocks=min_blocks,
-                                                     query_merge_splits=query_merge_splits,
-                                                     fused_merge=fused_merge))(q, ks, vs)
+                                                     query_merge_splits=query_merge_splits))(q, ks, vs)
     out, m, l = (np.asarray(a, np.float64) for a in (out, m, l))
     assert np.isfinite(out).all() and not np.isnan(m).any() and np.isfinite(l).all()
     want_out, want_m, want_l = exact(q, np_decode(kc, ks), np_decode(vc, vs), lo, hi, scale, softcap)
@@ -365,9 +360,7 @@ def test_gpu_query_heads_per_kv_head(name, g):
 def test_gpu_qwen3_8b_shape_any_split(name):
     """B=8, KVH=8, H=32, D=128, 4K quantized tokens, ragged rows; every split count agrees, on the
     packed path every fewest-blocks-per-CTA (min_blocks: splits past a row's blocks exit), and the
-    split merge with a warp per query (query_merge_splits) as with 8 warps, and the merge by a second
-    launch (fused_merge=False) as by each row's last CTA; 1,100 splits take the launch (past the fused
-    merge's shared memory)."""
+    split merge with a warp per query (query_merge_splits) as with 8 warps."""
     kc, vc = CODECS[name]
     if isinstance(kc, kitty.KeyCodec):
         kc = kitty.KeyCodec(16 if name == "kitty" else 32)
@@ -386,9 +379,6 @@ def test_gpu_qwen3_8b_shape_any_split(name):
         outs = [check(kc, vc, q, k, v, lo, hi, d**-0.5, splits=s, packed=packed, min_blocks=mb) for s, mb in options]
         outs += [check(kc, vc, q, k, v, lo, hi, d**-0.5, splits=s, packed=packed, query_merge_splits=32)
                  for s in (1, 5, 32)]
-        outs += [check(kc, vc, q, k, v, lo, hi, d**-0.5, splits=s, packed=packed, fused_merge=False)
-                 for s in (1, 5, 32)]
-        outs += [check(kc, vc, q, k, v, lo, hi, d**-0.5, splits=1100, packed=packed)]
         for o in outs[1:]:
             assert rel(o, outs[0]) <= agree
 
