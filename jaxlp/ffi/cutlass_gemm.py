@@ -127,20 +127,26 @@ NESTEDFP_CONFIGS: dict[str, NestedFPConfig] = {
 
 class FireqConfig(NamedTuple):
     """One compiled kernel of ``cutlass_fireq_gemm.cu`` (its ``dispatch`` table, in this order): the
-    cooperative CTA tile (weight rows x tokens, 128 K per step), the k tiles per promoted sum and
-    the tile scheduler ("persistent", or "streamk": K split over the SMs)."""
+    cooperative CTA tile (weight rows x tokens, 128 K per step), the k tiles per promoted sum, the
+    tile scheduler ("persistent", or "streamk": K split over the SMs) and where the codes become
+    E4M3: ``registers`` (the consumers, per k-block, for the register-sourced WGMMA) or
+    ``transform`` (the producer warpgroup, into a shared-memory tile per stage for an SS WGMMA)."""
 
     tile: tuple[int, int]
     promote_tiles: int
     scheduler: str = "persistent"
+    decode: str = "registers"
 
 
+# co128t (the transform design) was written after session 34's device time was spent and has not run
+# on a GPU: explicit only (no default config names it) until measured.
 FIREQ_CONFIGS: dict[str, FireqConfig] = {
     "co128": FireqConfig((128, 128), 2),
     "co128x64": FireqConfig((128, 64), 2),
     "co128p1": FireqConfig((128, 128), 1),
     "co128sk": FireqConfig((128, 128), 2, "streamk"),
     "co128x64sk": FireqConfig((128, 64), 2, "streamk"),
+    "co128t": FireqConfig((128, 128), 2, "persistent", "transform"),
 }
 FIREQ_GROUP = int4_fp8.GROUP_SIZE  # K per FireQ scale group: the kernel's 128 K per step
 
