@@ -104,6 +104,21 @@ CUTLASS_DEVICE void fireq_convert_kblock(TensorIn const& tCrA_load, TensorOut& t
     Utils::lookup_table_convert(src_vm(_, i), dst_vm(_, i), scales_neg_vm(_, i), scales_pos_vm(_, i));
 }
 
+// Promotion of FP8 sums (file head): once every kPromoteTiles k tiles (`tile` counts them) and after
+// the last (`last`), wait for all WGMMAs, add this window's sums `partial` into the float32 `accum`
+// and start the next window (the next WGMMA with ScaleOut::Zero).
+template <int kPromoteTiles, class TiledMma, class Accum, class Partial>
+CUTLASS_DEVICE void promote_window(int tile, bool last, TiledMma& tiled_mma, Accum& accum, Partial& partial) {
+  if (!last && tile % kPromoteTiles) return;
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(partial);
+  warpgroup_fence_operand(accum);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(accum); ++i) accum(i) += partial(i);
+  warpgroup_fence_operand(accum);
+  tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+}
+
 // CUTLASS's mixed-input mainloop (`Base`, lookup-table mode) with promoted FP8 sums (file head). The
 // loop is the base's (cutlass_rs_loop.cuh), accumulating into `partial`; after every kPromoteTiles k
 // tiles, and after the last, all WGMMAs are waited for and `partial` is added into `accum`.
@@ -154,15 +169,7 @@ struct FireqMainloop : Base {
     clear(accum);
     int tile = 0;  // k tiles issued
     auto promote = [&](bool last) {  // rs_k_loop's tile_done: after a k tile's WGMMAs are issued
-      ++tile;
-      if (!last && tile % kPromoteTiles) return;
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(partial);
-      warpgroup_fence_operand(accum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); ++i) accum(i) += partial(i);
-      warpgroup_fence_operand(accum);
-      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;  // the next WGMMA starts the next window
+      promote_window<kPromoteTiles>(++tile, last, tiled_mma, accum, partial);
     };
 
     constexpr int K_BLOCK_MAX = size<2>(tCrA_load);
@@ -171,14 +178,8 @@ struct FireqMainloop : Base {
   }
 };
 
-// 16-byte shared-memory load and store at a shared-state-space byte address (volatile: kept in order).
-__device__ __forceinline__ void ld_shared_v4(uint32_t at, uint32_t (&v)[4]) {
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "r"(at));
-}
-__device__ __forceinline__ void st_shared_v4(uint32_t at, const uint32_t* v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
-               : "memory");
-}
+using jaxlp::ld_shared_v4;
+using jaxlp::st_shared_v4;
 
 // Eight FireQ codes (a word, code j in nibble j) as eight E4M3 bytes (out0: codes 0-3, out1: 4-7)
 // from a group's negative and positive tables, CUTLASS's lookup_table_convert: both tables looked
@@ -285,10 +286,8 @@ struct FireqTransformMainloop : Base {
     }
   }
 
-  // Consumer: per k tile the activations' TMA load and the decoded weights awaited, the stage's
-  // WGMMAs issued into `partial` (one k tile in flight); every kPromoteTiles k tiles and after the
-  // last, all WGMMAs waited for and `partial` added into `accum`; a stage released once the next
-  // k tile's WGMMAs are issued and its own are done (the last by the base's mma_tail).
+  // Consumer: jaxlp::transformed_k_loop on the decoded tiles into `partial`, promoted into `accum`
+  // every kPromoteTiles k tiles and after the last (promote_window).
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
                           int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& params) {
@@ -304,43 +303,11 @@ struct FireqTransformMainloop : Base {
 
     Tensor partial = make_fragment_like(accum);  // this window's FP8 sums
     clear(accum);
-    PipelineState smem_pipe_release = smem_pipe_read;
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(accum);
-    warpgroup_fence_operand(partial);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int k = 0; k < k_tile_count; ++k) {
-      const int read_stage = smem_pipe_read.index();
-      auto token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, token);  // the activations' TMA load
-      cutlass::arch::NamedBarrier::sync(kStageThreads, kStageBarrier + read_stage);  // the decoded weights
-      warpgroup_fence_operand(partial);
-      warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < size<2>(tCrW); ++k_block) {
-        cute::gemm(tiled_mma, tCrW(_, _, k_block, read_stage), tCrB(_, _, k_block, read_stage), partial);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      if ((k + 1) % kPromoteTiles == 0 || k + 1 == k_tile_count) {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(partial);
-        warpgroup_fence_operand(accum);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(accum); ++i) accum(i) += partial(i);
-        warpgroup_fence_operand(accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;  // the next WGMMA starts the next window
-      } else {
-        warpgroup_wait<1>();  // the previous k tile's WGMMAs are done: its stage is free
-      }
-      warpgroup_fence_operand(partial);
-      if (k > 0) {
-        pipeline.consumer_release(smem_pipe_release);
-        ++smem_pipe_release;
-      }
-      ++smem_pipe_read;
-    }
-    warpgroup_fence_operand(accum);
+    int tile = 0;  // k tiles issued
+    jaxlp::transformed_k_loop(pipeline, smem_pipe_read, k_tile_count, tiled_mma, tCrW, tCrB, partial, kStageThreads,
+                              kStageBarrier, [&](bool last) {
+                                promote_window<kPromoteTiles>(++tile, last, tiled_mma, accum, partial);
+                              });
   }
 };
 

@@ -56,14 +56,8 @@ namespace jaxlp_cutlass_nestedfp {
 
 using namespace cute;
 
-// 16-byte shared-memory load and store at a shared-state-space byte address (volatile: kept in order).
-__device__ __forceinline__ void ld_shared_v4(uint32_t at, uint32_t (&v)[4]) {
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "r"(at));
-}
-__device__ __forceinline__ void st_shared_v4(uint32_t at, const uint32_t* v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
-               : "memory");
-}
+using jaxlp::ld_shared_v4;
+using jaxlp::st_shared_v4;
 
 // Where the FP16 weights are rebuilt (see NestedFp16Mainloop).
 enum class Merge { kRegisters, kTransformWarp };
@@ -343,32 +337,8 @@ struct NestedFp16Mainloop : Base {
     Tensor tCrW = thread_mma.make_fragment_A(thread_mma.partition_A(sW));  // (MMA,MMA_M,MMA_K,PIPE)
     Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
 
-    PipelineState smem_pipe_release = smem_pipe_read;
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(accum);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int k = 0; k < k_tile_count; ++k) {
-      const int read_stage = smem_pipe_read.index();
-      auto token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, token);  // the activations' TMA load
-      cutlass::arch::NamedBarrier::sync(kStageThreads, kStageBarrier + read_stage);  // the rebuilt weights
-      warpgroup_fence_operand(accum);
-      warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < size<2>(tCrW); ++k_block) {
-        cute::gemm(tiled_mma, tCrW(_, _, k_block, read_stage), tCrB(_, _, k_block, read_stage), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();  // the previous k tile's WGMMAs are done: its stage is free
-      warpgroup_fence_operand(accum);
-      if (k > 0) {
-        pipeline.consumer_release(smem_pipe_release);
-        ++smem_pipe_release;
-      }
-      ++smem_pipe_read;
-    }
-    warpgroup_fence_operand(accum);
+    jaxlp::transformed_k_loop(pipeline, smem_pipe_read, k_tile_count, tiled_mma, tCrW, tCrB, accum, kStageThreads,
+                              kStageBarrier, [](bool) {});
   }
 
   // Consumer, registers: the base's RS k loop (cutlass_rs_loop.cuh: k-block b + 2's bytes copied to

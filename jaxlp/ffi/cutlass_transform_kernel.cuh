@@ -1,12 +1,68 @@
-// The transform kernel of jaxlp's CUTLASS GEMMs (cutlass_nestedfp_gemm.cu, cutlass_fireq_gemm.cu):
-// CUTLASS's cooperative kernel with the producer warpgroup's idle warps rebuilding weight tiles.
+// The transform design of jaxlp's CUTLASS GEMMs (cutlass_nestedfp_gemm.cu, cutlass_fireq_gemm.cu):
+// CUTLASS's cooperative kernel with the producer warpgroup's idle warps rebuilding weight tiles in
+// shared memory (TransformKernel), and the consumers' k loop on them (transformed_k_loop).
 #pragma once
 
+#include <cstdint>
+
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
 namespace jaxlp {
+
+// 16-byte shared-memory load and store at a shared-state-space byte address (volatile: kept in
+// order); cute's tensors address shared memory through 64-bit generic pointers (1.7x the
+// instructions in the rebuilding warps, docs/perf.md session 30).
+__device__ __forceinline__ void ld_shared_v4(uint32_t at, uint32_t (&v)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "r"(at));
+}
+__device__ __forceinline__ void st_shared_v4(uint32_t at, const uint32_t* v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+               : "memory");
+}
+
+// The consumers' k loop on weight tiles the producer warpgroup rebuilt in shared memory: per k tile,
+// the stage's TMA loads and its rebuilt tile (named barrier `stage_barrier + stage`, `stage_threads`
+// threads: the rebuilding warps arrive, the consumers sync) awaited, the stage's WGMMAs (both
+// operands from shared memory) issued into `accum` (the first with ScaleOut::Zero), one k tile in
+// flight; a stage released once the next k tile's WGMMAs are issued and its own are done (the last
+// by the mainloop's mma_tail). tile_done(last) runs after each k tile's WGMMAs, e.g. to promote FP8
+// sums: it may wait for them and reset tiled_mma.accumulate_.
+template <class Pipeline, class PipelineState, class TiledMma, class FragW, class FragB, class Accum, class TileDone>
+CUTLASS_DEVICE void transformed_k_loop(Pipeline& pipeline, PipelineState smem_pipe_read, int k_tile_count,
+                                      TiledMma& tiled_mma, FragW& tCrW, FragB& tCrB, Accum& accum,
+                                      uint32_t stage_threads, uint32_t stage_barrier, TileDone&& tile_done) {
+  using namespace cute;
+  PipelineState smem_pipe_release = smem_pipe_read;
+  tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  warpgroup_fence_operand(accum);
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < k_tile_count; ++k) {
+    const int read_stage = smem_pipe_read.index();
+    auto token = pipeline.consumer_try_wait(smem_pipe_read);
+    pipeline.consumer_wait(smem_pipe_read, token);  // the stage's TMA loads
+    cutlass::arch::NamedBarrier::sync(stage_threads, stage_barrier + read_stage);  // its rebuilt weights
+    warpgroup_fence_operand(accum);
+    warpgroup_arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int k_block = 0; k_block < size<2>(tCrW); ++k_block) {
+      cute::gemm(tiled_mma, tCrW(_, _, k_block, read_stage), tCrB(_, _, k_block, read_stage), accum);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // the previous k tile's WGMMAs are done: its stage is free
+    warpgroup_fence_operand(accum);
+    tile_done(k + 1 == k_tile_count);
+    if (k > 0) {
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
+    }
+    ++smem_pipe_read;
+  }
+  warpgroup_fence_operand(accum);
+}
 
 // CUTLASS's cooperative warp-specialized kernel (`Base`: GemmUniversal, persistent tile scheduler,
 // no cluster, no C) with every warp of the producer warpgroup at work for a mainloop that rebuilds
