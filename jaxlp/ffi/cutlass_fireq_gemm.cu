@@ -215,11 +215,11 @@ struct FireqTransformMainloop : Base {
   static constexpr int kRows = size<0>(TileShape{});  // weight rows per tile
   static_assert(kRows == 128 && size<2>(TileShape{}) == kGroup, "128 weight rows x 128 K per stage");
   static_assert(Base::UseScaleLookupTable && !Base::SwapAB, "the lookup-table mode, codes as A");
-  // The codes' shared-memory layout decode_stage assumes: rows of 64 bytes in the 64-byte swizzle.
+  // The codes' shared-memory layout transform assumes: rows of 64 bytes in the 64-byte swizzle.
   static_assert(cute::is_same_v<SmemLayoutA, decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<cutlass::int4b_t>{},
                                                                     make_shape(Int<kRows>{}, Int<kGroup>{},
                                                                                Int<kStages>{})))>,
-                "the codes' shared-memory layout decode_stage assumes");
+                "the codes' shared-memory layout transform assumes");
   using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::float_e4m3_t>{},
                                              make_shape(Int<kRows>{}, Int<kGroup>{}, Int<kStages>{})));
   using TiledMma = decltype(make_tiled_mma(

@@ -49,7 +49,6 @@ CUTLASS's headers (the ``nvidia-cutlass`` package or ``$JAXLP_CUTLASS_DIR``,
 from __future__ import annotations
 
 import math
-
 from typing import NamedTuple
 
 import jax
