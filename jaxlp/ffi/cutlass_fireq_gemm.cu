@@ -26,7 +26,7 @@
 // "promotion", which its mixed-input mainloop lacks). Everything else (TMA loads, pipeline, the
 // table conversion, schedule, epilogue) is CUTLASS's. The token scale is an epilogue visitor tree.
 //
-// The other design (`FireqTransformMainloop`, config `co128t`; written after session 34's device time
+// The other design (`FireqTransformMainloop`, configs `co128t`, `co128skt`; written after session 34's device time
 // was spent, not yet run on a GPU): the producer warpgroup's warps 1-3 decode each stage's codes into
 // an E4M3 tile of its own in the layout WGMMA reads (the same lookup, fireq_lookup8), and the
 // consumer warpgroups run an SS FP8 k loop on it with the same promotion (jaxlp::TransformKernel, as
@@ -381,7 +381,7 @@ struct FireqGemm {
 // The compiled kernels (index = the `config` attribute; jaxlp/ffi/cutlass_gemm.py's FIREQ_CONFIGS
 // names them in this order): tile features x tokens (x 128 K), k tiles per promoted sum, the tile
 // scheduler (stream-K splits K over the SMs where the output has fewer tiles than SMs), and whether
-// the producer warpgroup decodes the weights (FireqTransformMainloop; persistent tiles only).
+// the producer warpgroup decodes the weights (FireqTransformMainloop).
 template <class Out>
 ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* x8, const void* codes,
                     const void* tables, const float* ts, void* y, int m, int n, int k, int sms) {
@@ -395,6 +395,7 @@ ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scra
     JAXLP_CASE(3, 128, 128, 2, cutlass::gemm::StreamKScheduler)
     JAXLP_CASE(4, 128, 64, 2, cutlass::gemm::StreamKScheduler)
     JAXLP_CASE(5, 128, 128, 2, cutlass::gemm::PersistentScheduler, true)
+    JAXLP_CASE(6, 128, 128, 2, cutlass::gemm::StreamKScheduler, true)
     default:
       return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                         "jaxlp cutlass fireq gemm: unknown config " + std::to_string(config));

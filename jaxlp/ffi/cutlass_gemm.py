@@ -121,6 +121,8 @@ NESTEDFP_CONFIGS: dict[str, NestedFPConfig] = {
     "co128x64": NestedFPConfig("cooperative", (128, 64), (1, 1), 7, "persistent", "registers"),
     "co128sk": NestedFPConfig("cooperative", (128, 128), (1, 1), 5, "streamk", "registers"),
     "co128x256t": NestedFPConfig("cooperative", (128, 256), (1, 1), 4, "persistent", "transform"),
+    # written after session 34's device time was spent, not yet run on a GPU (explicit only)
+    "co128x256skt": NestedFPConfig("cooperative", (128, 256), (1, 1), 4, "streamk", "transform"),
 }
 
 
@@ -137,8 +139,8 @@ class FireqConfig(NamedTuple):
     decode: str = "registers"
 
 
-# co128t (the transform design) was written after session 34's device time was spent and has not run
-# on a GPU: explicit only (no default config names it) until measured.
+# co128t and co128skt (the transform design) were written after session 34's device time was spent
+# and have not run on a GPU: explicit only (no default config names them) until measured.
 FIREQ_CONFIGS: dict[str, FireqConfig] = {
     "co128": FireqConfig((128, 128), 2),
     "co128x64": FireqConfig((128, 64), 2),
@@ -146,6 +148,7 @@ FIREQ_CONFIGS: dict[str, FireqConfig] = {
     "co128sk": FireqConfig((128, 128), 2, "streamk"),
     "co128x64sk": FireqConfig((128, 64), 2, "streamk"),
     "co128t": FireqConfig((128, 128), 2, "persistent", "transform"),
+    "co128skt": FireqConfig((128, 128), 2, "streamk", "transform"),
 }
 FIREQ_GROUP = int4_fp8.GROUP_SIZE  # K per FireQ scale group: the kernel's 128 K per step
 

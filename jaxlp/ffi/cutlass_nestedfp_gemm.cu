@@ -518,6 +518,7 @@ ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scra
     JAXLP_CASE(2, Cooperative, CooperativeEpilogue, 128, 64, 1, 1, 7, PersistentScheduler, Merge::kRegisters)
     JAXLP_CASE(3, Cooperative, CooperativeEpilogue, 128, 128, 1, 1, 5, StreamKScheduler, Merge::kRegisters)
     JAXLP_CASE(4, Cooperative, CooperativeEpilogue, 128, 256, 1, 1, 4, PersistentScheduler, Merge::kTransformWarp)
+    JAXLP_CASE(5, Cooperative, CooperativeEpilogue, 128, 256, 1, 1, 4, StreamKScheduler, Merge::kTransformWarp)
     default:
       return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                         "jaxlp cutlass nestedfp gemm: unknown config " + std::to_string(config));

@@ -64,15 +64,16 @@ CUTLASS_DEVICE void transformed_k_loop(Pipeline& pipeline, PipelineState smem_pi
   warpgroup_fence_operand(accum);
 }
 
-// CUTLASS's cooperative warp-specialized kernel (`Base`: GemmUniversal, persistent tile scheduler,
-// no cluster, no C) with every warp of the producer warpgroup at work for a mainloop that rebuilds
-// the weights into shared memory: warp 0 issues the TMA loads (the mainloop's `load`, which may also
-// rebuild a part), warps 1-3 run the mainloop's `transform(pipeline, state, k_tile_count, part,
-// lane, tensors)` with part = 1..3; CUTLASS's kernel leaves warps 1 and 2 idle here and gives the
-// producer warpgroup 40 registers a thread, this one 56 (the consumers 224 instead of 232). The
-// consumer warpgroups and the epilogue are CUTLASS's, unchanged. Mainloops: cutlass_nestedfp_gemm.cu's
-// NestedFp16Mainloop<., kTransformWarp> (the FP16 weights from their byte planes) and
-// cutlass_fireq_gemm.cu's FireqTransformMainloop (E4M3 weights from INT4 codes).
+// CUTLASS's cooperative warp-specialized kernel (`Base`: GemmUniversal, persistent or stream-K tile
+// scheduler (the stream-K fixup as CUTLASS's kernel does it), no cluster, no C) with every warp of
+// the producer warpgroup at work for a mainloop that rebuilds the weights into shared memory: warp 0
+// issues the TMA loads (the mainloop's `load`, which may also rebuild a part), warps 1-3 run the
+// mainloop's `transform(pipeline, state, k_tile_count, part, lane, tensors)` with part = 1..3;
+// CUTLASS's kernel leaves warps 1 and 2 idle here and gives the producer warpgroup 40 registers a
+// thread, this one 56 (the consumers 224 instead of 232). The consumer warpgroups and the epilogue
+// are CUTLASS's, unchanged. Mainloops: cutlass_nestedfp_gemm.cu's NestedFp16Mainloop<.,
+// kTransformWarp> (the FP16 weights from their byte planes) and cutlass_fireq_gemm.cu's
+// FireqTransformMainloop (E4M3 weights from INT4 codes).
 template <class Base>
 struct TransformKernel : Base {
   using typename Base::Params;
@@ -147,6 +148,10 @@ struct TransformKernel : Base {
       cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
       PipelineState state = cutlass::make_producer_start_state<MainloopPipeline>();
       while (work_tile_info.is_valid()) {
+        if (!TileScheduler::valid_warpgroup_in_work_tile(work_tile_info)) {  // stream-K: no k tiles of its own
+          work_tile_info = get<0>(scheduler.fetch_next_work(work_tile_info));
+          continue;
+        }
         auto k_tile_count = TileScheduler::get_work_k_tile_count(work_tile_info, problem_shape_MNKL, blk_shape);
         auto k_tile_start = TileScheduler::get_work_k_tile_start(work_tile_info);
         auto k_tile_iter = cute::make_coord_iterator(idx2crd(k_tile_start, shape<3>(gA_mkl)), shape<3>(gA_mkl));
@@ -171,17 +176,23 @@ struct TransformKernel : Base {
         auto blk_coord = tile_coord(work_tile_info);
         auto k_tile_count = TileScheduler::get_work_k_tile_count(work_tile_info, problem_shape_MNKL, blk_shape);
         auto accumulators = partition_fragment_C(tiled_mma, take<0, 2>(blk_shape));
-        collective_mainloop.mma(mainloop_pipeline, mainloop_pipe_consumer_state, accumulators, k_tile_count,
-                                mma_thread_idx, shared_storage.tensors.mainloop, params.mainloop);
-        collective_mainloop.mma_tail(mainloop_pipeline, mainloop_pipe_consumer_state, k_tile_count);
-        mainloop_pipe_consumer_state.advance(k_tile_count);
-        auto [epi_load_next, epi_store_next] = collective_epilogue.store(
-            epi_load_pipeline, epi_load_pipe_consumer_state, epi_store_pipeline, epi_store_pipe_producer_state,
-            problem_shape_MNKL, blk_shape, blk_coord, accumulators, tiled_mma, mma_thread_idx,
-            shared_storage.tensors.epilogue, work_tile_info.reduction_subtile_idx());
-        epi_load_pipe_consumer_state = epi_load_next;
-        epi_store_pipe_producer_state = epi_store_next;
-        do_store_tail = true;
+        if (TileScheduler::valid_warpgroup_in_work_tile(work_tile_info)) {
+          collective_mainloop.mma(mainloop_pipeline, mainloop_pipe_consumer_state, accumulators, k_tile_count,
+                                  mma_thread_idx, shared_storage.tensors.mainloop, params.mainloop);
+          collective_mainloop.mma_tail(mainloop_pipeline, mainloop_pipe_consumer_state, k_tile_count);
+          mainloop_pipe_consumer_state.advance(k_tile_count);
+        }
+        // Stream-K: the partial tiles' sums reduced through the workspace (a no-op for persistent tiles).
+        TileScheduler::fixup(params.scheduler, work_tile_info, accumulators, Base::NumMmaWarpGroups, warp_group - 1);
+        if (TileScheduler::compute_epilogue(work_tile_info, params.scheduler)) {
+          auto [epi_load_next, epi_store_next] = collective_epilogue.store(
+              epi_load_pipeline, epi_load_pipe_consumer_state, epi_store_pipeline, epi_store_pipe_producer_state,
+              problem_shape_MNKL, blk_shape, blk_coord, accumulators, tiled_mma, mma_thread_idx,
+              shared_storage.tensors.epilogue, work_tile_info.reduction_subtile_idx());
+          epi_load_pipe_consumer_state = epi_load_next;
+          epi_store_pipe_producer_state = epi_store_next;
+          do_store_tail = true;
+        }
         work_tile_info = get<0>(scheduler.fetch_next_work(work_tile_info));
       }
       if (do_store_tail)
