@@ -18,7 +18,7 @@
 // and the merge in place of the conversion. Everything else (pipeline, schedules, epilogue) is
 // CUTLASS's.
 //
-// The other design, for many tokens (`Merge::kTransformWarp`, `TransformKernel`): the producer
+// The other design, for many tokens (`Merge::kTransformWarp`, cutlass_transform_kernel.cuh): the producer
 // warpgroup, whose warps CUTLASS's kernel leaves idle but for the TMA one, rebuilds each stage's weight
 // tile (a quarter of its rows per warp) into an FP16 tile in the layout WGMMA reads, over the stage's
 // own byte planes, and the consumer warpgroups run CUTLASS's plain SS k loop on it: no conversion on
