@@ -195,7 +195,8 @@ __device__ __forceinline__ void fireq_lookup8(uint32_t w, uint32_t neg0, uint32_
 }
 
 // CUTLASS's mixed-input mainloop (`Base`, lookup-table mode: its TMA loads of the codes, the tables
-// and the activations, its pipeline) with the weights decoded into shared memory (file head):
+// and the activations, its pipeline; `load`, producer warp 0's, is the base's, given the base's part
+// of TensorStorage) with the weights decoded into shared memory (file head):
 // each stage also holds an E4M3 tile [128 rows][128 K] in the 128-byte swizzle WGMMA reads
 // (SmemLayoutW), written by the producer warpgroup's warps 1-3 (transform) once the stage's loads
 // land and announced on named barrier kStageBarrier + stage (the three warps arrive, the consumers
@@ -240,16 +241,6 @@ struct FireqTransformMainloop : Base {
   };
   using TensorStorage = typename SharedStorage::TensorStorage;
   using PipelineStorage = typename SharedStorage::PipelineStorage;
-
-  // Producer warp 0 (jaxlp::TransformKernel): the base's TMA loads.
-  template <class... Ts, class KTileIterator, class BlockCoord>
-  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
-                           cute::tuple<Ts...> const& load_inputs, BlockCoord const& blk_coord,
-                           KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
-                           uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
-    Base::load(params, pipeline, smem_pipe_write, load_inputs, blk_coord, k_tile_iter, k_tile_count, thread_idx,
-               block_rank_in_cluster, static_cast<typename Base::TensorStorage&>(shared_tensors));
-  }
 
   // Producer warp `part` = 1..3: in each k tile, rows 8 b + lane / 4 of the 8-row blocks b = part - 1,
   // part + 2, ..., lane % 4 taking K [32 c, 32 c + 32): its 16 code bytes (64-byte swizzle: chunk c at

@@ -107,7 +107,7 @@ def test_cutlass_decoded_design_is_checked_and_lowers_to_the_decode_and_the_fp8_
     assert fireq_kernels.default_cutlass_design(cut) == "decoded"
 
 
-def test_auto_takes_cutlass_between_the_gemv_and_the_decoded_gemm(monkeypatch):
+def test_auto_takes_cutlass_past_the_gemv(monkeypatch):
     """"auto" tries CUTLASS first, which passes the GEMV's 1..16 tokens and needs the CUDA table
     builder and decode."""
     names = list(KERNELS)
