@@ -143,8 +143,8 @@ KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
 )
 
 
-def kernel_times(run) -> dict[str, float]:
-    """GPU kernel time (us) per kernel name in a profiler trace of one call of ``run``."""
+def kernel_times(run) -> tuple[dict[str, float], dict[str, int]]:
+    """GPU kernel time (us) and launch count per kernel name in a profiler trace of one call of ``run``."""
     import gzip
     import tempfile
 
@@ -156,10 +156,12 @@ def kernel_times(run) -> dict[str, float]:
     gpu = {e["pid"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name"))}
     out: dict[str, float] = {}
+    count: dict[str, int] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu:
             out[e["name"]] = out.get(e["name"], 0.0) + float(e["dur"])
-    return out
+            count[e["name"]] = count.get(e["name"], 0) + 1
+    return out, count
 
 
 def kernel_kind(name: str) -> str:
@@ -170,14 +172,17 @@ def kernel_kind(name: str) -> str:
 
 
 def step_profile(run_long, run_short, steps: int, top: int = 12) -> dict:
-    """Per-token GPU kernel time (us) by kind and by kernel: (long call - short call) / steps."""
-    long, short = kernel_times(run_long), kernel_times(run_short)
+    """Per-token GPU kernel time (us) by kind and by kernel, and kernel launches per token:
+    (long call - short call) / steps."""
+    (long, long_n), (short, short_n) = kernel_times(run_long), kernel_times(run_short)
     per_name = {n: (long.get(n, 0.0) - short.get(n, 0.0)) / steps for n in set(long) | set(short)}
+    launches = sum(long_n.values()) - sum(short_n.values())
     kinds: dict[str, float] = {}
     for n, t in per_name.items():
         kinds[kernel_kind(n)] = kinds.get(kernel_kind(n), 0.0) + t
     biggest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
-    return {"gpu_us_per_token": sum(per_name.values()), "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+    return {"gpu_us_per_token": sum(per_name.values()), "launches_per_token": launches / steps,
+            "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top_kernels_us": [[n[:160], t] for n, t in biggest]}
 
 
@@ -336,11 +341,11 @@ def main(argv=None):
         kinds = sorted({k for r in profiled for k in r["profile"]["by_kind_us"]},
                        key=lambda k: -max(r["profile"]["by_kind_us"].get(k, 0.0) for r in profiled))
         print("\n## GPU kernel time per token (us) by kind")
-        print(f"{'run':22s} {'total':>7s} " + " ".join(f"{k[:14]:>14s}" for k in kinds))
+        print(f"{'run':22s} {'total':>7s} {'launches':>8s} " + " ".join(f"{k[:14]:>14s}" for k in kinds))
         for r in profiled:
             pr = r["profile"]
             name = f"{r['format']}:{r['batch']}:{r['context']}"
-            print(f"{name:22s} {pr['gpu_us_per_token']:7.0f} "
+            print(f"{name:22s} {pr['gpu_us_per_token']:7.0f} {pr['launches_per_token']:8.0f} "
                   + " ".join(f"{pr['by_kind_us'].get(k, 0.0):14.0f}" for k in kinds))
     return result
 

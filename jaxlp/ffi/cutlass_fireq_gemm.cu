@@ -26,12 +26,6 @@
 // "promotion", which its mixed-input mainloop lacks). Everything else (TMA loads, pipeline, the
 // table conversion, schedule, epilogue) is CUTLASS's. The token scale is an epilogue visitor tree.
 //
-// The other design (`FireqTransformMainloop`, configs `co128t`, `co128skt`; written after session 34's device time
-// was spent, not yet run on a GPU): the producer warpgroup's warps 1-3 decode each stage's codes into
-// an E4M3 tile of its own in the layout WGMMA reads (the same lookup, fireq_lookup8), and the
-// consumer warpgroups run an SS FP8 k loop on it with the same promotion (jaxlp::TransformKernel, as
-// cutlass_nestedfp_gemm.cu's co128x256t does for NestedFP16): the decode leaves the WGMMAs' path.
-//
 // Shape rules: K a multiple of 128 (the groups; TMA's 16-byte rows of 4-bit codes need 32), N a
 // multiple of 8 (16-byte rows of the 16-bit output), M any >= 1.
 #include <cuda_runtime.h>
@@ -52,7 +46,6 @@
 #include "cutlass/util/packed_stride.hpp"
 #include "cutlass_rs_loop.cuh"
 #include "cutlass_run.cuh"
-#include "cutlass_transform_kernel.cuh"
 
 namespace ffi = xla::ffi;
 
@@ -61,11 +54,6 @@ namespace jaxlp_cutlass_fireq {
 using namespace cute;
 
 constexpr int kGroup = 128;  // K per FireQ scale group
-// The transform design's shared memory: besides the mixed-input mainloop's stages (8 KB of codes,
-// 1 KB of tables, 16 KB of activations each), an E4M3 tile of kWTileBytes per stage, for which the
-// builder's stage count leaves room for up to kTransformStages (it then fits 5 stages of 41 KB).
-constexpr int kWTileBytes = 128 * kGroup;
-constexpr int kTransformStages = 5;
 
 // The positive half of a group's table from its negative half T = e4m3(-8 s) .. e4m3(-s) (two words,
 // byte i = T[i]): byte q = e4m3(q s) = T[8 - q] with its sign flipped for q = 1..7, and +0 for q = 0.
@@ -102,21 +90,6 @@ CUTLASS_DEVICE void fireq_convert_kblock(TensorIn const& tCrA_load, TensorOut& t
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size<1>(dst_vm); ++i)
     Utils::lookup_table_convert(src_vm(_, i), dst_vm(_, i), scales_neg_vm(_, i), scales_pos_vm(_, i));
-}
-
-// Promotion of FP8 sums (file head): once every kPromoteTiles k tiles (`tile` counts them) and after
-// the last (`last`), wait for all WGMMAs, add this window's sums `partial` into the float32 `accum`
-// and start the next window (the next WGMMA with ScaleOut::Zero).
-template <int kPromoteTiles, class TiledMma, class Accum, class Partial>
-CUTLASS_DEVICE void promote_window(int tile, bool last, TiledMma& tiled_mma, Accum& accum, Partial& partial) {
-  if (!last && tile % kPromoteTiles) return;
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(partial);
-  warpgroup_fence_operand(accum);
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size(accum); ++i) accum(i) += partial(i);
-  warpgroup_fence_operand(accum);
-  tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
 }
 
 // CUTLASS's mixed-input mainloop (`Base`, lookup-table mode) with promoted FP8 sums (file head). The
@@ -169,7 +142,15 @@ struct FireqMainloop : Base {
     clear(accum);
     int tile = 0;  // k tiles issued
     auto promote = [&](bool last) {  // rs_k_loop's tile_done: after a k tile's WGMMAs are issued
-      promote_window<kPromoteTiles>(++tile, last, tiled_mma, accum, partial);
+      ++tile;
+      if (!last && tile % kPromoteTiles) return;
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(partial);
+      warpgroup_fence_operand(accum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) accum(i) += partial(i);
+      warpgroup_fence_operand(accum);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;  // the next WGMMA starts the next window
     };
 
     constexpr int K_BLOCK_MAX = size<2>(tCrA_load);
@@ -178,133 +159,9 @@ struct FireqMainloop : Base {
   }
 };
 
-using jaxlp::ld_shared_v4;
-using jaxlp::st_shared_v4;
-
-// Eight FireQ codes (a word, code j in nibble j) as eight E4M3 bytes (out0: codes 0-3, out1: 4-7)
-// from a group's negative and positive tables, CUTLASS's lookup_table_convert: both tables looked
-// up by the code's low 3 bits, then per byte the negative one where the code's bit 3 is set (the
-// selector j + 4 sign_j: ((w & 0x88888888) | 0x64206420) >> 1, whose nibble j takes bit 3 of code j
-// to its bit 2; a nibble's bit 0 is 0 before the shift, so nothing crosses nibbles).
-__device__ __forceinline__ void fireq_lookup8(uint32_t w, uint32_t neg0, uint32_t neg1, uint32_t pos0, uint32_t pos1,
-                                              uint32_t& out0, uint32_t& out1) {
-  const uint32_t idx = w & 0x77777777u;
-  const uint32_t sign = ((w & 0x88888888u) | 0x64206420u) >> 1;
-  out0 = __byte_perm(__byte_perm(pos0, pos1, idx), __byte_perm(neg0, neg1, idx), sign);
-  out1 = __byte_perm(__byte_perm(pos0, pos1, idx >> 16), __byte_perm(neg0, neg1, idx >> 16), sign >> 16);
-}
-
-// CUTLASS's mixed-input mainloop (`Base`, lookup-table mode: its TMA loads of the codes, the tables
-// and the activations, its pipeline; `load`, producer warp 0's, is the base's, given the base's part
-// of TensorStorage) with the weights decoded into shared memory (file head):
-// each stage also holds an E4M3 tile [128 rows][128 K] in the 128-byte swizzle WGMMA reads
-// (SmemLayoutW), written by the producer warpgroup's warps 1-3 (transform) once the stage's loads
-// land and announced on named barrier kStageBarrier + stage (the three warps arrive, the consumers
-// sync); the consumers run an SS FP8 k loop on it, promoting the FP8 sums every kPromoteTiles k
-// tiles as FireqMainloop does. A stage's tile is rewritten only after its next loads land, which
-// wait for the consumers to release it: no barrier between the decode and the previous use.
-template <class Base, int kPromoteTiles>
-struct FireqTransformMainloop : Base {
-  using typename Base::MainloopPipeline;
-  using typename Base::Params;
-  using typename Base::PipelineState;
-  using typename Base::SmemLayoutA;
-  using typename Base::SmemLayoutB;
-  using typename Base::SmemLayoutScale;
-  using typename Base::TileShape;
-  static constexpr int kStages = Base::DispatchPolicy::Stages;
-  static constexpr int kRows = size<0>(TileShape{});  // weight rows per tile
-  static_assert(kRows == 128 && size<2>(TileShape{}) == kGroup, "128 weight rows x 128 K per stage");
-  static_assert(Base::UseScaleLookupTable && !Base::SwapAB, "the lookup-table mode, codes as A");
-  // The codes' shared-memory layout transform assumes: rows of 64 bytes in the 64-byte swizzle.
-  static_assert(cute::is_same_v<SmemLayoutA, decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<cutlass::int4b_t>{},
-                                                                    make_shape(Int<kRows>{}, Int<kGroup>{},
-                                                                               Int<kStages>{})))>,
-                "the codes' shared-memory layout transform assumes");
-  using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::float_e4m3_t>{},
-                                             make_shape(Int<kRows>{}, Int<kGroup>{}, Int<kStages>{})));
-  using TiledMma = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<cutlass::float_e4m3_t, cutlass::float_e4m3_t, float, TileShape, GMMA::Major::K,
-                           GMMA::Major::K>(),
-      Layout<Shape<_2, _1, _1>>{}));
-  static constexpr uint32_t kStageBarrier = 0;  // user named-barrier ids (CUTLASS's are reserved below them)
-  static constexpr uint32_t kStageThreads = 3 * cutlass::NumThreadsPerWarp + 2 * cutlass::NumThreadsPerWarpGroup;
-  static_assert(kStages <= 8, "one named barrier per stage");
-  static constexpr uint32_t kCodeStageBytes = kRows * kGroup / 2, kWStageBytes = kWTileBytes;
-
-  struct SharedStorage {
-    struct TensorStorage : Base::TensorStorage {
-      CUTE_ALIGNAS(1024) cute::ArrayEngine<cutlass::float_e4m3_t, cute::cosize_v<SmemLayoutW>> smem_W;
-    } tensors;
-    using PipelineStorage = typename MainloopPipeline::SharedStorage;
-    PipelineStorage pipeline;
-  };
-  using TensorStorage = typename SharedStorage::TensorStorage;
-  using PipelineStorage = typename SharedStorage::PipelineStorage;
-
-  // Producer warp `part` = 1..3: in each k tile, rows 8 b + lane / 4 of the 8-row blocks b = part - 1,
-  // part + 2, ..., lane % 4 taking K [32 c, 32 c + 32): its 16 code bytes (64-byte swizzle: chunk c at
-  // c ^ (row >> 1 & 3)), the row's table (8 bytes), 32 E4M3 bytes out (128-byte swizzle: chunks 2 c,
-  // 2 c + 1 at their index ^ (row & 7)). `smem_pipe_write`: the producer's pipeline state.
-  CUTLASS_DEVICE void transform(MainloopPipeline pipeline, PipelineState smem_pipe_write, int k_tile_count, int part,
-                                int lane, TensorStorage& shared_tensors) {
-    // the stage's full barrier as a consumer sees it (a consumer's phase is the producer's flipped)
-    PipelineState full(smem_pipe_write.index(), smem_pipe_write.phase() ^ 1, smem_pipe_write.count());
-    const uint32_t codes = static_cast<uint32_t>(__cvta_generic_to_shared(&shared_tensors.smem_A));
-    const uint32_t wtile = cute::cast_smem_ptr_to_uint(shared_tensors.smem_W.begin());
-    const uint2* tables = reinterpret_cast<const uint2*>(&shared_tensors.smem_scale);
-    const int q = lane >> 2, c = lane & 3;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count, ++full) {
-      pipeline.consumer_wait(full);
-      const int stage = full.index();
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int blk = part - 1; blk < kRows / 8; blk += 3) {
-        const int row = 8 * blk + q;
-        uint32_t v[4], out[8];
-        ld_shared_v4(codes + stage * kCodeStageBytes + row * 64 + ((16 * c) ^ (((row >> 1) & 3) << 4)), v);
-        const uint2 neg = tables[SmemLayoutScale{}(row, 0, stage)];
-        uint32_t pos0, pos1;
-        fireq_positive_table(neg.x, neg.y, pos0, pos1);
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j) fireq_lookup8(v[j], neg.x, neg.y, pos0, pos1, out[2 * j], out[2 * j + 1]);
-        const uint32_t at = wtile + stage * kWStageBytes + row * 128 + ((32 * c) ^ ((row & 7) << 4));
-        st_shared_v4(at, out);
-        st_shared_v4(at ^ 16, out + 4);
-      }
-      cutlass::arch::fence_view_async_shared();  // the generic-proxy stores, visible to WGMMA
-      cutlass::arch::NamedBarrier::arrive(kStageThreads, kStageBarrier + stage);
-    }
-  }
-
-  // Consumer: jaxlp::transformed_k_loop on the decoded tiles into `partial`, promoted into `accum`
-  // every kPromoteTiles k tiles and after the last (promote_window).
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
-                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& params) {
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.begin()), SmemLayoutB{});
-    Tensor sW = make_tensor(make_smem_ptr(shared_tensors.smem_W.begin()), SmemLayoutW{});
-    constexpr int MmaWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
-    Layout warp_group_thread_layout = make_layout(Int<MmaWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
-    const int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
-    TiledMma tiled_mma;
-    auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
-    Tensor tCrW = thread_mma.make_fragment_A(thread_mma.partition_A(sW));  // (MMA,MMA_M,MMA_K,PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
-
-    Tensor partial = make_fragment_like(accum);  // this window's FP8 sums
-    clear(accum);
-    int tile = 0;  // k tiles issued
-    jaxlp::transformed_k_loop(pipeline, smem_pipe_read, k_tile_count, tiled_mma, tCrW, tCrB, partial, kStageThreads,
-                              kStageBarrier, [&](bool last) {
-                                promote_window<kPromoteTiles>(++tile, last, tiled_mma, accum, partial);
-                              });
-  }
-};
-
 // The GEMM: tile features x tokens x 128 K per CTA, two consumer warpgroups (cooperative), the FP8
 // sums promoted every kPromoteTiles k tiles, the token scale in the epilogue.
-template <class ElementOut, int kTileN, int kTileM, int kPromoteTiles, class Scheduler, bool kTransform = false>
+template <class ElementOut, int kTileN, int kTileM, int kPromoteTiles, class Scheduler>
 struct FireqGemm {
   using TileShape = Shape<Int<kTileN>, Int<kTileM>, Int<kGroup>>;
   using ClusterShape = Shape<_1, _1, _1>;
@@ -329,17 +186,11 @@ struct FireqGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cute::tuple<Codes, Table>, LayoutA, 32,
       cutlass::float_e4m3_t, LayoutB, 16, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage) + (kTransform ? kTransformStages * kWTileBytes : 0))>,
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  static_assert(!kTransform || Built::DispatchPolicy::Stages <= kTransformStages, "the E4M3 tiles' room");
-  using Mainloop = cute::conditional_t<kTransform, FireqTransformMainloop<Built, kPromoteTiles>,
-                                       FireqMainloop<Built, kPromoteTiles>>;
-  using CutlassKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, CollectiveEpilogue,
-                                                             Scheduler>;
-  using Kernel = cute::conditional_t<kTransform, jaxlp::TransformKernel<CutlassKernel>, CutlassKernel>;
-  static_assert(sizeof(typename CutlassKernel::SharedStorage) <=
-                    cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
-                "the stages, E4M3 tiles and epilogue fit the SM's shared memory");
+  using Mainloop = FireqMainloop<Built, kPromoteTiles>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, CollectiveEpilogue,
+                                                      Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static ffi::Error run(cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* x8, const void* codes,
@@ -371,8 +222,7 @@ struct FireqGemm {
 
 // The compiled kernels (index = the `config` attribute; jaxlp/ffi/cutlass_gemm.py's FIREQ_CONFIGS
 // names them in this order): tile features x tokens (x 128 K), k tiles per promoted sum, the tile
-// scheduler (stream-K splits K over the SMs where the output has fewer tiles than SMs), and whether
-// the producer warpgroup decodes the weights (FireqTransformMainloop).
+// scheduler (stream-K splits K over the SMs where the output has fewer tiles than SMs).
 template <class Out>
 ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* x8, const void* codes,
                     const void* tables, const float* ts, void* y, int m, int n, int k, int sms) {
@@ -385,8 +235,6 @@ ffi::Error dispatch(int config, cudaStream_t stream, ffi::ScratchAllocator& scra
     JAXLP_CASE(2, 128, 128, 1, cutlass::gemm::PersistentScheduler)
     JAXLP_CASE(3, 128, 128, 2, cutlass::gemm::StreamKScheduler)
     JAXLP_CASE(4, 128, 64, 2, cutlass::gemm::StreamKScheduler)
-    JAXLP_CASE(5, 128, 128, 2, cutlass::gemm::PersistentScheduler, true)
-    JAXLP_CASE(6, 128, 128, 2, cutlass::gemm::StreamKScheduler, true)
     default:
       return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                         "jaxlp cutlass fireq gemm: unknown config " + std::to_string(config));

@@ -121,34 +121,29 @@ NESTEDFP_CONFIGS: dict[str, NestedFPConfig] = {
     "co128x64": NestedFPConfig("cooperative", (128, 64), (1, 1), 7, "persistent", "registers"),
     "co128sk": NestedFPConfig("cooperative", (128, 128), (1, 1), 5, "streamk", "registers"),
     "co128x256t": NestedFPConfig("cooperative", (128, 256), (1, 1), 4, "persistent", "transform"),
-    # written after session 34's device time was spent, not yet run on a GPU (explicit only)
     "co128x256skt": NestedFPConfig("cooperative", (128, 256), (1, 1), 4, "streamk", "transform"),
 }
 
 
 class FireqConfig(NamedTuple):
     """One compiled kernel of ``cutlass_fireq_gemm.cu`` (its ``dispatch`` table, in this order): the
-    cooperative CTA tile (weight rows x tokens, 128 K per step), the k tiles per promoted sum, the
-    tile scheduler ("persistent", or "streamk": K split over the SMs) and where the codes become
-    E4M3: ``registers`` (the consumers, per k-block, for the register-sourced WGMMA) or
-    ``transform`` (the producer warpgroup, into a shared-memory tile per stage for an SS WGMMA)."""
+    cooperative CTA tile (weight rows x tokens, 128 K per step), the k tiles per promoted sum and the
+    tile scheduler ("persistent", or "streamk": K split over the SMs)."""
 
     tile: tuple[int, int]
     promote_tiles: int
     scheduler: str = "persistent"
-    decode: str = "registers"
 
 
-# co128t and co128skt (the transform design) were written after session 34's device time was spent
-# and have not run on a GPU: explicit only (no default config names them) until measured.
+# The transform design (the producer warpgroup decoding each stage's codes into an E4M3 tile for an
+# SS WGMMA, as co128x256t does for NestedFP16) measured 1.4-2.1x slower than the mixed-input kernels
+# at 256..2048 tokens (H100, docs/perf.md session 35) and was removed (its source: git 8357e16).
 FIREQ_CONFIGS: dict[str, FireqConfig] = {
     "co128": FireqConfig((128, 128), 2),
     "co128x64": FireqConfig((128, 64), 2),
     "co128p1": FireqConfig((128, 128), 1),
     "co128sk": FireqConfig((128, 128), 2, "streamk"),
     "co128x64sk": FireqConfig((128, 64), 2, "streamk"),
-    "co128t": FireqConfig((128, 128), 2, "persistent", "transform"),
-    "co128skt": FireqConfig((128, 128), 2, "streamk", "transform"),
 }
 FIREQ_GROUP = int4_fp8.GROUP_SIZE  # K per FireQ scale group: the kernel's 128 K per step
 
@@ -248,19 +243,38 @@ def fp8_matmul(x8: jax.Array, w8: jax.Array, token_scale: jax.Array, channel_sca
 # against 78.2. Below 512 tokens it was not measured.
 TRANSFORM_MIN_TOKENS = 512
 TRANSFORM_MIN_FILL = 0.72
+# Its stream-K form (co128x256skt) where the token tiles are (nearly) full, at least
+# STREAMK_TRANSFORM_MIN_ROW_FILL of their rows, and the tiles leave the SMs' last wave less than
+# STREAMK_TRANSFORM_MAX_LAST_WAVE full, or where K is long (>= STREAMK_TRANSFORM_LONG_K) and the tiles
+# fill at most half the SMs. H100, docs/perf.md session 35, us, against the best other kernel: 6144 x
+# 4096 at 768 / 1024 tokens 69.1 / 88.6 against 78.9 / 99.6; 28672 x 4096 at 512 / 768 196.9 / 286.4
+# against 205.2 / 311.3; 4096 x 14336 at 512 102.2 against 113.9; 0-2% slower where the last wave is
+# fuller, 5-50% slower on part-filled token tiles (640 tokens).
+STREAMK_TRANSFORM_MIN_ROW_FILL = 0.9
+STREAMK_TRANSFORM_MAX_LAST_WAVE = 0.5
+STREAMK_TRANSFORM_LONG_K = 8192
 
 
 def nestedfp_default_config(m: int, n: int | None = None, k: int | None = None, *, num_sms: int = 132) -> str:
     """The NestedFP16 kernel for ``m`` tokens (``n`` weight rows, ``k`` inputs): the fastest of the
-    sweeps in docs/perf.md (H200 session 27, H100 session 30). From :data:`TRANSFORM_MIN_TOKENS` on the
-    producer warpgroup's merges (``co128x256t``) where its tiles' fill reaches :data:`TRANSFORM_MIN_FILL`;
-    else stream-K on long K (4096 x 14336 at M = 32..512: 1.0-1.6x the best persistent tiles), 64-token
-    tiles up to 64 tokens, 64 x 128 pingpong tiles up to 256 tokens where 128 x 128 tiles would not
-    give half the SMs one, else stream-K 128 x 128 tiles."""
+    sweeps in docs/perf.md (H200 session 27, H100 sessions 30 and 35). From :data:`TRANSFORM_MIN_TOKENS`
+    on the producer warpgroup's merges: stream-K (``co128x256skt``) where the tiles leave the last wave
+    of SMs mostly idle or K is long on few tiles (the ``STREAMK_TRANSFORM_*`` constants), persistent
+    (``co128x256t``) where its tiles' fill reaches :data:`TRANSFORM_MIN_FILL`; else stream-K on long K
+    (4096 x 14336 at M = 32..512: 1.0-1.6x the best persistent tiles), 64-token tiles up to 64
+    tokens, 64 x 128 pingpong tiles up to 256 tokens where 128 x 128 tiles would not give half the SMs
+    one, else stream-K 128 x 128 tiles."""
     if m >= TRANSFORM_MIN_TOKENS:
         token_tiles = -(-m // 256)
         tiles = -(-(n or 1 << 20) // 128) * token_tiles
-        fill = m / (256 * token_tiles) * tiles / (-(-tiles // num_sms) * num_sms)
+        row_fill = m / (256 * token_tiles)
+        if row_fill >= STREAMK_TRANSFORM_MIN_ROW_FILL:
+            last_wave = (tiles % num_sms) / num_sms
+            if tiles > num_sms and 0 < last_wave < STREAMK_TRANSFORM_MAX_LAST_WAVE:
+                return "co128x256skt"
+            if (k or 0) >= STREAMK_TRANSFORM_LONG_K and 2 * tiles <= num_sms:
+                return "co128x256skt"
+        fill = row_fill * tiles / (-(-tiles // num_sms) * num_sms)
         if fill >= TRANSFORM_MIN_FILL:
             return "co128x256t"
     if (k or 0) >= 8192:

@@ -1,4 +1,4 @@
-// The transform design of jaxlp's CUTLASS GEMMs (cutlass_nestedfp_gemm.cu, cutlass_fireq_gemm.cu):
+// The transform design of jaxlp's CUTLASS GEMMs (cutlass_nestedfp_gemm.cu's co128x256t, co128x256skt):
 // CUTLASS's cooperative kernel with the producer warpgroup's idle warps rebuilding weight tiles in
 // shared memory (TransformKernel), and the consumers' k loop on them (transformed_k_loop).
 #pragma once
@@ -28,8 +28,8 @@ __device__ __forceinline__ void st_shared_v4(uint32_t at, const uint32_t* v) {
 // threads: the rebuilding warps arrive, the consumers sync) awaited, the stage's WGMMAs (both
 // operands from shared memory) issued into `accum` (the first with ScaleOut::Zero), one k tile in
 // flight; a stage released once the next k tile's WGMMAs are issued and its own are done (the last
-// by the mainloop's mma_tail). tile_done(last) runs after each k tile's WGMMAs, e.g. to promote FP8
-// sums: it may wait for them and reset tiled_mma.accumulate_.
+// by the mainloop's mma_tail). tile_done(last) runs after each k tile's WGMMAs (a hook, e.g. to promote
+// FP8 sums: it may wait for them and reset tiled_mma.accumulate_).
 template <class Pipeline, class PipelineState, class TiledMma, class FragW, class FragB, class Accum, class TileDone>
 CUTLASS_DEVICE void transformed_k_loop(Pipeline& pipeline, PipelineState smem_pipe_read, int k_tile_count,
                                       TiledMma& tiled_mma, FragW& tCrW, FragB& tCrB, Accum& accum,
@@ -71,9 +71,9 @@ CUTLASS_DEVICE void transformed_k_loop(Pipeline& pipeline, PipelineState smem_pi
 // mainloop's `transform(pipeline, state, k_tile_count, part, lane, tensors)` with part = 1..3;
 // CUTLASS's kernel leaves warps 1 and 2 idle here and gives the producer warpgroup 40 registers a
 // thread, this one 56 (the consumers 224 instead of 232). The consumer warpgroups and the epilogue
-// are CUTLASS's, unchanged. Mainloops: cutlass_nestedfp_gemm.cu's NestedFp16Mainloop<.,
-// kTransformWarp> (the FP16 weights from their byte planes) and cutlass_fireq_gemm.cu's
-// FireqTransformMainloop (E4M3 weights from INT4 codes).
+// are CUTLASS's, unchanged. Mainloop: cutlass_nestedfp_gemm.cu's NestedFp16Mainloop<., kTransformWarp>
+// (the FP16 weights from their byte planes). (FireQ's INT4 codes decoded to E4M3 tiles this way
+// measured 1.4-2.1x slower than its mixed-input kernels, docs/perf.md session 35; removed.)
 template <class Base>
 struct TransformKernel : Base {
   using typename Base::Params;

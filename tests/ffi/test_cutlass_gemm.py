@@ -57,15 +57,22 @@ def test_nestedfp_configs_match_the_kernels_dispatch():
     for m in (1, 64, 65, 768, 769, 1024, 1025, 4096):
         assert cutlass_gemm.nestedfp_default_config(m, 4096, 4096) in cutlass_gemm.NESTEDFP_CONFIGS
     transform = cutlass_gemm.TRANSFORM_MIN_TOKENS
-    assert cutlass_gemm.nestedfp_default_config(transform, 28672, 4096) == "co128x256t"  # 448 tiles
-    assert cutlass_gemm.nestedfp_default_config(transform - 1, 28672, 4096) != "co128x256t"
-    # 6144 x 4096: 384 tiles of 128 x 256 at 2048 tokens fill three waves of 132 SMs, 144 at 768 do not
+    assert cutlass_gemm.nestedfp_default_config(transform - 1, 28672, 4096) not in ("co128x256t", "co128x256skt")
+    # 6144 x 4096: 384 tiles of 128 x 256 at 2048 tokens fill three waves of 132 SMs but 0.91 of the last
     assert cutlass_gemm.nestedfp_default_config(2048, 6144, 4096) == "co128x256t"
-    assert cutlass_gemm.nestedfp_default_config(768, 6144, 4096) == "co128sk"
-    assert cutlass_gemm.nestedfp_default_config(768, 6144, 4096, num_sms=72) == "co128x256t"  # 2 waves
-    # 28672 x 4096 at 640 tokens: 672 tiles fill 0.85 of their last wave, but only 640 / 768 token rows
+    # 144 tiles at 768 tokens leave 12 of 132 SMs busy in the second wave: stream-K; on 72 SMs, 2 full waves
+    assert cutlass_gemm.nestedfp_default_config(768, 6144, 4096) == "co128x256skt"
+    assert cutlass_gemm.nestedfp_default_config(768, 6144, 4096, num_sms=72) == "co128x256t"
+    # 28672 x 4096: 448 tiles at 512 tokens (last wave 0.39), 672 at 768 (0.09), 896 at 1024 (0.79)
+    assert cutlass_gemm.nestedfp_default_config(transform, 28672, 4096) == "co128x256skt"
+    assert cutlass_gemm.nestedfp_default_config(768, 28672, 4096) == "co128x256skt"
+    assert cutlass_gemm.nestedfp_default_config(1024, 28672, 4096) == "co128x256t"
+    # at 640 tokens: 672 tiles fill 0.85 of their last wave, but only 640 / 768 token rows
     assert cutlass_gemm.nestedfp_default_config(640, 28672, 4096) == "co128sk"
-    assert cutlass_gemm.nestedfp_default_config(768, 28672, 4096) == "co128x256t"
+    # long K on 64 tiles (half the SMs at most) at 512 tokens; 96 tiles at 768 fill 0.73
+    assert cutlass_gemm.nestedfp_default_config(512, 4096, 14336) == "co128x256skt"
+    assert cutlass_gemm.nestedfp_default_config(768, 4096, 14336) == "co128x256t"
+    assert cutlass_gemm.nestedfp_default_config(512, 4096, 4096) == "co128sk"
 
 
 def test_nestedfp_operands_are_checked():
@@ -240,14 +247,10 @@ def fireq_weight(rng, n, k):
 
 
 def prmt(a, b, selector):
-    """PTX ``prmt.b32`` (default mode) on uint32 arrays, elementwise (the selector an array or one
-    value): byte i of the result is byte ``(selector >> 4 i) & 7`` of the 8 bytes ``b:a`` (``a``
-    bytes 0-3)."""
-    a, b, selector = np.broadcast_arrays(np.asarray(a, np.uint32), np.asarray(b, np.uint32),
-                                         np.asarray(selector, np.uint32))
+    """PTX ``prmt.b32`` (default mode) on uint32 arrays: byte i of the result is byte
+    ``(selector >> 4 i) & 7`` of the 8 bytes ``b:a`` (``a`` bytes 0-3)."""
     src = np.stack([(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)])
-    pick = [np.take_along_axis(src, ((selector >> 4 * i) & 7)[None].astype(np.intp), axis=0)[0] for i in range(4)]
-    return sum(p.astype(np.uint64) << 8 * i for i, p in enumerate(pick)).astype(np.uint32)
+    return sum(src[(selector >> 4 * i) & 7].astype(np.uint64) << 8 * i for i in range(4)).astype(np.uint32)
 
 
 POSITIVE_TABLE = re.compile(r"pos0 = \(__byte_perm\(neg0, neg1, (0x[0-9a-f]+)\) & (0x[0-9a-f]+)u\) "
@@ -277,12 +280,11 @@ def lookup_decode(codes, tables):
 
 def test_fireq_configs_match_the_kernels_dispatch():
     text = (build.SOURCE_DIR / "cutlass_fireq_gemm.cu").read_text()
-    cases = re.findall(r"JAXLP_CASE\((\d+), (\d+), (\d+), (\d+), cutlass::gemm::(\w+)Scheduler(, true)?\)", text)
+    cases = re.findall(r"JAXLP_CASE\((\d+), (\d+), (\d+), (\d+), cutlass::gemm::(\w+)Scheduler\)", text)
     assert len(cases) == len(cutlass_gemm.FIREQ_CONFIGS)
-    for (index, tn, tm, promote, scheduler, transform), (name, cfg) in zip(cases, cutlass_gemm.FIREQ_CONFIGS.items()):
+    for (index, tn, tm, promote, scheduler), (name, cfg) in zip(cases, cutlass_gemm.FIREQ_CONFIGS.items()):
         assert int(index) == list(cutlass_gemm.FIREQ_CONFIGS).index(name)
-        decode = "transform" if transform else "registers"
-        assert ((int(tn), int(tm)), int(promote), scheduler.lower(), decode) == tuple(cfg), name
+        assert ((int(tn), int(tm)), int(promote), scheduler.lower()) == tuple(cfg), name
     for m in (1, 64, 65, 4096):
         for n in (4096, 28672):
             assert cutlass_gemm.fireq_default_config(m, n) in cutlass_gemm.FIREQ_CONFIGS
@@ -315,41 +317,6 @@ def test_fireq_codes_through_the_tables_give_the_fireq_weight_bit_for_bit(n, k):
     want = np.asarray(w.fp8_values())
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
     assert (np.abs(want.astype(np.float32)[1, :128]) == 448).any()  # the saturating group
-
-
-LOOKUP8 = re.compile(r"idx = w & (0x[0-9a-f]+)u;\s*const uint32_t sign = \(\(w & (0x[0-9a-f]+)u\) \| (0x[0-9a-f]+)u\) "
-                     r">> (\d+);")
-
-
-@pytest.mark.parametrize("n, k", [(24, 128), (40, 512)])
-def test_fireq_transform_lookup_gives_the_fireq_weight_bit_for_bit(n, k):
-    """The transform design's decode (cutlass_fireq_gemm.cu's fireq_lookup8, its masks and shift read
-    from the source) in NumPy: per word of 8 codes, both tables looked up by the codes' low bits, then
-    each byte picked by a selector built from the code's bit 3; FireQ's weight e4m3(q s) bit for bit
-    over every code, a zero group, saturated and subnormal products, with every selector in prmt's
-    plain mode (bit 3 of each of its nibbles clear)."""
-    idx_mask, sign_mask, bias, shift = (int(v, 0) for v in LOOKUP8.search(
-        (build.SOURCE_DIR / "cutlass_fireq_gemm.cu").read_text()).groups())
-    w = fireq_weight(np.random.default_rng(n * k), n, k)
-    tables = np.asarray(cutlass_gemm.fireq_tables(w))  # [K / 128, N, 8]
-    sel0, mask0, flip0, sel1, flip1 = (int(v, 16) for v in POSITIVE_TABLE.search(
-        (build.SOURCE_DIR / "cutlass_fireq_gemm.cu").read_text()).groups())
-    words = np.ascontiguousarray(np.asarray(w.codes)).view(np.uint32)  # [N, K / 8]: codes 8 i .. 8 i + 7
-    neg = np.ascontiguousarray(tables.transpose(1, 0, 2)).view(np.uint32)  # [N, K / 128, 2]
-    group = np.arange(k // 8) // 16  # the word's group
-    neg0, neg1 = neg[:, group, 0], neg[:, group, 1]
-    pos0 = (prmt(neg0, neg1, sel0) & np.uint32(mask0)) ^ np.uint32(flip0)
-    pos1 = prmt(neg0, neg1, sel1) ^ np.uint32(flip1)
-    idx = words & np.uint32(idx_mask)
-    sign = ((words & np.uint32(sign_mask)) | np.uint32(bias)) >> np.uint32(shift)
-    out = []
-    for half in (0, 1):
-        i, sg = idx >> np.uint32(16 * half), sign >> np.uint32(16 * half)
-        for sel in (i, sg):
-            assert not (sel & np.uint32(0x8888)).any()  # prmt's plain mode
-        out.append(prmt(prmt(pos0, pos1, i), prmt(neg0, neg1, i), sg))
-    got = np.stack(out, axis=-1).reshape(n, k // 4).view(np.uint8)  # [N, K]
-    np.testing.assert_array_equal(got, np.asarray(w.fp8_values()).view(np.uint8))
 
 
 def test_fireq_tables_and_matmul_are_checked_and_lower():

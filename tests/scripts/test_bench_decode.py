@@ -28,12 +28,15 @@ def test_kernel_kinds(bd, name, kind):
 
 def test_step_profile_is_the_per_step_difference(bd, monkeypatch):
     traces = iter([
-        {"gemv_kernel<1>": 1000.0, "loop_fusion": 300.0, "nvjet_x": 50.0},  # long call
-        {"gemv_kernel<1>": 400.0, "loop_fusion": 120.0, "nvjet_x": 50.0, "memset": 2.0},  # short call
+        ({"gemv_kernel<1>": 1000.0, "loop_fusion": 300.0, "nvjet_x": 50.0},  # long call
+         {"gemv_kernel<1>": 10, "loop_fusion": 20, "nvjet_x": 1}),
+        ({"gemv_kernel<1>": 400.0, "loop_fusion": 120.0, "nvjet_x": 50.0, "memset": 2.0},  # short call
+         {"gemv_kernel<1>": 4, "loop_fusion": 8, "nvjet_x": 1, "memset": 1}),
     ])
     monkeypatch.setattr(bd, "kernel_times", lambda run: next(traces))
     p = bd.step_profile(None, None, steps=6, top=2)
     assert p["gpu_us_per_token"] == pytest.approx((1350 - 572) / 6)
+    assert p["launches_per_token"] == pytest.approx((31 - 14) / 6)
     assert p["by_kind_us"]["nvfp4 GEMV"] == pytest.approx(100.0)
     assert p["by_kind_us"]["XLA fusions and other"] == pytest.approx(30.0)
     assert p["by_kind_us"]["cuBLAS / cuDNN"] == pytest.approx(0.0)
