@@ -126,7 +126,7 @@ def gpu_busy_us(run, iters: int) -> float | None:
     trace of one call of ``run`` (host gaps between launches excluded), divided by ``iters``."""
     from bench_decode import kernel_times
 
-    times = kernel_times(run)
+    times, _ = kernel_times(run)
     return sum(times.values()) / iters if times else None
 
 
