@@ -41,7 +41,7 @@ def test_loop_us_times_the_donated_loop_and_fills_the_profile(bk):
     profile = {}
     us = bk.loop_us(lambda i, c: c * 1.5 + 1.0, jnp.zeros((64,), jnp.float32), args, profile)
     assert isinstance(us, float)
-    assert set(profile) == {"gpu_us_per_token", "by_kind_us", "top_kernels_us"}
+    assert set(profile) == {"gpu_us_per_token", "launches_per_token", "by_kind_us", "top_kernels_us"}
     assert profile["gpu_us_per_token"] == 0.0  # no GPU here: no GPU kernels in the traces
 
 
@@ -83,7 +83,7 @@ def test_decode_part_with_profile_writes_the_kernel_split_per_row(bk, tmp_path):
     assert [r["format"] for r in rows] == ["bf16", "kitty-pro"]
     for r in rows:
         assert r["part"] == "decode" and r["ms_per_token"] == r["ms_per_token"]  # a number, not NaN
-        assert set(r["step_profile"]) == {"gpu_us_per_token", "by_kind_us", "top_kernels_us"}
+        assert set(r["step_profile"]) == {"gpu_us_per_token", "launches_per_token", "by_kind_us", "top_kernels_us"}
 
 
 def test_rotation_copies_read_past_the_cache_and_stay_bounded(bk):

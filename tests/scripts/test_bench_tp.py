@@ -24,7 +24,7 @@ def test_tiny_run_writes_each_degree_with_its_token_check_and_profile(tmp_path):
         # BF16 weights: each device's partial product of a row-parallel layer is rounded to BF16
         # before the sum (5e-3 here); a wrong shard would be O(1).
         assert r["logits_rel_to_tp1"] <= (0.0 if r["tp"] == 1 else 1e-2)
-        assert set(r["step_profile"]) == {"gpu_us_per_token", "by_kind_us", "top_kernels_us"}
+        assert set(r["step_profile"]) == {"gpu_us_per_token", "launches_per_token", "by_kind_us", "top_kernels_us"}
 
 
 def test_degrees_must_start_at_one():
