@@ -152,11 +152,18 @@ FIREQ_GROUP = int4_fp8.GROUP_SIZE  # K per FireQ scale group: the kernel's 128 K
 # M = 1024..2048 and 2.8e-4 relative error at K = 4096..14336 (128: 2.4e-4, 512: 3.8e-4; the
 # unpromoted sums 1.3e-3 / 2.8e-3); H200, docs/perf.md session 27.
 PROMOTE_K = 256
-# Promoted 128 x 128 tiles: clusters of 2 along the tokens (co128c21p) up to here, along the channels
-# (co128p) past it. H100, docs/perf.md session 34, W8A8 with its activation quantizer, us: at 512 /
+# Promoted 128 x 128 tiles past 256 tokens: clusters of 2 along the tokens (co128c21p) up to here, along
+# the channels (co128p) past it. H100, docs/perf.md session 34, W8A8 with its activation quantizer, us: at 512 /
 # 1024 tokens 12288 x 4096 49.7 / 91.6 against 52.6 / 98.8, 28672 x 4096 105.1 / 202.7 against
-# 112.5 / 215.2 (likewise 4096 x 14336 and 4096 x 4096); at 2048 / 4096 co128p 0-6% faster.
+# 112.5 / 215.2 (likewise 4096 x 14336 and 4096 x 4096); at 2048 / 4096 co128p 0-6% faster. Only on
+# an even number of 128-token tiles: an odd one leaves a cluster half empty (session 35: at 384 and
+# 640 tokens co128c21p was 1.16-1.47x the best kernel on 13 of 14 layers).
 CLUSTER_TOKENS_MAX_TOKENS = 1024
+# Stream-K (co128skp) where the 128 x 128 tiles outnumber the SMs and fill their waves below this:
+# H100, docs/perf.md session 35, W8A8 over 7 layers at 384..2048 tokens, us: at 384 tokens 28672 x 4096
+# (fill 0.85) 89.1 against co128p's 96.6, 6144 x 4096 (0.55) 29.1 against 33.3; at 640 4096 x 14336
+# (0.61) 79.1 against 101.6; at 1536 and 2048, fills of 0.97, 0-11% slower.
+FP8_STREAMK_BELOW_FILL = 0.95
 
 
 def available() -> bool:
@@ -172,17 +179,25 @@ def unavailable_reason() -> str | None:
 def default_config(m: int, n: int | None = None, k: int | None = None, *, promote: bool = True,
                    num_sms: int = 132) -> str:
     """The config for ``m`` tokens (``n`` channels, ``k`` inputs): the fastest of the H100 / H200
-    sweeps in docs/perf.md (session 27). Promoted: up to 256 tokens, where 128 x 128 tiles would not
-    give half the SMs one, stream-K on long K (4096 x 14336 at M = 128: 34.1 us against 44.5) else
-    64-token pingpong tiles (4096 x 4096: 14.7 against 18.0); else cooperative 128 x 128 tiles, in
-    clusters of 2 along the tokens up to :data:`CLUSTER_TOKENS_MAX_TOKENS` tokens, else of 2 along
-    the channels. Fast: 64-token pingpong tiles up to 256 tokens, then 128-token ones in clusters of 2."""
+    sweeps in docs/perf.md (sessions 27, 34, 35). Promoted: up to 256 tokens, where 128 x 128 tiles
+    would not give half the SMs one, stream-K on long K (4096 x 14336 at M = 128: 34.1 us against
+    44.5) else 64-token pingpong tiles (4096 x 4096: 14.7 against 18.0); else cooperative 128 x 128
+    tiles: past 256 tokens on stream-K where they outnumber the SMs and fill their waves below
+    :data:`FP8_STREAMK_BELOW_FILL`, or in clusters of 2 along the tokens up to
+    :data:`CLUSTER_TOKENS_MAX_TOKENS` tokens on an even number of token tiles; otherwise in clusters
+    of 2 along the channels. Fast: 64-token pingpong tiles up to 256 tokens, then 128-token ones in
+    clusters of 2."""
     if not promote:
         return "pp64f" if m <= 256 else "pp128c21f"
-    tiles = -(-m // 128) * -(-(n or 1 << 20) // 128)
+    token_tiles = -(-m // 128)
+    tiles = token_tiles * -(-(n or 1 << 20) // 128)
     if m <= 64 or (m <= 256 and tiles < num_sms // 2):
         return "co128skp" if (k or 0) >= 8192 else "pp64p"
-    return "co128c21p" if m <= CLUSTER_TOKENS_MAX_TOKENS else "co128p"
+    if m <= 256:
+        return "co128p"
+    if tiles > num_sms and tiles / (-(-tiles // num_sms) * num_sms) < FP8_STREAMK_BELOW_FILL:
+        return "co128skp"
+    return "co128c21p" if m <= CLUSTER_TOKENS_MAX_TOKENS and token_tiles % 2 == 0 else "co128p"
 
 
 def why_not(m: int, n: int, k: int) -> str | None:

@@ -36,7 +36,17 @@ def test_configs_match_the_kernels_dispatch():
             assert cutlass_gemm.CONFIGS[cutlass_gemm.default_config(m, 4096, promote=promote)].promote == promote
     cut = cutlass_gemm.CLUSTER_TOKENS_MAX_TOKENS
     assert cutlass_gemm.default_config(512, 12288, 4096) == cutlass_gemm.default_config(cut, 4096) == "co128c21p"
-    assert cutlass_gemm.default_config(cut + 1, 4096) == "co128p"
+    assert cutlass_gemm.default_config(cut + 128, 28672) == "co128p"  # 2016 tiles fill 16 waves to 0.95
+    # an odd number of token tiles takes no token cluster: 3 x 32 tiles (< 132 SMs) at 384 tokens;
+    # up to 256 tokens, channel clusters where the tiles give half the SMs one (session 27)
+    assert cutlass_gemm.default_config(384, 4096, 4096) == cutlass_gemm.default_config(100, 28672, 4096) == "co128p"
+    assert cutlass_gemm.default_config(256, 28672, 4096) == "co128p"
+    # stream-K below a wave fill of 0.95: 144 tiles (0.55), 672 (0.85), 576 (0.87); not 1792 (0.97)
+    assert cutlass_gemm.default_config(384, 6144, 4096) == "co128skp"
+    assert cutlass_gemm.default_config(384, 28672, 4096) == "co128skp"
+    assert cutlass_gemm.default_config(1536, 6144, 4096) == "co128skp"
+    assert cutlass_gemm.default_config(1024, 28672, 4096) == "co128c21p"
+    assert cutlass_gemm.default_config(2048, 28672, 4096) == "co128p"
 
 
 def test_nestedfp_configs_match_the_kernels_dispatch():
