@@ -35,19 +35,18 @@ def test_configs_match_the_kernels_dispatch():
         for promote in (True, False):
             assert cutlass_gemm.CONFIGS[cutlass_gemm.default_config(m, 4096, promote=promote)].promote == promote
     cut = cutlass_gemm.CLUSTER_TOKENS_MAX_TOKENS
-    assert cutlass_gemm.default_config(512, 12288, 4096) == cutlass_gemm.default_config(cut, 4096) == "co128c21p"
-    assert cutlass_gemm.default_config(cut + 128, 28672) == "co128p"  # 2016 tiles fill 16 waves to 0.95
-    # an odd number of token tiles takes no token cluster: 3 x 32 tiles (< 132 SMs) at 384 tokens;
-    # up to 256 tokens, channel clusters where the tiles give half the SMs one (session 27)
-    assert cutlass_gemm.default_config(384, 4096, 4096) == cutlass_gemm.default_config(100, 28672, 4096) == "co128p"
-    assert cutlass_gemm.default_config(256, 28672, 4096) == "co128p"
-    # stream-K below a wave fill of 0.95: 144 tiles (0.55), 672 (0.85), 576 (0.87); not 1792 (0.97)
-    assert cutlass_gemm.default_config(384, 6144, 4096) == "co128skp"
-    assert cutlass_gemm.default_config(384, 28672, 4096) == "co128skp"
-    assert cutlass_gemm.default_config(1536, 6144, 4096) == "co128skp"
-    assert cutlass_gemm.default_config(1024, 28672, 4096) == "co128c21p"
-    assert cutlass_gemm.default_config(2048, 28672, 4096) == "co128p"
-
+    expected = {  # (tokens, channels, inputs): config
+        (512, 12288, 4096): "co128c21p", (cut, 4096, 4096): "co128c21p",
+        (cut + 128, 28672, 4096): "co128p",  # 2016 tiles fill 16 waves to 0.95
+        # an odd number of token tiles takes no token cluster: 3 x 32 tiles (< 132 SMs) at 384 tokens;
+        # up to 256 tokens, channel clusters where the tiles give half the SMs one (session 27)
+        (384, 4096, 4096): "co128p", (100, 28672, 4096): "co128p", (256, 28672, 4096): "co128p",
+        # stream-K below a wave fill of 0.95: 144 tiles (0.55), 672 (0.85), 576 (0.87); not 1792 (0.97)
+        (384, 6144, 4096): "co128skp", (384, 28672, 4096): "co128skp", (1536, 6144, 4096): "co128skp",
+        (1024, 28672, 4096): "co128c21p", (2048, 28672, 4096): "co128p",
+    }
+    for (m, n, k), config in expected.items():
+        assert cutlass_gemm.default_config(m, n, k) == config, (m, n, k)
 
 def test_nestedfp_configs_match_the_kernels_dispatch():
     text = (build.SOURCE_DIR / "cutlass_nestedfp_gemm.cu").read_text()
@@ -68,22 +67,22 @@ def test_nestedfp_configs_match_the_kernels_dispatch():
         assert cutlass_gemm.nestedfp_default_config(m, 4096, 4096) in cutlass_gemm.NESTEDFP_CONFIGS
     transform = cutlass_gemm.TRANSFORM_MIN_TOKENS
     assert cutlass_gemm.nestedfp_default_config(transform - 1, 28672, 4096) not in ("co128x256t", "co128x256skt")
-    # 6144 x 4096: 384 tiles of 128 x 256 at 2048 tokens fill three waves of 132 SMs but 0.91 of the last
-    assert cutlass_gemm.nestedfp_default_config(2048, 6144, 4096) == "co128x256t"
-    # 144 tiles at 768 tokens leave 12 of 132 SMs busy in the second wave: stream-K; on 72 SMs, 2 full waves
-    assert cutlass_gemm.nestedfp_default_config(768, 6144, 4096) == "co128x256skt"
-    assert cutlass_gemm.nestedfp_default_config(768, 6144, 4096, num_sms=72) == "co128x256t"
-    # 28672 x 4096: 448 tiles at 512 tokens (last wave 0.39), 672 at 768 (0.09), 896 at 1024 (0.79)
-    assert cutlass_gemm.nestedfp_default_config(transform, 28672, 4096) == "co128x256skt"
-    assert cutlass_gemm.nestedfp_default_config(768, 28672, 4096) == "co128x256skt"
-    assert cutlass_gemm.nestedfp_default_config(1024, 28672, 4096) == "co128x256t"
-    # at 640 tokens: 672 tiles fill 0.85 of their last wave, but only 640 / 768 token rows
-    assert cutlass_gemm.nestedfp_default_config(640, 28672, 4096) == "co128sk"
-    # long K on 64 tiles (half the SMs at most) at 512 tokens; 96 tiles at 768 fill 0.73
-    assert cutlass_gemm.nestedfp_default_config(512, 4096, 14336) == "co128x256skt"
-    assert cutlass_gemm.nestedfp_default_config(768, 4096, 14336) == "co128x256t"
-    assert cutlass_gemm.nestedfp_default_config(512, 4096, 4096) == "co128sk"
-
+    expected = {  # (tokens, weight rows, inputs, SMs): config
+        # 6144 x 4096: 384 tiles of 128 x 256 at 2048 tokens fill three waves of 132 SMs but 0.91 of the
+        # last; 144 at 768 leave 12 of 132 SMs busy in the second wave: stream-K; on 72 SMs, 2 full waves
+        (2048, 6144, 4096, 132): "co128x256t", (768, 6144, 4096, 132): "co128x256skt",
+        (768, 6144, 4096, 72): "co128x256t",
+        # 28672 x 4096: 448 tiles at 512 tokens (last wave 0.39), 672 at 768 (0.09), 896 at 1024 (0.79)
+        (transform, 28672, 4096, 132): "co128x256skt", (768, 28672, 4096, 132): "co128x256skt",
+        (1024, 28672, 4096, 132): "co128x256t",
+        # at 640 tokens: 672 tiles fill 0.85 of their last wave, but only 640 / 768 token rows
+        (640, 28672, 4096, 132): "co128sk",
+        # long K on 64 tiles (half the SMs at most) at 512 tokens; 96 tiles at 768 fill 0.73
+        (512, 4096, 14336, 132): "co128x256skt", (768, 4096, 14336, 132): "co128x256t",
+        (512, 4096, 4096, 132): "co128sk",
+    }
+    for (m, n, k, sms), config in expected.items():
+        assert cutlass_gemm.nestedfp_default_config(m, n, k, num_sms=sms) == config, (m, n, k, sms)
 
 def test_nestedfp_operands_are_checked():
     w = nestedfp.quantize(jnp.zeros((64, 128)))
