@@ -157,7 +157,7 @@ PROMOTE_K = 256
 # 1024 tokens 12288 x 4096 49.7 / 91.6 against 52.6 / 98.8, 28672 x 4096 105.1 / 202.7 against
 # 112.5 / 215.2 (likewise 4096 x 14336 and 4096 x 4096); at 2048 / 4096 co128p 0-6% faster. Only on
 # an even number of 128-token tiles: an odd one leaves a cluster half empty (session 35: at 384 and
-# 640 tokens co128c21p was 1.16-1.47x the best kernel on 13 of 14 layers).
+# 640 tokens co128c21p was 1.16-1.46x the best kernel on all 7 layers).
 CLUSTER_TOKENS_MAX_TOKENS = 1024
 # Stream-K (co128skp) where the 128 x 128 tiles outnumber the SMs and fill their waves below this:
 # H100, docs/perf.md session 35, W8A8 over 7 layers at 384..2048 tokens, us: at 384 tokens 28672 x 4096
