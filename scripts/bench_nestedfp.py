@@ -6,7 +6,8 @@ a jitted loop with the cache donated (``bench_kvcache.decode_ms``: the differenc
 lengths). First the plain FP16 model (XLA's FP16 dots); then the same weights quantized with the
 ``nestedfp`` recipe (``lm_head`` stays FP16) under ``implementation="auto"`` in FP16 mode and in
 FP8 mode (``set_mode``: the same stored bytes). On a GPU, ``auto`` runs ``jaxlp.ffi.nestedfp`` for
-batches of at most 8 tokens and the Pallas GEMMs above (``nestedfp_pallas``, ``fp8_pallas``).
+decode batches and CUTLASS's GEMMs for prompts (``nestedfp_cutlass``, ``fp8_cutlass``; the Pallas GEMMs
+where CUTLASS does not take a layer), as ``jaxlp.quantization.linear`` describes.
 ``--fused``: q/k/v and gate/up as one linear each in every model (:func:`jaxlp.models.fuse_projections`).
 ``--prefill BxS`` (e.g. ``1x2048``) also times the prompt forward pass into an empty cache (one
 jitted call, median of ``--repeats`` after a warm-up; 0 tokens: skipped). ``--switch`` also
