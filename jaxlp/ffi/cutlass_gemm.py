@@ -48,7 +48,6 @@ CUTLASS's headers (the ``nvidia-cutlass`` package or ``$JAXLP_CUTLASS_DIR``,
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -136,7 +135,7 @@ class FireqConfig(NamedTuple):
 
 
 # The transform design (the producer warpgroup decoding each stage's codes into an E4M3 tile for an
-# SS WGMMA, as co128x256t does for NestedFP16) measured 1.4-2.1x slower than the mixed-input kernels
+# SS WGMMA, as co128x256t does for NestedFP16) measured 1.4-1.7x slower than the mixed-input kernels
 # at 256..2048 tokens (H100, docs/perf.md session 35) and was removed (its source: git 8357e16).
 FIREQ_CONFIGS: dict[str, FireqConfig] = {
     "co128": FireqConfig((128, 128), 2),
@@ -176,6 +175,11 @@ def unavailable_reason() -> str | None:
     return LIBRARY.unavailable_reason()
 
 
+def _wave_fill(tiles: int, num_sms: int) -> float:
+    """How full the persistent tiles keep the SMs over their waves: tiles / (waves * SMs)."""
+    return tiles / (-(-tiles // num_sms) * num_sms)
+
+
 def default_config(m: int, n: int | None = None, k: int | None = None, *, promote: bool = True,
                    num_sms: int = 132) -> str:
     """The config for ``m`` tokens (``n`` channels, ``k`` inputs): the fastest of the H100 / H200
@@ -195,7 +199,7 @@ def default_config(m: int, n: int | None = None, k: int | None = None, *, promot
         return "co128skp" if (k or 0) >= 8192 else "pp64p"
     if m <= 256:
         return "co128p"
-    if tiles > num_sms and tiles / (-(-tiles // num_sms) * num_sms) < FP8_STREAMK_BELOW_FILL:
+    if tiles > num_sms and _wave_fill(tiles, num_sms) < FP8_STREAMK_BELOW_FILL:
         return "co128skp"
     return "co128c21p" if m <= CLUSTER_TOKENS_MAX_TOKENS and token_tiles % 2 == 0 else "co128p"
 
@@ -289,7 +293,7 @@ def nestedfp_default_config(m: int, n: int | None = None, k: int | None = None, 
                 return "co128x256skt"
             if (k or 0) >= STREAMK_TRANSFORM_LONG_K and 2 * tiles <= num_sms:
                 return "co128x256skt"
-        fill = row_fill * tiles / (-(-tiles // num_sms) * num_sms)
+        fill = row_fill * _wave_fill(tiles, num_sms)
         if fill >= TRANSFORM_MIN_FILL:
             return "co128x256t"
     if (k or 0) >= 8192:
@@ -358,8 +362,7 @@ def fireq_default_config(m: int, n: int, *, num_sms: int = 132) -> str:
     :data:`FIREQ_STREAMK_BELOW_FILL`."""
     tile_m = 64 if m <= 64 else 128
     tiles = -(-n // 128) * -(-m // tile_m)
-    waves = tiles / num_sms
-    streamk = tiles < num_sms or (tile_m == 128 and waves / math.ceil(waves) < FIREQ_STREAMK_BELOW_FILL)
+    streamk = tiles < num_sms or (tile_m == 128 and _wave_fill(tiles, num_sms) < FIREQ_STREAMK_BELOW_FILL)
     return ("co128x64" if m <= 64 else "co128") + ("sk" if streamk else "")
 
 
