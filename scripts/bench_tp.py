@@ -1,6 +1,7 @@
 """Tensor-parallel decode: ms/token at TP = 1 and TP = N, side by side in one run (issue #22).
 
     python scripts/bench_tp.py --tp 1,2 --formats bf16,w4a16 --layers 36 --batch 1 --out tp.json
+    python scripts/bench_tp.py --projections unfused,fused ...   # both layouts side by side
 
 A Qwen3-8B-shaped model with random weights (``--layers`` of them; ``--tiny``: a small model of the
 same family, for smoke runs on simulated CPU devices with
@@ -8,7 +9,9 @@ same family, for smoke runs on simulated CPU devices with
 (the ``length`` differencing of ``scripts/bench_decode.py``: time of n2 tokens minus n1, over
 n2 - n1). Each TP degree places the same weights with :func:`jaxlp.models.shard_model` over the
 first N devices; NVFP4 W4A16 is quantized once per degree (``quantize_model(mesh=...)``), kernels
-``"auto"``. Prints a table (speed-up over TP = 1 per format), compares every degree with TP = 1
+``"auto"``. ``--projections``: q/k/v and gate/up as separate linears (``unfused``) and/or fused,
+their rows grouped per device (``fused``: ``jaxlp.models.fuse_projections``; one column-parallel
+product per group and device). Prints a table (speed-up over TP = 1 per format), compares every degree with TP = 1
 (the greedy tokens, and the prompt's logits: relative error), and writes JSON.
 """
 
@@ -30,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jaxlp  # noqa: E402
 from bench_decode import CONTEXTS, QWEN3_8B, build_model, prompts, step_profile  # noqa: E402
 from jaxlp.evals import harness  # noqa: E402
-from jaxlp.models import from_hf_config, shard_model  # noqa: E402
+from jaxlp.models import from_hf_config, fuse_projections, shard_model  # noqa: E402
 from jaxlp.progress import Reporter  # noqa: E402
 from jaxlp.quantization import quantize_model, set_implementation  # noqa: E402
 
 FORMATS = ("bf16", "w4a16")
+PROJECTIONS = ("unfused", "fused")
 
 
 def decode_ms(model, batch: int, ctx: str, *, n1: int, n2: int, repeats: int, profile: dict | None = None):
@@ -63,6 +67,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", default="1,2", help="TP degrees, comma separated (1 first: the baseline)")
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"of {FORMATS}")
+    ap.add_argument("--projections", default="unfused", help=f"comma separated, of {PROJECTIONS}")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", default="short", choices=sorted(CONTEXTS))
@@ -76,6 +81,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     degrees = [int(t) for t in args.tp.split(",")]
     formats = args.formats.split(",")
+    layouts = args.projections.split(",")
+    if set(layouts) - set(PROJECTIONS):
+        ap.error(f"unknown --projections {sorted(set(layouts) - set(PROJECTIONS))}; known: {PROJECTIONS}")
     if degrees[0] != 1 or any(t < 1 for t in degrees):
         ap.error("--tp must start with 1 (the baseline) and hold positive degrees")
     if set(formats) - set(FORMATS):
@@ -88,44 +96,49 @@ def main(argv=None):
         cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    vocab_size=2048)
     config = from_hf_config(cfg)
-    base = build_model(config)
+    unfused = build_model(config)
     result = {**harness.run_metadata(argv), "model": f"Qwen3-8B shape, {args.layers} layers, random weights",
               "batch": args.batch, "context": args.context, "runs": []}
-    tokens_at_1, logits_at_1 = {}, {}
-    with Reporter().bar("tensor-parallel decode", len(degrees) * len(formats)) as advance:
+    tokens_at_1, logits_at_1 = {}, {}  # by (format, projections): the TP = 1 run of the same layout
+    with Reporter().bar("tensor-parallel decode", len(degrees) * len(formats) * len(layouts)) as advance:
         for tp in degrees:
             mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",)) if tp > 1 else None
-            model = shard_model(nnx.clone(base), mesh) if mesh is not None else nnx.clone(base)
-            for fmt in formats:
-                if fmt == "w4a16":
-                    model = quantize_model(model, "w4a16-nvfp4", mesh=mesh)
-                    set_implementation(model, "auto")
-                logits = prompt_logits(model, args.context)
-                if tp == 1:
-                    logits_at_1[fmt] = logits
-                profile = {} if args.profile else None
-                ms, tokens = decode_ms(model, args.batch, args.context, n1=args.n1, n2=args.n2, repeats=args.repeats,
-                                       profile=profile)
-                if tp == 1:
-                    tokens_at_1[fmt] = tokens
-                same = bool(np.array_equal(tokens, tokens_at_1[fmt]))
-                rec = dict(tp=tp, format=fmt, ms_per_token=ms, same_tokens_as_tp1=same,
-                           equal_token_fraction=float(np.mean(tokens == tokens_at_1[fmt])),
-                           logits_rel_to_tp1=harness.relative_error(logits, logits_at_1[fmt]))
-                if profile:
-                    rec["step_profile"] = profile
-                result["runs"].append(rec)
-                print(json.dumps(rec), flush=True)
-                if args.out:  # after every run: a call cut at its time limit keeps what it measured
-                    harness.write_json(args.out, result)
-                advance(1, description=f"tp {tp} {fmt}: {ms:.3f} ms/token")
-                jaxlp.generation.clear_cache_pool()
+            for layout in layouts:
+                model = nnx.clone(unfused) if layout == "unfused" else fuse_projections(unfused)
+                model = shard_model(model, mesh) if mesh is not None else model
+                for fmt in formats:
+                    if fmt == "w4a16":
+                        model = quantize_model(model, "w4a16-nvfp4", mesh=mesh)
+                        set_implementation(model, "auto")
+                    key = (fmt, layout)
+                    logits = prompt_logits(model, args.context)
+                    if tp == 1:
+                        logits_at_1[key] = logits
+                    profile = {} if args.profile else None
+                    ms, tokens = decode_ms(model, args.batch, args.context, n1=args.n1, n2=args.n2,
+                                           repeats=args.repeats, profile=profile)
+                    if tp == 1:
+                        tokens_at_1[key] = tokens
+                    same = bool(np.array_equal(tokens, tokens_at_1[key]))
+                    rec = dict(tp=tp, format=fmt, projections=layout, ms_per_token=ms, same_tokens_as_tp1=same,
+                               equal_token_fraction=float(np.mean(tokens == tokens_at_1[key])),
+                               logits_rel_to_tp1=harness.relative_error(logits, logits_at_1[key]))
+                    if profile:
+                        rec["step_profile"] = profile
+                    result["runs"].append(rec)
+                    print(json.dumps(rec), flush=True)
+                    if args.out:  # after every run: a call cut at its time limit keeps what it measured
+                        harness.write_json(args.out, result)
+                    advance(1, description=f"tp {tp} {layout} {fmt}: {ms:.3f} ms/token")
+                    jaxlp.generation.clear_cache_pool()
 
-    base_ms = {r["format"]: r["ms_per_token"] for r in result["runs"] if r["tp"] == 1}
+    base_ms = {(r["format"], r["projections"]): r["ms_per_token"] for r in result["runs"] if r["tp"] == 1}
     print(f"\n## decode ms/token, {jax.devices()[0].device_kind}, {args.layers} layers, batch {args.batch}")
-    print(f"{'format':8s} {'tp':>3s} {'ms/tok':>8s} {'x tp=1':>7s} {'tokens':>7s} {'logits vs tp=1':>15s}")
+    print(f"{'format':8s} {'projections':>11s} {'tp':>3s} {'ms/tok':>8s} {'x tp=1':>7s} {'tokens':>7s} "
+          f"{'logits vs tp=1':>15s}")
     for r in result["runs"]:
-        print(f"{r['format']:8s} {r['tp']:3d} {r['ms_per_token']:8.3f} {base_ms[r['format']] / r['ms_per_token']:6.2f}x "
+        x = base_ms[r["format"], r["projections"]] / r["ms_per_token"]
+        print(f"{r['format']:8s} {r['projections']:>11s} {r['tp']:3d} {r['ms_per_token']:8.3f} {x:6.2f}x "
               f"{'same' if r['same_tokens_as_tp1'] else 'DIFFER':>7s} {r['logits_rel_to_tp1']:15.2e}")
     return result
 

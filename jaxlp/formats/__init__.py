@@ -3,7 +3,8 @@
 Importing this package registers every format (see :func:`formats`).
 """
 
-from jaxlp.formats.base import QuantizedArray, array_class, concatenate_rows, dequantize, formats, quantize
+from jaxlp.formats.base import (QuantizedArray, array_class, concatenate_rows, dequantize, formats, quantize,
+                                take_rows)
 
 # --- E2M1 codec, NVFP4, MXFP4, FP8 E4M3 ---
 from jaxlp.formats import e2m1, fp8, mxfp4, nvfp4

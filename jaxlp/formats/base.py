@@ -139,6 +139,27 @@ def concatenate_rows(arrays: list[QuantizedArray]) -> QuantizedArray:
     return out
 
 
+def take_rows(q: QuantizedArray, rows) -> QuantizedArray:
+    """Rows ``rows`` (integer indices, in that order) of a quantized ``[N, K]`` array, bit-exact:
+    every row-wise field (leading axis ``N``) is indexed, every other field (a tensor scale) kept,
+    so that ``dequantize(take_rows(q, r)) == dequantize(q)[r]``."""
+    if not isinstance(q, QuantizedArray) or len(q.shape) != 2:
+        raise ValueError(f"take_rows needs a quantized [N, K] array, got {type(q).__name__} {getattr(q, 'shape', '')}")
+    n = q.shape[0]
+    rows = np.asarray(rows)
+    ok = rows.ndim == 1 and np.issubdtype(rows.dtype, np.integer)
+    if not ok or (rows.size and (rows.min() < 0 or rows.max() >= n)):
+        raise ValueError(f"{q.format}: take_rows needs a 1-D array of row indices in [0, {n}), got {rows!r}")
+    fields = {}
+    for f in dataclasses.fields(q):
+        leaf = getattr(q, f.name)
+        if not f.metadata.get("static") and leaf.ndim >= 1 and leaf.shape[0] == n:
+            fields[f.name] = leaf[rows]
+    out = dataclasses.replace(q, **fields, shape=(int(rows.size), q.shape[1]))
+    out.check()
+    return out
+
+
 def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
     """Reverse :func:`quantize` (up to the format's rounding) into a dense array of ``dtype``."""
     if not isinstance(q, QuantizedArray):

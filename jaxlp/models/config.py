@@ -73,6 +73,9 @@ class ModelConfig:
     Layout (not architecture): ``fused_projections`` holds q/k/v as one ``qkv_proj`` and
     gate/up as one ``gate_up_proj`` linear (rows concatenated; see
     :func:`jaxlp.models.fuse_projections`). Hugging Face checkpoints always hold them apart.
+    ``fused_shards``: the fused rows are grouped per tensor-parallel device, ``[q_0 k_0 v_0 q_1 k_1
+    v_1 ...]`` (``gate_0 up_0 gate_1 up_1 ...``) for that many devices (1: ``[q k v]``), so that
+    each device's row shard holds its own heads' q, k, v (MLP columns' gate, up).
     """
 
     model_type: str
@@ -104,6 +107,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     fused_projections: bool = False
+    fused_shards: int = 1
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -121,6 +125,16 @@ class ModelConfig:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
+        shards = self.fused_shards
+        if not isinstance(shards, numbers.Integral) or isinstance(shards, bool) or shards < 1:
+            raise ValueError(f"ModelConfig: fused_shards must be an integer >= 1, got {shards!r}")
+        if shards > 1 and not self.fused_projections:
+            raise ValueError(f"ModelConfig: fused_shards = {shards} needs fused_projections")
+        uneven = [f"{name} {getattr(self, name)}" for name in ("num_heads", "num_kv_heads", "intermediate_size")
+                  if getattr(self, name) % shards]
+        if uneven:
+            raise ValueError(f"ModelConfig: fused projections grouped for {shards} devices need {', '.join(uneven)} "
+                             f"to divide by {shards}")
 
     def rope_for(self, layer_type: str) -> RopeConfig:
         table = dict(self.rope)

@@ -114,7 +114,8 @@ def hf_config_dict(config: ModelConfig, dtype=jnp.float32) -> dict:
             d.update(use_sliding_window=sliding, sliding_window=c.sliding_window,
                      max_window_layers=first, layer_types=list(c.layer_types))
     back = from_hf_config(d)
-    diff = _differences(dataclasses.replace(c, fused_projections=False), back)  # a layout, not in config.json
+    # fused projections are a layout, not in config.json
+    diff = _differences(dataclasses.replace(c, fused_projections=False, fused_shards=1), back)
     if diff:
         raise ValueError(f"a {c.model_type} config.json cannot express this model: {', '.join(diff)} would change")
     return d

@@ -22,6 +22,7 @@ partitioner inserts the collectives everywhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -48,7 +49,9 @@ def role(name: str, config: ModelConfig, tp: int) -> str | None:
         return None
     if base == "lm_head":
         return "column" if config.vocab_size % tp == 0 else None
-    if re.search(r"self_attn\.[qkv]_proj$|mlp\.(gate|up)_proj$", base):
+    if base.endswith("self_attn.qkv_proj"):  # fused, rows grouped per device (ModelConfig.fused_shards)
+        return None if config.num_heads % tp or config.num_kv_heads % tp else "column"
+    if re.search(r"self_attn\.[qkv]_proj$|mlp\.(gate|up|gate_up)_proj$", base):
         return "column"
     if re.search(r"self_attn\.o_proj$|mlp\.down_proj$", base):
         return "row" if name.endswith(".weight") or name == base else None  # the bias is replicated
@@ -106,9 +109,23 @@ def tp_mesh(mesh: Mesh) -> Mesh:
 
 
 def _check_splits(config: ModelConfig, tp: int) -> None:
-    if config.fused_projections and tp > 1:
-        raise ValueError("tensor parallelism splits q/k/v and gate/up by heads and rows: shard an unfused model "
-                         "(fused qkv_proj / gate_up_proj rows cannot be split per device)")
+    if not config.fused_projections or tp == 1:
+        return
+    uneven = [f"{name} {getattr(config, name)}" for name in ("num_heads", "num_kv_heads", "intermediate_size")
+              if getattr(config, name) % tp]
+    if uneven:
+        raise ValueError(f"fused q/k/v and gate/up projections split over {tp} devices need {', '.join(uneven)} to "
+                         f"divide by {tp}: shard an unfused model")
+    if config.fused_shards != tp:
+        raise ValueError(f"the fused projections' rows are grouped for {config.fused_shards} device(s), not {tp}: "
+                         f"jaxlp.models.fuse_projections(model, shards={tp}) regroups them (shard_model does)")
+
+
+def tp_mesh_of(model) -> Mesh | None:
+    """The mesh of the model's first parameter when it has a ``"tp"`` axis of more than one device."""
+    leaf = jax.tree.leaves(nnx.state(model))[0]
+    mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+    return mesh if isinstance(mesh, Mesh) and mesh.shape.get(AXIS, 1) > 1 else None
 
 
 def parameter_sharding(name: str, value: Any, config: ModelConfig, mesh: Mesh) -> Any:
@@ -143,9 +160,15 @@ def shard_model(model, mesh: Mesh):
     Layers with a ``set_parallel(mesh, role)`` method (quantized linears) are told their role, and
     those with ``set_mesh(mesh)`` (attention) the mesh when the heads split, so that their kernels
     run on local shards; the model (``set_logits_mesh``) gathers the logits of a vocabulary-parallel
-    LM head. Parameters already on their target shardings stay where they are."""
+    LM head. Parameters already on their target shardings stay where they are. Fused projections
+    have their rows regrouped for the mesh's devices first (``ModelConfig.fused_shards``)."""
+    from jaxlp.models.fusion import group_rows
+
     mesh = tp_mesh(mesh)
     tp = mesh.shape[AXIS]
+    if model.config.fused_projections and tp > 1 and model.config.fused_shards != tp:
+        _check_splits(dataclasses.replace(model.config, fused_shards=tp), tp)
+        group_rows(model, tp)
     c = model.config
     _check_splits(c, tp)
     local_heads = tp > 1 and not (c.num_heads % tp or c.num_kv_heads % tp)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -28,6 +29,17 @@ def qkv_sizes(config: ModelConfig) -> tuple[int, int, int]:
     """Output features of q_proj, k_proj, v_proj (the row split of a fused qkv_proj)."""
     kv = config.num_kv_heads * config.head_dim
     return config.num_heads * config.head_dim, kv, kv
+
+
+def fused_parts(y: jax.Array, sizes: tuple[int, ...], shards: int = 1) -> list[jax.Array]:
+    """The outputs of the projections fused into ``y [..., sum(sizes)]`` (q, k, v or gate, up),
+    whose features are grouped per device for ``shards`` devices (``ModelConfig.fused_shards``):
+    device ``d``'s rows ``[d * N / shards, (d + 1) * N / shards)`` hold its share of every part in
+    turn. A reshape and slices, local to each device under tensor parallelism."""
+    lead = y.shape[:-1]
+    bounds = np.cumsum([n // shards for n in sizes])[:-1].tolist()
+    parts = jnp.split(y.reshape(*lead, shards, -1), bounds, axis=-1)
+    return [p.reshape(*lead, n) for p, n in zip(parts, sizes)]
 
 
 class Attention(nnx.Module):
@@ -50,8 +62,7 @@ class Attention(nnx.Module):
         c = self.config
         b, s, _ = x.shape
         if c.fused_projections:
-            nq, nk, _ = qkv_sizes(c)
-            q, k, v = jnp.split(self.qkv_proj(x), [nq, nq + nk], axis=-1)
+            q, k, v = fused_parts(self.qkv_proj(x), qkv_sizes(c), c.fused_shards)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(b, s, c.num_heads, c.head_dim)
@@ -116,7 +127,8 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         c = config
-        self.act, self.fused = c.hidden_act, c.fused_projections
+        self.act, self.fused, self.shards, self.intermediate = c.hidden_act, c.fused_projections, c.fused_shards, \
+            c.intermediate_size
         if self.fused:
             self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
         else:
@@ -126,7 +138,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         if self.fused:
-            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+            gate, up = fused_parts(self.gate_up_proj(x), (self.intermediate,) * 2, self.shards)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(_ACTIVATIONS[self.act](gate) * up)

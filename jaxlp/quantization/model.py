@@ -20,8 +20,9 @@ from jax.sharding import Mesh
 
 from jaxlp import formats
 from jaxlp.formats import int4_fp8, nestedfp
+from jaxlp.models import fusion
 from jaxlp.models.layers import Linear
-from jaxlp.models.sharding import shard_model
+from jaxlp.models.sharding import shard_model, tp_mesh_of
 from jaxlp.quantization.activations import STATIC
 from jaxlp.quantization.linear import QuantizedLinear
 from jaxlp.quantization.recipes import LM_HEAD, Recipe, get_recipe
@@ -127,14 +128,14 @@ def _fold_norm(norm, s: jax.Array):
 def _apply_cas(model, weights: dict[str, jax.Array]) -> None:
     """FireQ CAS on the MLPs: scale gate/up columns and down columns; fold the inverses.
 
-    With fused projections the up rows are the second half of ``gate_up_proj``."""
-    inter = model.config.intermediate_size
+    With fused projections the up rows are ``gate_up_proj``'s second part (:func:`fusion.part_rows`)."""
     for i, layer in enumerate(model.layers):
         mlp = f"layers.{i}.mlp"
         down = f"{mlp}.down_proj"
-        if layer.mlp.fused:  # one weight; up is its second half of rows
+        if layer.mlp.fused:  # one weight; up is its second part of rows
             gate_up = [f"{mlp}.gate_up_proj"]
-            up, up_rows, up_module = gate_up[0], slice(inter, None), layer.mlp.gate_up_proj
+            up, up_module = gate_up[0], layer.mlp.gate_up_proj
+            up_rows = fusion.part_rows(model.config, "gate_up_proj", 1)
         else:
             gate_up = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
             up, up_rows, up_module = gate_up[1], slice(None), layer.mlp.up_proj
@@ -173,7 +174,7 @@ def quantize_model(
     whose parameters already lie on a mesh with a ``"tp"`` axis is placed on that mesh again.
     """
     recipe = get_recipe(recipe)
-    mesh = mesh if mesh is not None else _tp_mesh_of(model)
+    mesh = mesh if mesh is not None else tp_mesh_of(model)
     if calibration is not None:
         check_calibration(model.config, calibration)
     if not inplace:
@@ -219,14 +220,6 @@ def quantize_model(
             progress("quantizing", len(quantized) + len(kept), len(layers))
     model.quantization = QuantizationReport(recipe.name, tuple(quantized), tuple(kept))
     return shard_model(model, mesh) if mesh is not None else model
-
-
-def _tp_mesh_of(model) -> Mesh | None:
-    """The mesh of the model's first parameter when it has a ``"tp"`` axis of more than one device."""
-    leaf = jax.tree.leaves(nnx.state(model))[0]
-    sharding = getattr(leaf, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    return mesh if isinstance(mesh, Mesh) and mesh.shape.get("tp", 1) > 1 else None
 
 
 def quantized_layers(model) -> Iterable[tuple[str, QuantizedLinear]]:

@@ -193,7 +193,9 @@ def load_quantized(path: str | Path, *, check_finite: bool = True, mesh: Mesh | 
     path = Path(path)
     meta, config, dtype, layers = _read_marker(path)
     sharding = None
-    if mesh is not None:
+    tp = 1 if mesh is None else tp_mesh(mesh).shape[AXIS]
+    if mesh is not None and not (config.fused_projections and tp > 1 and config.fused_shards != tp):
+        # (fused rows grouped for another device count: loaded whole, regrouped by shard_model)
         mesh = tp_mesh(mesh)
         stored = checkpoint.abstract(path / "params")
         try:

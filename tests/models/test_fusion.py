@@ -173,8 +173,9 @@ def test_fused_models_refuse_per_projection_rewrites():
         fireq_kv.collect_keys(fused, _ids(4))
     if jax.device_count() < 2:
         pytest.skip("needs two (simulated) devices for a tensor-parallel mesh")
-    with pytest.raises(ValueError, match="shard an unfused model"):
-        shard_model(fused, Mesh(np.array(jax.devices()[:2]), ("tp",)))
+    one_kv_head = fuse_projections(_random(CONFIGS["qwen2_bias"], seed=23))
+    with pytest.raises(ValueError, match="num_kv_heads 1 to divide by 2: shard an unfused model"):
+        shard_model(one_kv_head, Mesh(np.array(jax.devices()[:2]), ("tp",)))
 
 
 @pytest.mark.gpu

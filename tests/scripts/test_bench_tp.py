@@ -27,6 +27,24 @@ def test_tiny_run_writes_each_degree_with_its_token_check_and_profile(tmp_path):
         assert set(r["step_profile"]) == {"gpu_us_per_token", "launches_per_token", "by_kind_us", "top_kernels_us"}
 
 
+def test_fused_projections_run_beside_unfused_ones_with_their_own_baseline(tmp_path):
+    """``--projections unfused,fused``: every (degree, layout, format), each layout's TP = 2 run
+    compared with its own TP = 1 run; the fused layout's rows are regrouped per degree."""
+    result = load_script("bench_tp").main(["--tiny", "--layers", "1", "--tp", "1,2", "--formats", "bf16,w4a16",
+                                           "--projections", "unfused,fused", "--n1", "1", "--n2", "3",
+                                           "--repeats", "1"])
+    runs = result["runs"]
+    assert [(r["tp"], r["projections"], r["format"]) for r in runs] == [
+        (t, p, f) for t in (1, 2) for p in ("unfused", "fused") for f in ("bf16", "w4a16")]
+    for r in runs:
+        assert r["logits_rel_to_tp1"] <= (0.0 if r["tp"] == 1 else 1e-2), r
+
+
+def test_unknown_projections_are_refused():
+    with pytest.raises(SystemExit):
+        load_script("bench_tp").main(["--tiny", "--projections", "merged"])
+
+
 def test_degrees_must_start_at_one():
     with pytest.raises(SystemExit):
         load_script("bench_tp").main(["--tiny", "--tp", "2"])
