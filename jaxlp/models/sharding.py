@@ -22,7 +22,6 @@ partitioner inserts the collectives everywhere else.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
@@ -108,15 +107,17 @@ def tp_mesh(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, (AXIS,))
 
 
-def _check_splits(config: ModelConfig, tp: int) -> None:
-    if not config.fused_projections or tp == 1:
-        return
+def _check_fused_divides(config: ModelConfig, tp: int) -> None:
     uneven = [f"{name} {getattr(config, name)}" for name in ("num_heads", "num_kv_heads", "intermediate_size")
               if getattr(config, name) % tp]
-    if uneven:
+    if config.fused_projections and tp > 1 and uneven:
         raise ValueError(f"fused q/k/v and gate/up projections split over {tp} devices need {', '.join(uneven)} to "
                          f"divide by {tp}: shard an unfused model")
-    if config.fused_shards != tp:
+
+
+def _check_splits(config: ModelConfig, tp: int) -> None:
+    _check_fused_divides(config, tp)
+    if config.fused_projections and tp > 1 and config.fused_shards != tp:
         raise ValueError(f"the fused projections' rows are grouped for {config.fused_shards} device(s), not {tp}: "
                          f"jaxlp.models.fuse_projections(model, shards={tp}) regroups them (shard_model does)")
 
@@ -167,7 +168,7 @@ def shard_model(model, mesh: Mesh):
     mesh = tp_mesh(mesh)
     tp = mesh.shape[AXIS]
     if model.config.fused_projections and tp > 1 and model.config.fused_shards != tp:
-        _check_splits(dataclasses.replace(model.config, fused_shards=tp), tp)
+        _check_fused_divides(model.config, tp)
         group_rows(model, tp)
     c = model.config
     _check_splits(c, tp)
