@@ -1,5 +1,7 @@
 """fuse_projections: one qkv_proj and one gate_up_proj per layer, the same model function."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import jaxlp
 from jaxlp import formats
 from jaxlp.formats import nvfp4
 from jaxlp.models import ModelConfig, Transformer, fuse_projections
+from jaxlp.models.fusion import fused_order, group_rows, part_rows
 from jaxlp.quantization import quantize_model, save_quantized
 from jaxlp.quantization.recipes import get_recipe
 
@@ -18,6 +21,9 @@ CONFIGS = {
                          num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True),
     "qwen2_bias": ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=128, intermediate_size=256,
                               num_layers=2, num_heads=4, num_kv_heads=1, head_dim=32, qkv_bias=True, mlp_bias=True),
+    "qwen2_bias_kv2": ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=128, intermediate_size=256,
+                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, qkv_bias=True,
+                                  mlp_bias=True),
     "gemma3": ModelConfig(model_type="gemma3_text", vocab_size=128, hidden_size=128, intermediate_size=256,
                           num_layers=2, num_heads=4, num_kv_heads=1, head_dim=32, qk_norm=True, norm_offset=True,
                           sandwich_norm=True, hidden_act="gelu_pytorch_tanh", embed_scale=128**0.5),
@@ -106,6 +112,109 @@ def test_fusing_refuses_what_cannot_share_one_linear():
     mixed = quantize_model(model, get_recipe("w4a16-mxfp4").replace(exclude=r".*\.k_proj"))
     with pytest.raises(ValueError, match=r"layers\.0\.self_attn: cannot fuse a mix"):
         fuse_projections(mixed)
+
+
+# --- rows grouped per tensor-parallel device (ModelConfig.fused_shards) ---------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2_bias_kv2"])
+def test_rows_grouped_per_device_hold_each_devices_heads_and_columns(name):
+    """Device d's block of qkv_proj is [q_d k_d v_d] (its query and KV heads), of gate_up_proj
+    [gate_d up_d]; the model computes the same function (biases go with their rows)."""
+    model = _random(CONFIGS[name], seed=29)
+    grouped = fuse_projections(model, shards=2)
+    assert grouped.config.fused_shards == 2 and grouped.layers[1].mlp.shards == 2
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    w = lambda lin: np.asarray(lin.weight[...])  # noqa: E731
+    halves = lambda x: np.split(x, 2)  # noqa: E731
+    want_qkv = np.concatenate([part for d in range(2) for part in
+                               (halves(w(attn.q_proj))[d], halves(w(attn.k_proj))[d], halves(w(attn.v_proj))[d])])
+    want_gate_up = np.concatenate([part for d in range(2) for part in
+                                   (halves(w(mlp.gate_proj))[d], halves(w(mlp.up_proj))[d])])
+    np.testing.assert_array_equal(w(grouped.layers[1].self_attn.qkv_proj), want_qkv)
+    np.testing.assert_array_equal(w(grouped.layers[1].mlp.gate_up_proj), want_gate_up)
+    if CONFIGS[name].qkv_bias:
+        want_bias = np.concatenate([np.split(np.asarray(p.bias[...]), 2)[d] for d in range(2)
+                                    for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+        np.testing.assert_array_equal(np.asarray(grouped.layers[1].self_attn.qkv_proj.bias[...]), want_bias)
+    ids = _ids(5)
+    np.testing.assert_allclose(np.asarray(grouped(ids)), np.asarray(model(ids)), rtol=1e-5, atol=1e-5)
+    # Regrouping a fused model is a permutation of its rows, and back is exact.
+    back = fuse_projections(grouped, shards=1)
+    canonical = fuse_projections(model).layers[1].self_attn.qkv_proj
+    np.testing.assert_array_equal(w(back.layers[1].self_attn.qkv_proj), w(canonical))
+
+
+def test_fused_order_and_part_rows():
+    c = dataclasses.replace(CONFIGS["qwen3"], fused_projections=True, fused_shards=2)  # q 128, k 64, v 64 rows
+    order = fused_order(c, "qkv_proj")
+    np.testing.assert_array_equal(order, np.concatenate([np.arange(0, 64), np.arange(128, 160), np.arange(192, 224),
+                                                         np.arange(64, 128), np.arange(160, 192), np.arange(224, 256)]))
+    np.testing.assert_array_equal(np.sort(order), np.arange(256))
+    np.testing.assert_array_equal(fused_order(c, "gate_up_proj")[part_rows(c, "gate_up_proj", 1)], np.arange(256, 512))
+    np.testing.assert_array_equal(part_rows(c, "qkv_proj", 1), np.concatenate([np.arange(64, 96), np.arange(192, 224)]))
+    with pytest.raises(ValueError, match="unknown fused projection"):
+        fused_order(c, "o_proj")
+
+
+def test_fused_shards_are_checked():
+    base = CONFIGS["qwen3"]
+    with pytest.raises(ValueError, match="fused_shards = 2 needs fused_projections"):
+        dataclasses.replace(base, fused_shards=2)
+    with pytest.raises(ValueError, match="need num_heads 4, num_kv_heads 2, intermediate_size 256 to divide by 3"):
+        dataclasses.replace(base, fused_projections=True, fused_shards=3)
+    with pytest.raises(ValueError, match="fused_shards must be an integer >= 1"):
+        dataclasses.replace(base, fused_projections=True, fused_shards=0)
+    with pytest.raises(ValueError, match="num_kv_heads 2 to divide by 4"):
+        fuse_projections(_random(base, seed=1), shards=4)
+
+
+def test_grouped_quantized_rows_are_bit_exact_and_fireq_cas_follows_them():
+    """A quantized fused model regroups by a permutation of its codes and scales (no requantizing);
+    FireQ's CAS scales the up rows wherever they lie, so quantizing a grouped model equals grouping a
+    quantized one."""
+    model = _random(CONFIGS["qwen3"], seed=31)
+    q1 = quantize_model(fuse_projections(model), "w4a16-nvfp4")
+    q2 = fuse_projections(q1, shards=2)
+    rows = np.argsort(fused_order(q1.config, "qkv_proj"))[fused_order(q2.config, "qkv_proj")]
+    w1, w2 = (q.layers[0].self_attn.qkv_proj.weight.get_value() for q in (q1, q2))
+    np.testing.assert_array_equal(np.asarray(w2.dequantize()), np.asarray(w1.dequantize())[rows])
+    back = fuse_projections(q2, shards=1)
+    for a, b in zip(jax.tree.leaves(nnx.state(q1)), jax.tree.leaves(nnx.state(back))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # (CAS's column scales reduce over the rows in another order: equal to a few float32 ulps, so
+    # the two agree to rounding, where a misplaced up row would move the logits by O(1).)
+    f1 = quantize_model(fuse_projections(model), "w4a8-fireq")
+    f2 = quantize_model(fuse_projections(model, shards=2), "w4a8-fireq")
+    group_rows(f1, 2)
+    ids = _ids(8)
+    got, want = np.asarray(f2(ids), np.float64), np.asarray(f1(ids), np.float64)
+    assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
+    up1, up2 = (f.layers[0].mlp.gate_up_proj.weight.get_value().dequantize() for f in (f1, f2))
+    assert np.mean(np.asarray(up1) == np.asarray(up2)) > 0.99
+
+
+def test_grouped_rows_save_under_hugging_face_names(tmp_path):
+    model = _random(dataclasses.replace(CONFIGS["qwen2_bias_kv2"], mlp_bias=False), seed=37, dtype=jnp.bfloat16)
+    jaxlp.save_pretrained(fuse_projections(model, shards=2), tmp_path / "hf")
+    back = jaxlp.from_pretrained(tmp_path / "hf", dtype=jnp.bfloat16)
+    assert not back.config.fused_projections and back.config.fused_shards == 1
+    ids = _ids(6)
+    np.testing.assert_array_equal(np.asarray(back(ids)), np.asarray(model(ids)))
+
+
+@pytest.mark.parametrize("fmt", formats.formats())
+def test_take_rows_is_exact_for_every_format(fmt):
+    rng = np.random.default_rng(7)
+    q = formats.quantize(jnp.asarray(0.3 * rng.standard_normal((24, 256)), jnp.float32), fmt)  # NestedFP: |w| < 1.75
+    rows = rng.permutation(24)[:17]
+    t = formats.take_rows(q, rows)
+    assert t.shape == (17, 256) and t.format == q.format
+    np.testing.assert_array_equal(np.asarray(formats.dequantize(t)), np.asarray(formats.dequantize(q))[rows])
+    for bad in ([24], [-1], [[0, 1]], [0.5]):
+        with pytest.raises(ValueError, match="row indices in"):
+            formats.take_rows(q, np.asarray(bad))
 
 
 def test_concatenate_rows_checks_its_inputs():

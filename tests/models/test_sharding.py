@@ -279,3 +279,62 @@ def test_the_lm_head_splits_over_the_vocabulary_and_gives_the_single_device_logi
         prompts = [token_ids(3, (1, 7))[0].tolist()]
         runs = [jaxlp.generate(m, prompts, max_new_tokens=4, stop_tokens=()) for m in (single, sharded)]
         assert runs[1].sequences() == runs[0].sequences()
+
+
+# --- fused projections, rows grouped per device -------------------------------------------------
+
+
+def test_fused_projections_split_per_device_give_the_single_device_logits(base):
+    """A fused model on 4 devices: shard_model groups the fused rows per device (fused_shards = 4),
+    qkv_proj and gate_up_proj are column-parallel, and the logits are the single-device ones, in
+    float32 and with NVFP4 weights on local shards (no gathered weight)."""
+    from jaxlp.models import fuse_projections
+
+    fused = fuse_projections(base)
+    sharded = shard_model(nnx.clone(fused), mesh_of(4))
+    assert sharded.config.fused_shards == 4 and fused.config.fused_shards == 1
+    assert sharded.layers[0].self_attn.qkv_proj.weight[...].sharding.spec == P("tp", None)
+    assert sharded.layers[0].mlp.gate_up_proj.weight[...].sharding.spec == P("tp", None)
+    ids = token_ids(4)
+    forward = jax.jit(lambda m, x: m(x))
+    want = np.asarray(forward(base, ids))
+    assert rel(forward(sharded, ids), want) <= 1e-5
+
+    q = quantize_model(fused, "w4a16-nvfp4")
+    qs = shard_model(nnx.clone(q), mesh_of(4))
+    layer = qs.layers[0].self_attn.qkv_proj
+    assert layer.parallel[1] == "column" and qs.layers[0].mlp.gate_up_proj.parallel[1] == "column"
+    assert rel(forward(qs, ids), forward(q, ids)) <= 1e-4
+    x = jnp.ones((2, 512), jnp.float32)
+    text = jax.jit(lambda layer, x: layer(x)).lower(layer, x).as_text()
+    assert "all_gather" not in text and "all-gather" not in text
+    gen = [jaxlp.generate(m, [ids[0, :7].tolist()], max_new_tokens=5, kv_cache="fp32", stop_tokens=()).sequences()
+           for m in (q, qs)]
+    assert gen[0] == gen[1]
+
+
+def test_fusing_a_sharded_model_keeps_its_mesh(base):
+    from jaxlp.models import fuse_projections
+
+    fused = fuse_projections(shard_model(nnx.clone(base), mesh_of(2)))
+    assert fused.config.fused_shards == 2
+    w = fused.layers[1].mlp.gate_up_proj.weight[...]
+    assert w.sharding.spec == P("tp", None) and len(w.sharding.device_set) == 2
+    ids = token_ids(5)
+    assert rel(jax.jit(lambda m, x: m(x))(fused, ids), base(ids)) <= 1e-5
+
+
+def test_a_fused_checkpoint_loads_onto_another_mesh(base, tmp_path):
+    """Saved with rows grouped for 4 devices: loaded whole (as saved), onto 2 devices (regrouped)."""
+    from jaxlp.models import fuse_projections
+
+    q = quantize_model(fuse_projections(base), "w4a16-nvfp4")
+    save_quantized(shard_model(nnx.clone(q), mesh_of(4)), tmp_path / "q")
+    ids = token_ids(6)
+    want = np.asarray(q(ids))
+    whole = jaxlp.from_pretrained(tmp_path / "q")
+    assert whole.config.fused_shards == 4
+    on_two = jaxlp.from_pretrained(tmp_path / "q", mesh=mesh_of(2))
+    assert on_two.config.fused_shards == 2 and on_two.layers[0].self_attn.qkv_proj.parallel[1] == "column"
+    for m in (whole, on_two):
+        np.testing.assert_allclose(np.asarray(jax.jit(lambda m, x: m(x))(m, ids)), want, rtol=1e-5, atol=1e-5)
