@@ -170,14 +170,14 @@ def load_model(args, reporter):
     from jaxlp.models.tokenizer import load_tokenizer
     from jaxlp.pretrained import from_pretrained
 
-    mesh = tp_mesh(getattr(args, "tp", 1), fused=getattr(args, "fuse_projections", False))
+    mesh = tp_mesh(getattr(args, "tp", 1))
     with reporter.status(f"loading {args.model}"):
         model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), check_finite=not args.no_check, mesh=mesh)
         tokenizer = load_tokenizer(args.model)
     return model, tokenizer
 
 
-def tp_mesh(tp: int, *, fused: bool = False):
+def tp_mesh(tp: int):
     """The mesh of ``--tp N`` (None for 1): the first N local devices on an axis ``"tp"``."""
     if tp < 1:
         raise UserError(f"--tp must be >= 1, got {tp}")
@@ -187,9 +187,6 @@ def tp_mesh(tp: int, *, fused: bool = False):
     import numpy as np
     from jax.sharding import Mesh
 
-    if fused:
-        raise UserError("--tp and --fuse-projections do not combine: fused q/k/v and gate/up rows cannot be split "
-                        "per device")
     devices = jax.local_devices()
     if tp > len(devices):
         raise UserError(f"--tp {tp}: this machine has {len(devices)} {devices[0].platform.upper()} device(s)")

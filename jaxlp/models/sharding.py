@@ -18,6 +18,12 @@ heads both divide ``tp``. Quantized linears learn their role
 (:meth:`~jaxlp.quantization.linear.QuantizedLinear.set_parallel`): their GPU kernels then run on
 each device's shard under ``shard_map`` (one all-reduce per row-parallel layer). XLA's SPMD
 partitioner inserts the collectives everywhere else.
+
+Fused projections (:func:`jaxlp.models.fuse_projections`) are column-parallel too: their rows are
+grouped per device (``ModelConfig.fused_shards``: device ``d`` holds ``[q_d k_d v_d]`` of its own
+heads, ``[gate_d up_d]`` of its own MLP columns), so each device runs one local product per group;
+:func:`shard_model` regroups a fused model for its mesh (a permutation of rows, quantized ones
+bit-exact) and refuses one whose heads or MLP columns do not divide over the devices.
 """
 
 from __future__ import annotations
