@@ -24,44 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlp.formats import QuantizedArray, take_rows
+from jaxlp.models.fused_layout import fused_order, group_rows, part_sizes
 from jaxlp.models.layers import Linear
-from jaxlp.models.transformer import qkv_sizes
+from jaxlp.models.sharding import AXIS, shard_model, tp_mesh_of
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
-
-
-def part_sizes(config, proj: str) -> tuple[int, ...]:
-    """Output features of the projections fused into ``proj`` (``"qkv_proj"`` or ``"gate_up_proj"``)."""
-    if proj == "qkv_proj":
-        return qkv_sizes(config)
-    if proj == "gate_up_proj":
-        return (config.intermediate_size,) * 2
-    raise ValueError(f"unknown fused projection {proj!r} (qkv_proj, gate_up_proj)")
-
-
-def fused_order(config, proj: str, shards: int | None = None) -> np.ndarray:
-    """Row ``i`` of fused projection ``proj`` laid out for ``shards`` devices (default: the config's
-    ``fused_shards``) is row ``fused_order(...)[i]`` of the parts concatenated whole (``[q k v]``,
-    ``[gate up]``): device ``d``'s block holds slice ``d`` of every part in turn."""
-    shards = config.fused_shards if shards is None else shards
-    sizes = part_sizes(config, proj)
-    if any(n % shards for n in sizes):
-        raise ValueError(f"{proj}: parts of {sizes} rows do not split over {shards} devices")
-    starts = np.cumsum((0,) + sizes[:-1])
-    return np.concatenate([start + np.arange(d * n // shards, (d + 1) * n // shards)
-                           for d in range(shards) for start, n in zip(starts, sizes)])
-
-
-def part_rows(config, proj: str, part: int) -> np.ndarray:
-    """The rows of ``proj`` (in the config's layout) that hold part ``part`` (q, k, v = 0, 1, 2;
-    gate, up = 0, 1), in the part's own order."""
-    sizes = part_sizes(config, proj)
-    start = sum(sizes[:part])
-    order = fused_order(config, proj)
-    rows = np.nonzero((order >= start) & (order < start + sizes[part]))[0]
-    return rows[np.argsort(order[rows])]
 
 
 def _concat_bias(parts, where: str):
@@ -106,8 +74,6 @@ def fuse_projections(model, *, inplace: bool = False, shards: int | None = None)
     mesh is placed on it again (:func:`jaxlp.models.shard_model`). Raises ValueError naming the
     layer when its projections cannot share one linear (see the module docstring).
     """
-    from jaxlp.models.sharding import AXIS, shard_model, tp_mesh_of
-
     mesh = tp_mesh_of(model)
     if shards is None:
         shards = mesh.shape[AXIS] if mesh is not None else model.config.fused_shards
@@ -122,27 +88,6 @@ def fuse_projections(model, *, inplace: bool = False, shards: int | None = None)
         if shards != 1:
             group_rows(model, shards)
     return shard_model(model, mesh) if mesh is not None else model
-
-
-def group_rows(model, shards: int) -> None:
-    """Reorder the fused projections' rows of ``model`` (in place) for ``shards`` devices
-    (``ModelConfig.fused_shards``); placement is left to the caller."""
-    old = model.config
-    config = dataclasses.replace(old, fused_shards=shards)  # checks that the parts divide
-    for layer in model.layers:
-        for module, proj in ((layer.self_attn, "qkv_proj"), (layer.mlp, "gate_up_proj")):
-            rows = np.argsort(fused_order(old, proj))[fused_order(config, proj)]
-            _take_rows(getattr(module, proj), rows)
-        layer.self_attn.config, layer.mlp.shards = config, shards
-    model.config = config
-
-
-def _take_rows(linear, rows: np.ndarray) -> None:
-    """Keep rows ``rows`` of a (quantized or high-precision) linear's weight and bias, in place."""
-    w = linear.weight.get_value()
-    linear.weight.set_value(take_rows(w, rows) if isinstance(w, QuantizedArray) else w[rows])
-    if linear.bias is not None:
-        linear.bias.set_value(linear.bias[...][rows])
 
 
 def _fuse(model) -> None:

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlp.formats import QuantizedArray
 from jaxlp.models.config import ModelConfig
+from jaxlp.models.fused_layout import group_rows
 
 AXIS = "tp"
 
@@ -169,8 +170,6 @@ def shard_model(model, mesh: Mesh):
     run on local shards; the model (``set_logits_mesh``) gathers the logits of a vocabulary-parallel
     LM head. Parameters already on their target shardings stay where they are. Fused projections
     have their rows regrouped for the mesh's devices first (``ModelConfig.fused_shards``)."""
-    from jaxlp.models.fusion import group_rows
-
     mesh = tp_mesh(mesh)
     tp = mesh.shape[AXIS]
     if model.config.fused_projections and tp > 1 and model.config.fused_shards != tp:

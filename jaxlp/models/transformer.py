@@ -12,34 +12,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlp.kvcache.base import KVCache
 from jaxlp.attention.reference import causal_attention
 from jaxlp.models.config import ModelConfig
+from jaxlp.models.fused_layout import fused_parts, qkv_sizes
 from jaxlp.models.layers import Embedding, Linear, RMSNorm, apply_rope, rope_cos_sin
 from jaxlp.models.sharding import AXIS
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
-
-
-def qkv_sizes(config: ModelConfig) -> tuple[int, int, int]:
-    """Output features of q_proj, k_proj, v_proj (the row split of a fused qkv_proj)."""
-    kv = config.num_kv_heads * config.head_dim
-    return config.num_heads * config.head_dim, kv, kv
-
-
-def fused_parts(y: jax.Array, sizes: tuple[int, ...], shards: int = 1) -> list[jax.Array]:
-    """The outputs of the projections fused into ``y [..., sum(sizes)]`` (q, k, v or gate, up),
-    whose features are grouped per device for ``shards`` devices (``ModelConfig.fused_shards``):
-    device ``d``'s rows ``[d * N / shards, (d + 1) * N / shards)`` hold its share of every part in
-    turn. A reshape and slices, local to each device under tensor parallelism."""
-    lead = y.shape[:-1]
-    bounds = np.cumsum([n // shards for n in sizes])[:-1].tolist()
-    parts = jnp.split(y.reshape(*lead, shards, -1), bounds, axis=-1)
-    return [p.reshape(*lead, n) for p, n in zip(parts, sizes)]
 
 
 class Attention(nnx.Module):

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from jaxlp import formats
 from jaxlp.formats import int4_fp8, nestedfp
-from jaxlp.models import fusion
+from jaxlp.models import fused_layout
 from jaxlp.models.layers import Linear
 from jaxlp.models.sharding import shard_model, tp_mesh_of
 from jaxlp.quantization.activations import STATIC
@@ -128,14 +128,14 @@ def _fold_norm(norm, s: jax.Array):
 def _apply_cas(model, weights: dict[str, jax.Array]) -> None:
     """FireQ CAS on the MLPs: scale gate/up columns and down columns; fold the inverses.
 
-    With fused projections the up rows are ``gate_up_proj``'s second part (:func:`fusion.part_rows`)."""
+    With fused projections the up rows are ``gate_up_proj``'s second part (:func:`fused_layout.part_rows`)."""
     for i, layer in enumerate(model.layers):
         mlp = f"layers.{i}.mlp"
         down = f"{mlp}.down_proj"
         if layer.mlp.fused:  # one weight; up is its second part of rows
             gate_up = [f"{mlp}.gate_up_proj"]
             up, up_module = gate_up[0], layer.mlp.gate_up_proj
-            up_rows = fusion.part_rows(model.config, "gate_up_proj", 1)
+            up_rows = fused_layout.part_rows(model.config, "gate_up_proj", 1)
         else:
             gate_up = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
             up, up_rows, up_module = gate_up[1], slice(None), layer.mlp.up_proj

@@ -12,7 +12,7 @@ import jaxlp
 from jaxlp import formats
 from jaxlp.formats import nvfp4
 from jaxlp.models import ModelConfig, Transformer, fuse_projections
-from jaxlp.models.fusion import fused_order, group_rows, part_rows
+from jaxlp.models.fused_layout import fused_order, group_rows
 from jaxlp.quantization import quantize_model, save_quantized
 from jaxlp.quantization.recipes import get_recipe
 
@@ -145,18 +145,6 @@ def test_rows_grouped_per_device_hold_each_devices_heads_and_columns(name):
     np.testing.assert_array_equal(w(back.layers[1].self_attn.qkv_proj), w(canonical))
 
 
-def test_fused_order_and_part_rows():
-    c = dataclasses.replace(CONFIGS["qwen3"], fused_projections=True, fused_shards=2)  # q 128, k 64, v 64 rows
-    order = fused_order(c, "qkv_proj")
-    np.testing.assert_array_equal(order, np.concatenate([np.arange(0, 64), np.arange(128, 160), np.arange(192, 224),
-                                                         np.arange(64, 128), np.arange(160, 192), np.arange(224, 256)]))
-    np.testing.assert_array_equal(np.sort(order), np.arange(256))
-    np.testing.assert_array_equal(fused_order(c, "gate_up_proj")[part_rows(c, "gate_up_proj", 1)], np.arange(256, 512))
-    np.testing.assert_array_equal(part_rows(c, "qkv_proj", 1), np.concatenate([np.arange(64, 96), np.arange(192, 224)]))
-    with pytest.raises(ValueError, match="unknown fused projection"):
-        fused_order(c, "o_proj")
-
-
 def test_fused_shards_are_checked():
     base = CONFIGS["qwen3"]
     with pytest.raises(ValueError, match="fused_shards = 2 needs fused_projections"):
@@ -202,19 +190,6 @@ def test_grouped_rows_save_under_hugging_face_names(tmp_path):
     assert not back.config.fused_projections and back.config.fused_shards == 1
     ids = _ids(6)
     np.testing.assert_array_equal(np.asarray(back(ids)), np.asarray(model(ids)))
-
-
-@pytest.mark.parametrize("fmt", formats.formats())
-def test_take_rows_is_exact_for_every_format(fmt):
-    rng = np.random.default_rng(7)
-    q = formats.quantize(jnp.asarray(0.3 * rng.standard_normal((24, 256)), jnp.float32), fmt)  # NestedFP: |w| < 1.75
-    rows = rng.permutation(24)[:17]
-    t = formats.take_rows(q, rows)
-    assert t.shape == (17, 256) and t.format == q.format
-    np.testing.assert_array_equal(np.asarray(formats.dequantize(t)), np.asarray(formats.dequantize(q))[rows])
-    for bad in ([24], [-1], [[0, 1]], [0.5]):
-        with pytest.raises(ValueError, match="row indices in"):
-            formats.take_rows(q, np.asarray(bad))
 
 
 def test_concatenate_rows_checks_its_inputs():
