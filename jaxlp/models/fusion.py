@@ -77,6 +77,10 @@ def fuse_projections(model, *, inplace: bool = False, shards: int | None = None)
     mesh = tp_mesh_of(model)
     if shards is None:
         shards = mesh.shape[AXIS] if mesh is not None else model.config.fused_shards
+    elif mesh is not None and shards != mesh.shape[AXIS]:
+        raise ValueError(f"fuse_projections: the model lies on a mesh of {mesh.shape[AXIS]} devices, so its fused "
+                         f"rows are grouped for {mesh.shape[AXIS]}, not shards={shards} (shard_model moves it to "
+                         "another mesh)")
     if model.config.fused_projections and model.config.fused_shards == shards:
         return model
     if not inplace:

@@ -322,6 +322,8 @@ def test_fusing_a_sharded_model_keeps_its_mesh(base):
     assert w.sharding.spec == P("tp", None) and len(w.sharding.device_set) == 2
     ids = token_ids(5)
     assert rel(jax.jit(lambda m, x: m(x))(fused, ids), base(ids)) <= 1e-5
+    with pytest.raises(ValueError, match="lies on a mesh of 2 devices.*not shards=4"):
+        fuse_projections(fused, shards=4)
 
 
 def test_a_fused_checkpoint_loads_onto_another_mesh(base, tmp_path):
