@@ -227,7 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--slots", type=_positive_int, default=None, metavar="N",
                    help="concurrent requests (default: 8, or what --cache-gib fits)")
     v.add_argument("--cache-gib", type=float, default=None, metavar="X",
-                   help="KV cache memory in GiB: the slot count is what the cache format fits (capped by --slots)")
+                   help="KV cache memory in GiB (in all, over the --tp devices): the slot count is what the cache "
+                        "format fits (capped by --slots)")
+    v.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism over the first N local devices (heads, MLP columns and the cache's "
+                        "heads split; quantized kernels run on each device's shard) (default: 1)")
+    v.add_argument("--fuse-projections", action="store_true",
+                   help="one q/k/v and one gate/up linear per layer, rows grouped per --tp device (faster decode; "
+                        "before --recipe quantizes)")
     v.add_argument("--steps-per-call", type=_positive_int, default=4, metavar="N",
                    help=_d("decode steps per device call (streaming granularity)"))
     v.add_argument("--max-waiting", type=int, default=256, metavar="N",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxlp.cli.common import UserError, load_model, model_config, reporter_for
+from jaxlp.cli.common import UserError, fused_model, load_model, model_config, reporter_for
 
 
 def _check_bindable(host: str, port: int) -> None:
@@ -62,6 +62,8 @@ def cmd_serve(args) -> int:
         budget = int(args.cache_gib * 2**30)
     chat_template = ChatTemplate.from_model_dir(args.model)
     model, tokenizer = load_model(args, reporter)
+    if args.fuse_projections:
+        model = fused_model(model)
     if recipe is not None:
         from jaxlp.quantization import quantize_model
 
@@ -73,7 +75,8 @@ def cmd_serve(args) -> int:
     buckets = sorted({min(prompt_bucket(n), max_len - 1) for n in (2**k for k in range(4, max_len.bit_length() + 1))
                       if n < max_len})
     model_id = args.model_id or Path(args.model).resolve().name
-    reporter.note(f"serving {model_id} ({args.kv_cache} cache, {max_len} positions per slot) on "
+    over = f", over {args.tp} devices" if args.tp > 1 else ""
+    reporter.note(f"serving {model_id} ({args.kv_cache} cache, {max_len} positions per slot{over}) on "
                   f"http://{args.host}:{args.port}/v1 ; compiling {len(buckets)} prefill buckets and the decode step")
     server.serve(model, tokenizer, model_id=model_id, kv_cache=args.kv_cache, host=args.host, port=args.port,
                  chat_template=chat_template, warmup_lengths=buckets, log_level="info" if args.debug else "warning",

@@ -36,6 +36,10 @@ Same tokens: a request gets exactly the token ids ``jaxlp.generate`` gives it al
 same sampler and seed (its prefill has the same shapes; each decode row is independent; the
 noise of a row depends only on its seed and step), up to the floating-point rounding of a
 different batch size and cache length.
+
+Tensor parallelism: a model placed on a mesh (:func:`jaxlp.models.shard_model`, ``jaxlp serve
+--tp N``) is served as it is; the cache is created on its devices' heads (each device holds its
+share, as attention reads it) and stays there between calls.
 """
 
 from __future__ import annotations
@@ -51,9 +55,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlp import kvcache
 from jaxlp.errors import check_int
+from jaxlp.models.sharding import AXIS
 from jaxlp.generation import prompt_bucket
 from jaxlp.quantization import precision as precision_lib
 from jaxlp.sampling.base import Categorical, Greedy, Sampler
@@ -346,6 +352,7 @@ class Engine:
         # The decode program's graph definition per mode (self.fp8): a fixed mode has one.
         self._decode_keys = (self._graphdef_key, self._graphdef_fp8_key or self._graphdef_key)
         self._batched = self.cache_format.batched_leaves(config, self.max_len)
+        self._cache_mesh = getattr(model.layers[0].self_attn, "mesh", None)  # TP over the heads, or None
         self.state = self._init_state()
         self.cache_bytes = kvcache.cache_bytes(self.cache_format, config, self.slots, self.max_len)
         self.slot_bytes = kvcache.cache_bytes(self.cache_format, config, 1, self.max_len)
@@ -372,7 +379,7 @@ class Engine:
         zeros = lambda dtype: jnp.zeros((b,), dtype)  # noqa: E731
         settings = self.sampler.row(Greedy(), 0)
         state = dict(
-            cache=self.cache_format.init(self.config, b, self.max_len),
+            cache=self._new_cache(b),
             logits=jnp.zeros((b, self.config.vocab_size), jnp.float32),
             position=zeros(jnp.int32), generated=zeros(jnp.int32), max_new=zeros(jnp.int32),
             stop_ids=jnp.full((b, k), -1, jnp.int32), active=zeros(bool),
@@ -381,6 +388,18 @@ class Engine:
             sampler_state=self.sampler.init(b),
         )
         return jax.tree.map(jnp.copy, state)  # one buffer per leaf (the state is donated)
+
+    def _new_cache(self, b: int) -> kvcache.KVCache:
+        """The empty cache of ``b`` slots, created on its devices' share of the heads under tensor
+        parallelism (no device ever holds the whole of it), else on the default device."""
+        init = lambda: self.cache_format.init(self.config, b, self.max_len)  # noqa: E731
+        mesh = self._cache_mesh
+        if mesh is None:
+            return init()
+        shape = jax.eval_shape(init)
+        specs = kvcache.KVCache(tuple(layer.head_specs(AXIS) for layer in shape.layers))
+        shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.jit(init, out_shardings=shardings)()
 
     @property
     def compilations(self) -> int:

@@ -60,6 +60,52 @@ def test_serve_answers_the_openai_client_then_stops_on_ctrl_c():
     assert stderr.strip().splitlines()[-1] == "interrupted"
 
 
+def start(*args, env=ENV):
+    """``jaxlp serve`` in a subprocess on a free port; (process, openai client) once /health answers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxlp.cli", "serve", *map(str, args), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 240
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.communicate())
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError(("the server did not come up", proc.communicate()))
+        time.sleep(0.2)
+    return proc, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_serve_over_two_devices_with_fused_projections_answers_as_one_device():
+    """--tp 2 --fuse-projections on 2 simulated CPU devices: greedy completions equal jaxlp.generate
+    on the one-device model."""
+    import jax.numpy as jnp
+
+    import jaxlp
+    from jaxlp.models.tokenizer import load_tokenizer
+
+    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc, client = start("--model", REASONER, "--dtype", "float32", "--max-len", "48", "--slots", "2", "--tp", "2",
+                         "--fuse-projections", "--kv-cache", "kitty-pro", "--model-id", "reasoner", env=env)
+    try:
+        model, tokenizer = jaxlp.from_pretrained(REASONER, dtype=jnp.float32), load_tokenizer(REASONER)
+        for question in ("Q: 12+34\n", "Q: 7*8+5\n"):
+            response = client.completions.create(model="reasoner", prompt=question, max_tokens=12, temperature=0)
+            ids = jaxlp.generate(model, [tokenizer.encode(question).ids], max_new_tokens=12,
+                                 kv_cache="kitty-pro").sequences()[0]
+            want = tokenizer.decode(ids[:-1] if ids and ids[-1] == 2 else ids, skip_special_tokens=True)
+            assert response.choices[0].text == want
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--port", "-1"], "--port"),
     (["--max-len", "100000"], "--max-len"),

@@ -205,6 +205,29 @@ def test_every_weight_recipe_gives_generate_tokens(model, tok, recipe):
 # ---------------------------------------------------------------------- 2. per-row sampling
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
+@pytest.mark.parametrize("fmt", ["bf16", "kitty-pro"])
+def test_a_tensor_parallel_model_serves_generate_tokens_with_its_cache_on_the_heads(model, tok, fmt):
+    """A fused model split over 2 devices (rows grouped per device): the cache is created on each
+    device's KV heads and stays there; every request gets generate's tokens of the one-device model."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jaxlp.models import fuse_projections, shard_model
+
+    sharded = shard_model(fuse_projections(model), Mesh(np.array(jax.devices()[:2]), ("tp",)))
+    eng = engine(sharded, tok, kv_cache=fmt)
+    heads = [leaf for leaf in jax.tree.leaves(eng.state["cache"]) if leaf.ndim >= 3 and leaf.size]
+    assert heads and all(leaf.sharding.spec == P(None, None, "tp") for leaf in heads)
+    rng = np.random.default_rng(3)
+    requests = [eng.submit(prompt_of(rng, n), SamplingParams(sampler=sampler, seed=5, max_tokens=8))
+                for n, sampler in ((5, Greedy()), (9, Categorical(temperature=1.0)), (14, Greedy()), (3, Greedy()))]
+    run_recording(eng, requests)
+    for r in requests:
+        assert r.token_ids == reference(model, r.prompt_ids, r.params, fmt), r.params
+    assert all(leaf.sharding.spec == P(None, None, "tp")
+               for leaf in jax.tree.leaves(eng.state["cache"]) if leaf.ndim >= 3 and leaf.size)
+
+
 def test_row_sampler_rows_equal_their_samplers(tok):
     """One batch of mixed rows, four consecutive steps: each row's token (and temperature used)
     is that of its own sampler alone on its row, keyed fold_in(key(seed), step)."""
