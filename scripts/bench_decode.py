@@ -77,9 +77,10 @@ def reset_sampler():
     return ReSETConfig(t_low=p.t_low, tau0=p.tau0, top_p=0.95)
 
 
-def build_model(config, seed=0, std=0.02, dtype=jnp.bfloat16):
+def build_model(config, seed=0, std=0.02, dtype=jnp.bfloat16, device=None):
     """Random weights of ``dtype`` (normal * std, norms 1) filled leaf by leaf: one small jit per
-    shape instead of one huge initialisation program."""
+    shape instead of one huge initialisation program. ``device``: each leaf, drawn on the default
+    device, moves there at once (host memory for models larger than a GPU holds twice)."""
     abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(seed)))
     graphdef, state = nnx.split(abstract)
     fill = jax.jit(lambda key, shape, dtype: (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype),
@@ -93,6 +94,8 @@ def build_model(config, seed=0, std=0.02, dtype=jnp.bfloat16):
             values[path] = jnp.ones(leaf.shape, leaf.dtype)
         else:
             values[path] = fill(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype))
+        if device is not None:
+            values[path] = jax.device_put(values[path], device)
     new_state = jax.tree_util.tree_map_with_path(
         lambda p, leaf: values[tuple(_key(k) for k in p)], nnx.to_pure_dict(state))
     nnx.replace_by_pure_dict(state, new_state)

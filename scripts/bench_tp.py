@@ -2,10 +2,13 @@
 
     python scripts/bench_tp.py --tp 1,2 --formats bf16,w4a16 --layers 36 --batch 1 --out tp.json
     python scripts/bench_tp.py --projections unfused,fused ...   # both layouts side by side
+    python scripts/bench_tp.py --shape qwen3-32b --projections fused --host-weights ...
 
-A Qwen3-8B-shaped model with random weights (``--layers`` of them; ``--tiny``: a small model of the
-same family, for smoke runs on simulated CPU devices with
-``XLA_FLAGS=--xla_force_host_platform_device_count=4``), greedy decode through ``jaxlp.generate``
+A Qwen3-8B- or Qwen3-32B-shaped model (``--shape``) with random weights (``--layers`` of them,
+default all; ``--tiny``: a small model of the same family, for smoke runs on simulated CPU devices
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; ``--host-weights``: the random BF16
+model is built in host memory and each run places its own copy, so that no GPU holds two whole
+copies: the 32B shape is 65.5 GB in BF16), greedy decode through ``jaxlp.generate``
 (the ``length`` differencing of ``scripts/bench_decode.py``: time of n2 tokens minus n1, over
 n2 - n1). Each TP degree places the same weights with :func:`jaxlp.models.shard_model` over the
 first N devices; NVFP4 W4A16 is quantized once per degree (``quantize_model(mesh=...)``), kernels
@@ -38,6 +41,10 @@ from jaxlp.progress import Reporter  # noqa: E402
 from jaxlp.quantization import quantize_model, set_implementation  # noqa: E402
 
 FORMATS = ("bf16", "w4a16")
+QWEN3_32B = dict(QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, max_window_layers=64,
+                 num_attention_heads=64, num_key_value_heads=8)  # the public Qwen/Qwen3-32B config.json
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-32b": QWEN3_32B}
+SHAPE_NAMES = {"qwen3-8b": "Qwen3-8B", "qwen3-32b": "Qwen3-32B"}
 PROJECTIONS = ("unfused", "fused")
 
 
@@ -68,7 +75,10 @@ def main(argv=None):
     ap.add_argument("--tp", default="1,2", help="TP degrees, comma separated (1 first: the baseline)")
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"of {FORMATS}")
     ap.add_argument("--projections", default="unfused", help=f"comma separated, of {PROJECTIONS}")
-    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="the model's shape")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    ap.add_argument("--host-weights", action="store_true",
+                    help="build the random weights in host memory; each run places its own copy on the devices")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", default="short", choices=sorted(CONTEXTS))
     ap.add_argument("--n1", type=int, default=16)
@@ -91,24 +101,34 @@ def main(argv=None):
     if max(degrees) > jax.device_count():
         ap.error(f"--tp {max(degrees)}: {jax.device_count()} devices here")
 
-    cfg = dict(QWEN3_8B, num_hidden_layers=args.layers, max_window_layers=args.layers)
+    shape = SHAPES[args.shape]
+    layers = args.layers or shape["num_hidden_layers"]
+    cfg = dict(shape, num_hidden_layers=layers, max_window_layers=layers)
     if args.tiny:
         cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    vocab_size=2048)
     config = from_hf_config(cfg)
-    unfused = build_model(config)
-    result = {**harness.run_metadata(argv), "model": f"Qwen3-8B shape, {args.layers} layers, random weights",
-              "batch": args.batch, "context": args.context, "runs": []}
+    host = jax.devices("cpu")[0] if args.host_weights else None
+    unfused = build_model(config, device=host)
+    result = {**harness.run_metadata(argv), "model": f"{SHAPE_NAMES[args.shape]} shape, {layers} layers, random "
+              "weights", "host_weights": args.host_weights, "batch": args.batch, "context": args.context, "runs": []}
     tokens_at_1, logits_at_1 = {}, {}  # by (format, projections): the TP = 1 run of the same layout
     with Reporter().bar("tensor-parallel decode", len(degrees) * len(formats) * len(layouts)) as advance:
         for tp in degrees:
-            mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",)) if tp > 1 else None
+            # Host weights: TP = 1 runs on a mesh of one device too (shard_model places the copy there).
+            mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",)) if tp > 1 or args.host_weights else None
             for layout in layouts:
                 model = nnx.clone(unfused) if layout == "unfused" else fuse_projections(unfused)
-                model = shard_model(model, mesh) if mesh is not None else model
+                on_host = model if host is not None else None  # quantized there, then placed
+                model = shard_model(model, mesh) if mesh is not None and host is None else model
                 for fmt in formats:
-                    if fmt == "w4a16":
+                    if on_host is not None:
+                        model = None  # the previous run's copy leaves the devices first
+                        model = on_host if fmt == "bf16" else quantize_model(on_host, "w4a16-nvfp4")
+                        model = shard_model(nnx.clone(model), mesh)
+                    elif fmt == "w4a16":
                         model = quantize_model(model, "w4a16-nvfp4", mesh=mesh)
+                    if fmt == "w4a16":
                         set_implementation(model, "auto")
                     key = (fmt, layout)
                     logits = prompt_logits(model, args.context)
@@ -133,7 +153,8 @@ def main(argv=None):
                     jaxlp.generation.clear_cache_pool()
 
     base_ms = {(r["format"], r["projections"]): r["ms_per_token"] for r in result["runs"] if r["tp"] == 1}
-    print(f"\n## decode ms/token, {jax.devices()[0].device_kind}, {args.layers} layers, batch {args.batch}")
+    print(f"\n## decode ms/token, {jax.devices()[0].device_kind}, {SHAPE_NAMES[args.shape]} shape, {layers} layers, "
+          f"batch {args.batch}")
     print(f"{'format':8s} {'projections':>11s} {'tp':>3s} {'ms/tok':>8s} {'x tp=1':>7s} {'tokens':>7s} "
           f"{'logits vs tp=1':>15s}")
     for r in result["runs"]:

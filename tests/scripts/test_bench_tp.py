@@ -40,6 +40,20 @@ def test_fused_projections_run_beside_unfused_ones_with_their_own_baseline(tmp_p
         assert r["logits_rel_to_tp1"] <= (0.0 if r["tp"] == 1 else 1e-2), r
 
 
+def test_host_weights_place_a_copy_per_run_and_give_the_same_logits(tmp_path):
+    """--host-weights: the model is built in host memory and each run (TP = 1 on a mesh of one
+    device) places its own copy; the logits are those of the default placement."""
+    args = ["--tiny", "--layers", "1", "--tp", "1,2", "--formats", "bf16,w4a16", "--projections", "fused",
+            "--n1", "1", "--n2", "2", "--repeats", "1"]
+    placed = load_script("bench_tp").main(args)
+    hosted = load_script("bench_tp").main(args + ["--host-weights"])
+    assert hosted["host_weights"] and "Qwen3-8B shape, 1 layers" in hosted["model"]
+    for a, b in zip(placed["runs"], hosted["runs"]):
+        assert (a["tp"], a["format"]) == (b["tp"], b["format"])
+        assert b["logits_rel_to_tp1"] <= (0.0 if b["tp"] == 1 else 1e-2), b
+        assert b["same_tokens_as_tp1"] == a["same_tokens_as_tp1"]
+
+
 def test_unknown_projections_are_refused():
     with pytest.raises(SystemExit):
         load_script("bench_tp").main(["--tiny", "--projections", "merged"])
