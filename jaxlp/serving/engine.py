@@ -59,8 +59,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlp import kvcache
 from jaxlp.errors import check_int
-from jaxlp.models.sharding import AXIS
 from jaxlp.generation import prompt_bucket
+from jaxlp.models.sharding import AXIS
 from jaxlp.quantization import precision as precision_lib
 from jaxlp.sampling.base import Categorical, Greedy, Sampler
 from jaxlp.sampling.boundaries import boundary_ids
