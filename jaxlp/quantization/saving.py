@@ -185,7 +185,8 @@ def load_quantized(path: str | Path, *, check_finite: bool = True, mesh: Mesh | 
     ``mesh`` (an axis ``"tp"``): tensor parallelism; every array is restored straight onto its
     target sharding (:func:`jaxlp.models.sharding.param_shardings`: each device reads its shard,
     no device ever holds a whole model), then :func:`~jaxlp.models.shard_model` gives the layers
-    their roles. Every problem (a corrupt or edited ``jaxlp_model.json``, missing, truncated or
+    their roles (fused projections grouped for another device count are read into host memory and
+    regrouped there first). Every problem (a corrupt or edited ``jaxlp_model.json``, missing, truncated or
     corrupt array data, parameters that do not fit) raises
     :class:`~jaxlp.errors.CheckpointFormatError` naming the file; ``check_finite`` also refuses
     floating parameters holding NaN or Inf (``NonFiniteWeightsError``; one reduction per array).
@@ -194,8 +195,11 @@ def load_quantized(path: str | Path, *, check_finite: bool = True, mesh: Mesh | 
     meta, config, dtype, layers = _read_marker(path)
     sharding = None
     tp = 1 if mesh is None else tp_mesh(mesh).shape[AXIS]
-    if mesh is not None and not (config.fused_projections and tp > 1 and config.fused_shards != tp):
-        # (fused rows grouped for another device count: loaded whole, regrouped by shard_model)
+    if mesh is not None and config.fused_projections and tp > 1 and config.fused_shards != tp:
+        # Fused rows grouped for another device count: loaded into host memory, regrouped there by
+        # shard_model, then placed (no device holds the whole model, as below).
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    elif mesh is not None:
         mesh = tp_mesh(mesh)
         stored = checkpoint.abstract(path / "params")
         try:

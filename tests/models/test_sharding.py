@@ -336,7 +336,11 @@ def test_a_fused_checkpoint_loads_onto_another_mesh(base, tmp_path):
     want = np.asarray(q(ids))
     whole = jaxlp.from_pretrained(tmp_path / "q")
     assert whole.config.fused_shards == 4
-    on_two = jaxlp.from_pretrained(tmp_path / "q", mesh=mesh_of(2))
+    on_two = jaxlp.from_pretrained(tmp_path / "q", mesh=mesh_of(2))  # regrouped in host memory, then placed
     assert on_two.config.fused_shards == 2 and on_two.layers[0].self_attn.qkv_proj.parallel[1] == "column"
+    placed = shard_model(nnx.clone(q), mesh_of(2))
+    for a, b in zip(jax.tree.leaves(nnx.state(placed)), jax.tree.leaves(nnx.state(on_two))):
+        assert b.sharding.is_equivalent_to(a.sharding, b.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for m in (whole, on_two):
         np.testing.assert_allclose(np.asarray(jax.jit(lambda m, x: m(x))(m, ids)), want, rtol=1e-5, atol=1e-5)
