@@ -130,11 +130,16 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: fused_shards must be an integer >= 1, got {shards!r}")
         if shards > 1 and not self.fused_projections:
             raise ValueError(f"ModelConfig: fused_shards = {shards} needs fused_projections")
-        uneven = [f"{name} {getattr(self, name)}" for name in ("num_heads", "num_kv_heads", "intermediate_size")
-                  if getattr(self, name) % shards]
+        uneven = self.uneven_for(shards)
         if uneven:
             raise ValueError(f"ModelConfig: fused projections grouped for {shards} devices need {', '.join(uneven)} "
                              f"to divide by {shards}")
+
+    def uneven_for(self, devices: int) -> list[str]:
+        """What a per-device split of the fused projections over ``devices`` would cut: the head
+        counts and the MLP width that do not divide (``"num_kv_heads 2"``), or nothing."""
+        return [f"{name} {getattr(self, name)}" for name in ("num_heads", "num_kv_heads", "intermediate_size")
+                if getattr(self, name) % devices]
 
     def rope_for(self, layer_type: str) -> RopeConfig:
         table = dict(self.rope)

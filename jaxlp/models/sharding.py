@@ -115,8 +115,7 @@ def tp_mesh(mesh: Mesh) -> Mesh:
 
 
 def _check_fused_divides(config: ModelConfig, tp: int) -> None:
-    uneven = [f"{name} {getattr(config, name)}" for name in ("num_heads", "num_kv_heads", "intermediate_size")
-              if getattr(config, name) % tp]
+    uneven = config.uneven_for(tp)
     if config.fused_projections and tp > 1 and uneven:
         raise ValueError(f"fused q/k/v and gate/up projections split over {tp} devices need {', '.join(uneven)} to "
                          f"divide by {tp}: shard an unfused model")
