@@ -43,8 +43,7 @@ from jaxlp.quantization import quantize_model, set_implementation  # noqa: E402
 FORMATS = ("bf16", "w4a16")
 QWEN3_32B = dict(QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, max_window_layers=64,
                  num_attention_heads=64, num_key_value_heads=8)  # the public Qwen/Qwen3-32B config.json
-SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-32b": QWEN3_32B}
-SHAPE_NAMES = {"qwen3-8b": "Qwen3-8B", "qwen3-32b": "Qwen3-32B"}
+SHAPES = {"qwen3-8b": ("Qwen3-8B", QWEN3_8B), "qwen3-32b": ("Qwen3-32B", QWEN3_32B)}  # name, config.json
 PROJECTIONS = ("unfused", "fused")
 
 
@@ -101,7 +100,7 @@ def main(argv=None):
     if max(degrees) > jax.device_count():
         ap.error(f"--tp {max(degrees)}: {jax.device_count()} devices here")
 
-    shape = SHAPES[args.shape]
+    shape_name, shape = SHAPES[args.shape]
     layers = args.layers or shape["num_hidden_layers"]
     cfg = dict(shape, num_hidden_layers=layers, max_window_layers=layers)
     if args.tiny:
@@ -110,7 +109,7 @@ def main(argv=None):
     config = from_hf_config(cfg)
     host = jax.devices("cpu")[0] if args.host_weights else None
     unfused = build_model(config, device=host)
-    result = {**harness.run_metadata(argv), "model": f"{SHAPE_NAMES[args.shape]} shape, {layers} layers, random "
+    result = {**harness.run_metadata(argv), "model": f"{shape_name} shape, {layers} layers, random "
               "weights", "host_weights": args.host_weights, "batch": args.batch, "context": args.context, "runs": []}
     tokens_at_1, logits_at_1 = {}, {}  # by (format, projections): the TP = 1 run of the same layout
     with Reporter().bar("tensor-parallel decode", len(degrees) * len(formats) * len(layouts)) as advance:
@@ -153,7 +152,7 @@ def main(argv=None):
                     jaxlp.generation.clear_cache_pool()
 
     base_ms = {(r["format"], r["projections"]): r["ms_per_token"] for r in result["runs"] if r["tp"] == 1}
-    print(f"\n## decode ms/token, {jax.devices()[0].device_kind}, {SHAPE_NAMES[args.shape]} shape, {layers} layers, "
+    print(f"\n## decode ms/token, {jax.devices()[0].device_kind}, {shape_name} shape, {layers} layers, "
           f"batch {args.batch}")
     print(f"{'format':8s} {'projections':>11s} {'tp':>3s} {'ms/tok':>8s} {'x tp=1':>7s} {'tokens':>7s} "
           f"{'logits vs tp=1':>15s}")
